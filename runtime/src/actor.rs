@@ -1,0 +1,201 @@
+//! The two loops an actor thread runs for the whole life of a query: a source
+//! actor polls its reader, every other actor reads its mailbox lanes. Both push
+//! into the actor's chain of operators and flush once nothing more is waiting.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Select, TryRecvError};
+
+use crate::connector::{SourceOutput, SourceReader, SourceStatus};
+use crate::error::{Result, RtflowError};
+use crate::inputs::{Alignment, Inputs};
+use crate::metrics::OperatorMetrics;
+use crate::operator::Emit;
+use crate::record::{Data, Message};
+
+/// How long an idle actor waits before looking at its stop and cancel flags again.
+const IDLE_WAIT: Duration = Duration::from_millis(20);
+
+/// The most messages an actor takes from its lanes before flushing its output.
+const DRAIN_BUDGET: usize = 64;
+
+/// What every actor of a query shares with the coordinator.
+#[derive(Clone)]
+pub(crate) struct ActorEnv {
+    /// Set when the query fails: every actor exits at once, without output.
+    pub(crate) cancel: Arc<AtomicBool>,
+    /// Set by `stop()`: sources end their streams, the rest drains.
+    pub(crate) stop: Arc<AtomicBool>,
+    /// The most records a source reader returns per poll.
+    pub(crate) max_records: usize,
+    /// The source's record counter (source actors only).
+    pub(crate) source_metrics: Option<Arc<OperatorMetrics>>,
+}
+
+impl ActorEnv {
+    fn check_cancel(&self) -> Result<()> {
+        if self.cancel.load(Ordering::Relaxed) {
+            Err(RtflowError::Cancelled)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Runs a source actor until its input ends, the query stops, or it fails.
+pub(crate) fn run_source<T: Data>(
+    reader: Box<dyn SourceReader<T>>,
+    mut emit: Box<dyn Emit<T>>,
+    env: ActorEnv,
+) -> Result<()> {
+    let result = source_loop(reader, &mut *emit, &env);
+    if let Err(error) = &result {
+        emit.abort(error);
+    }
+    result
+}
+
+fn source_loop<T: Data>(
+    mut reader: Box<dyn SourceReader<T>>,
+    emit: &mut dyn Emit<T>,
+    env: &ActorEnv,
+) -> Result<()> {
+    let mut out = SourceOutput::new(env.max_records);
+    loop {
+        env.check_cancel()?;
+        if env.stop.load(Ordering::Relaxed) {
+            return emit.end();
+        }
+        let status = reader.poll(&mut out, IDLE_WAIT)?;
+        if !out.is_empty() {
+            let read = out.drain_into(emit)?;
+            if let Some(metrics) = &env.source_metrics {
+                metrics.add(0, read as u64);
+            }
+            emit.flush()?;
+        }
+        if status == SourceStatus::Finished {
+            return emit.end();
+        }
+    }
+}
+
+/// Runs an actor that reads mailbox lanes until every lane ends or it fails.
+pub(crate) fn run_inbox<T: Data>(
+    lanes: Vec<Receiver<Message<T>>>,
+    mut emit: Box<dyn Emit<T>>,
+    env: ActorEnv,
+) -> Result<()> {
+    let result = inbox_loop(&lanes, &mut *emit, &env);
+    if let Err(error) = &result {
+        emit.abort(error);
+    }
+    result
+}
+
+/// What one message did to the actor's inputs.
+enum Step {
+    Continue,
+    /// The set of readable lanes changed (a barrier blocked or released lanes, a lane
+    /// ended).
+    LanesChanged,
+    Finished,
+}
+
+fn inbox_loop<T: Data>(
+    lanes: &[Receiver<Message<T>>],
+    emit: &mut dyn Emit<T>,
+    env: &ActorEnv,
+) -> Result<()> {
+    let mut inputs = Inputs::new(lanes.len());
+    let mut select = readable_lanes(lanes, &inputs);
+    loop {
+        env.check_cancel()?;
+        if select.ready_timeout(IDLE_WAIT).is_err() {
+            continue;
+        }
+        let mut budget = DRAIN_BUDGET;
+        let mut lanes_changed = false;
+        while budget > 0 {
+            let mut received = false;
+            for (lane, receiver) in lanes.iter().enumerate() {
+                if !inputs.readable(lane) {
+                    continue;
+                }
+                let message = match receiver.try_recv() {
+                    Ok(message) => message,
+                    Err(TryRecvError::Empty) => continue,
+                    // The upstream actor exited without ending its stream: it failed.
+                    Err(TryRecvError::Disconnected) => return Err(RtflowError::Cancelled),
+                };
+                received = true;
+                budget = budget.saturating_sub(1);
+                match handle(lane, message, &mut inputs, emit)? {
+                    Step::Continue => {}
+                    Step::LanesChanged => lanes_changed = true,
+                    Step::Finished => return emit.end(),
+                }
+            }
+            if !received {
+                break;
+            }
+        }
+        emit.flush()?;
+        if lanes_changed {
+            select = readable_lanes(lanes, &inputs);
+        }
+    }
+}
+
+fn handle<T>(
+    lane: usize,
+    message: Message<T>,
+    inputs: &mut Inputs,
+    emit: &mut dyn Emit<T>,
+) -> Result<Step> {
+    match message {
+        Message::Data(batch) => {
+            for record in batch {
+                emit.record(record)?;
+            }
+            Ok(Step::Continue)
+        }
+        Message::Watermark(watermark) => {
+            if let Some(advanced) = inputs.on_watermark(lane, watermark) {
+                emit.watermark(advanced)?;
+            }
+            Ok(Step::Continue)
+        }
+        Message::Barrier(epoch) => {
+            if let Alignment::Aligned(epoch) = inputs.on_barrier(lane, epoch) {
+                emit.barrier(epoch)?;
+            }
+            Ok(Step::LanesChanged)
+        }
+        Message::End => {
+            let (all_ended, aligned, watermark) = inputs.on_end(lane);
+            if all_ended {
+                return Ok(Step::Finished);
+            }
+            if let Some(epoch) = aligned {
+                emit.barrier(epoch)?;
+            }
+            if let Some(watermark) = watermark {
+                emit.watermark(watermark)?;
+            }
+            Ok(Step::LanesChanged)
+        }
+    }
+}
+
+fn readable_lanes<'a, T>(lanes: &'a [Receiver<Message<T>>], inputs: &Inputs) -> Select<'a> {
+    let mut select = Select::new();
+    for (lane, receiver) in lanes.iter().enumerate() {
+        if inputs.readable(lane) {
+            select.recv(receiver);
+        }
+    }
+    select
+}

@@ -1,0 +1,204 @@
+//! The traits connectors implement: a [`Source`] hands out one [`SourceReader`] per
+//! source actor, a [`Sink`] one [`SinkWriter`] per sink actor.
+
+use std::time::Duration;
+
+use crate::error::{Result, RtflowError};
+use crate::metrics::LatencyRecorder;
+use crate::operator::Emit;
+use crate::record::{nanos_to_event_time, now_nanos, Epoch, EventTime, Nanos, Record, RecordMeta};
+
+/// Which part of a source one reader reads.
+#[derive(Debug, Clone)]
+pub struct SourceContext {
+    /// This reader's index, `0..parallelism`.
+    pub subtask: usize,
+    /// How many readers the source runs.
+    pub parallelism: usize,
+    /// The source partitions this reader owns.
+    pub partitions: Vec<usize>,
+}
+
+/// A source of records (Kafka, memory, generator).
+pub trait Source<T>: Send + 'static {
+    /// The connector kind: "kafka", "memory", "generator", ...
+    fn kind(&self) -> &str;
+
+    /// How many partitions the source has; one reader actor runs per partition.
+    fn partitions(&self) -> Result<usize>;
+
+    /// Whether the source can be read continuously by long-running readers.
+    fn supports_real_time(&self) -> bool {
+        true
+    }
+
+    /// Opens the reader for `ctx.partitions`.
+    fn reader(&self, ctx: &SourceContext) -> Result<Box<dyn SourceReader<T>>>;
+}
+
+/// Whether a reader has more to give.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceStatus {
+    /// More records may come.
+    Active,
+    /// The input ended; the reader will not be polled again.
+    Finished,
+}
+
+/// Reads records from the partitions of one source actor.
+pub trait SourceReader<T>: Send {
+    /// Puts whatever is available now into `out` (up to its capacity), waiting at
+    /// most `max_wait` when nothing is. Returning promptly keeps stop and
+    /// checkpoints responsive.
+    fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus>;
+}
+
+/// The batch a reader fills in one poll.
+pub struct SourceOutput<T> {
+    records: Vec<Record<T>>,
+    capacity: usize,
+}
+
+impl<T> SourceOutput<T> {
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self {
+            records: Vec::with_capacity(capacity),
+            capacity,
+        }
+    }
+
+    /// Adds a record produced at `source_time`; its event time is the source time.
+    #[inline]
+    pub fn push(&mut self, value: T, source_time: Nanos) {
+        self.push_at(value, source_time, nanos_to_event_time(source_time));
+    }
+
+    /// Adds a record with an explicit event time.
+    #[inline]
+    pub fn push_at(&mut self, value: T, source_time: Nanos, event_time: EventTime) {
+        self.records.push(Record {
+            value,
+            meta: RecordMeta {
+                event_time,
+                source_time,
+                ingest_time: 0,
+            },
+        });
+    }
+
+    /// How many more records this poll may add.
+    pub fn remaining(&self) -> usize {
+        self.capacity.saturating_sub(self.records.len())
+    }
+
+    /// Whether nothing was added.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    /// Stamps the ingest time and hands the records to `emit`; one clock read per poll.
+    pub(crate) fn drain_into(&mut self, emit: &mut dyn Emit<T>) -> Result<usize> {
+        let ingest_time = now_nanos();
+        let count = self.records.len();
+        for mut record in self.records.drain(..) {
+            record.meta.ingest_time = ingest_time;
+            emit.record(record)?;
+        }
+        Ok(count)
+    }
+}
+
+/// Which part of a sink one writer writes.
+#[derive(Debug, Clone)]
+pub struct SinkContext {
+    /// The query's name.
+    pub query: String,
+    /// This writer's index, `0..parallelism` (Spark's partition id).
+    pub subtask: usize,
+    /// How many writers the sink runs.
+    pub parallelism: usize,
+}
+
+/// A sink of records (Kafka, foreach, console, memory).
+pub trait Sink<T>: Send + 'static {
+    /// The connector kind: "kafka", "foreach", "console", "memory", ...
+    fn kind(&self) -> &str;
+
+    /// Whether the sink can be written record by record by long-running writers.
+    fn supports_real_time(&self) -> bool {
+        true
+    }
+
+    /// Opens the writer of one sink actor.
+    fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<T>>>;
+}
+
+/// Writes the records of one sink actor.
+pub trait SinkWriter<T>: Send {
+    /// Writes one record. An error fails the query.
+    fn write(&mut self, record: Record<T>) -> Result<()>;
+
+    /// The actor drained its mailbox: a good moment to flush buffers.
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Epoch `epoch` ended: make everything written so far durable.
+    fn on_barrier(&mut self, _epoch: Epoch) -> Result<()> {
+        self.flush()
+    }
+
+    /// The input ended (`None`) or the query is failing (`Some(error)`).
+    fn close(&mut self, _error: Option<&RtflowError>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The end of a sink actor's chain: writes, then records the record's latencies.
+pub(crate) struct SinkEmit<T> {
+    pub(crate) writer: Box<dyn SinkWriter<T>>,
+    pub(crate) latency: LatencyRecorder,
+    pub(crate) metrics: std::sync::Arc<crate::metrics::OperatorMetrics>,
+    pub(crate) written: u64,
+}
+
+impl<T: Send> Emit<T> for SinkEmit<T> {
+    #[inline]
+    fn record(&mut self, record: Record<T>) -> Result<()> {
+        let meta = record.meta;
+        self.writer.write(record)?;
+        self.written += 1;
+        self.latency.record(&meta, now_nanos());
+        Ok(())
+    }
+
+    fn watermark(&mut self, _watermark: EventTime) -> Result<()> {
+        Ok(())
+    }
+
+    fn barrier(&mut self, epoch: Epoch) -> Result<()> {
+        self.writer.on_barrier(epoch)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.writer.flush()?;
+        self.metrics.add(self.written, 0);
+        self.written = 0;
+        self.latency.publish_if_due();
+        Ok(())
+    }
+
+    fn end(&mut self) -> Result<()> {
+        self.writer.flush()?;
+        self.writer.close(None)?;
+        self.metrics.add(self.written, 0);
+        self.written = 0;
+        self.latency.publish();
+        Ok(())
+    }
+
+    fn abort(&mut self, error: &RtflowError) {
+        let _ = self.writer.close(Some(error));
+        self.latency.publish();
+    }
+}

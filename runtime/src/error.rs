@@ -1,0 +1,167 @@
+//! The one error type of rtflow.
+//!
+//! Every failure a user can meet is a variant of [`RtflowError`]. Start-time
+//! validation failures carry the error class of Spark's Real-time Mode (see
+//! `error_class()`), and every message says what to change.
+
+use std::fmt;
+
+/// Shorthand used across rtflow.
+pub type Result<T, E = RtflowError> = std::result::Result<T, E>;
+
+/// The error type of every fallible rtflow call.
+///
+/// ```
+/// use rtflow_runtime::RtflowError;
+/// let err = RtflowError::CheckpointLocationRequired;
+/// assert_eq!(err.error_class(), "CHECKPOINT_LOCATION_REQUIRED");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RtflowError {
+    /// Real-time mode only emits updated rows; other output modes are rejected.
+    #[error(
+        "output mode {mode} is not supported in real-time mode; \
+         use OutputMode::Update (QueryConfig::output_mode)"
+    )]
+    OutputModeNotSupported { mode: String },
+
+    /// Every query needs somewhere to keep its checkpoints.
+    #[error(
+        "a checkpoint location is required; \
+         set one with QueryConfig::checkpoint_location(\"/path/to/dir\")"
+    )]
+    CheckpointLocationRequired,
+
+    /// The real-time trigger's batch duration is malformed or too short.
+    #[error("invalid real-time trigger interval '{interval}': {reason}")]
+    InvalidTriggerInterval { interval: String, reason: String },
+
+    /// An operator or sink outside the real-time allowlist.
+    #[error(
+        "{what} '{name}' is not in the real-time mode allowlist; use a supported \
+         operator or sink, or disable the check with QueryConfig::allowlist_check(false) \
+         at your own risk"
+    )]
+    OperatorOrSinkNotInAllowlist { what: &'static str, name: String },
+
+    /// A source that cannot be read continuously.
+    #[error(
+        "source '{source_name}' does not support real-time reading; \
+         use a source that does (kafka, memory, generator)"
+    )]
+    InputStreamNotSupported { source_name: String },
+
+    /// A sink that cannot be written record by record.
+    #[error(
+        "sink '{sink}' does not support real-time writing; \
+         use a supported sink (kafka, foreach, console, memory)"
+    )]
+    SinkNotSupported { sink: String },
+
+    /// `union` of streams that come from the same source.
+    #[error(
+        "union reads source '{source_name}' more than once; create a separate source \
+         for each input of the union instead"
+    )]
+    IdenticalSourcesInUnion { source_name: String },
+
+    /// A shuffle (`key_by`) placed before `with_watermark`.
+    #[error(
+        "with_watermark on operator '{operator}' follows a shuffle; declare the \
+         watermark before key_by, directly on the source stream"
+    )]
+    ShuffleBeforeWatermark { operator: String },
+
+    /// More actors than task slots: real-time mode holds one slot per actor.
+    #[error(
+        "the query needs {needed} task slots (one per long-running actor) but only \
+         {available} are available; raise QueryConfig::task_slots({needed}) or lower the \
+         parallelism of the query"
+    )]
+    InsufficientTaskSlots { needed: usize, available: usize },
+
+    /// A setting that cannot run.
+    #[error("invalid configuration: {0}")]
+    InvalidConfiguration(String),
+
+    /// A dataflow shape that cannot run (no sink, a stream never consumed, ...).
+    #[error("invalid dataflow: {0}")]
+    InvalidDataflow(String),
+
+    /// A source failed while being read.
+    #[error("source '{source_name}' failed: {message}")]
+    Source { source_name: String, message: String },
+
+    /// A sink failed while being written.
+    #[error("sink '{sink}' failed: {message}")]
+    Sink { sink: String, message: String },
+
+    /// An operator returned an error or panicked.
+    #[error("operator '{operator}' (subtask {subtask}) failed: {message}")]
+    Operator {
+        operator: String,
+        subtask: usize,
+        message: String,
+    },
+
+    /// A static table could not be loaded.
+    #[error("static table '{table}' could not be loaded: {message}")]
+    StaticTable { table: String, message: String },
+
+    /// The actor stopped because the query is stopping after another failure.
+    #[error("cancelled because the query is stopping")]
+    Cancelled,
+}
+
+impl RtflowError {
+    /// The stable error class string (Spark's where one applies).
+    pub fn error_class(&self) -> &'static str {
+        match self {
+            Self::OutputModeNotSupported { .. } => {
+                "STREAMING_REAL_TIME_MODE.OUTPUT_MODE_NOT_SUPPORTED"
+            }
+            Self::CheckpointLocationRequired => "CHECKPOINT_LOCATION_REQUIRED",
+            Self::InvalidTriggerInterval { .. } => {
+                "INVALID_STREAMING_REAL_TIME_MODE_TRIGGER_INTERVAL"
+            }
+            Self::OperatorOrSinkNotInAllowlist { .. } => {
+                "STREAMING_REAL_TIME_MODE.OPERATOR_OR_SINK_NOT_IN_ALLOWLIST"
+            }
+            Self::InputStreamNotSupported { .. } => {
+                "STREAMING_REAL_TIME_MODE.INPUT_STREAM_NOT_SUPPORTED"
+            }
+            Self::SinkNotSupported { .. } => "STREAMING_REAL_TIME_MODE.SINK_NOT_SUPPORTED",
+            Self::IdenticalSourcesInUnion { .. } => {
+                "STREAMING_REAL_TIME_MODE.IDENTICAL_SOURCES_IN_UNION_NOT_SUPPORTED"
+            }
+            Self::ShuffleBeforeWatermark { .. } => "SHUFFLE_NOT_SUPPORTED_BEFORE_WATERMARK",
+            Self::InsufficientTaskSlots { .. } => "INSUFFICIENT_TASK_SLOTS",
+            Self::InvalidConfiguration(_) => "INVALID_CONFIGURATION",
+            Self::InvalidDataflow(_) => "INVALID_DATAFLOW",
+            Self::Source { .. } => "SOURCE_FAILED",
+            Self::Sink { .. } => "SINK_FAILED",
+            Self::Operator { .. } => "OPERATOR_FAILED",
+            Self::StaticTable { .. } => "STATIC_TABLE_INVALID",
+            Self::Cancelled => "CANCELLED",
+        }
+    }
+
+    /// Wraps a user error (from a sink writer, a source reader, ...) as a sink failure.
+    pub fn sink(sink: impl Into<String>, message: impl fmt::Display) -> Self {
+        Self::Sink {
+            sink: sink.into(),
+            message: message.to_string(),
+        }
+    }
+
+    /// Wraps a user error as a source failure.
+    pub fn source(source_name: impl Into<String>, message: impl fmt::Display) -> Self {
+        Self::Source {
+            source_name: source_name.into(),
+            message: message.to_string(),
+        }
+    }
+}
+
+/// The error type user callbacks (foreach writers, fallible maps) may return.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

@@ -1,0 +1,161 @@
+//! Per-lane bookkeeping of an actor's inputs: the output watermark is the minimum
+//! over its lanes, and a barrier is forwarded once every lane has delivered it
+//! (aligned checkpoints). Pure logic, no I/O: the actor loop acts on its answers.
+
+use crate::record::{Epoch, EventTime};
+
+/// What a barrier on one lane asks the actor to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Alignment {
+    /// Stop reading that lane until the other lanes deliver the barrier too.
+    Wait,
+    /// Every open lane delivered the barrier: forward it and read all lanes again.
+    Aligned(Epoch),
+}
+
+/// The state of an actor's input lanes.
+#[derive(Debug)]
+pub(crate) struct Inputs {
+    watermarks: Vec<EventTime>,
+    ended: Vec<bool>,
+    output_watermark: EventTime,
+    /// The epoch being aligned and which lanes have delivered its barrier.
+    aligning: Option<(Epoch, Vec<bool>)>,
+}
+
+impl Inputs {
+    pub(crate) fn new(lanes: usize) -> Self {
+        Self {
+            watermarks: vec![EventTime::MIN; lanes],
+            ended: vec![false; lanes],
+            output_watermark: EventTime::MIN,
+            aligning: None,
+        }
+    }
+
+    /// Whether the actor should read `lane` now.
+    pub(crate) fn readable(&self, lane: usize) -> bool {
+        !self.ended[lane]
+            && !self
+                .aligning
+                .as_ref()
+                .is_some_and(|(_, arrived)| arrived[lane])
+    }
+
+    /// A watermark arrived on `lane`; returns the new output watermark if it advanced.
+    pub(crate) fn on_watermark(&mut self, lane: usize, watermark: EventTime) -> Option<EventTime> {
+        if watermark > self.watermarks[lane] {
+            self.watermarks[lane] = watermark;
+        }
+        self.advance_watermark()
+    }
+
+    /// A barrier arrived on `lane`.
+    pub(crate) fn on_barrier(&mut self, lane: usize, epoch: Epoch) -> Alignment {
+        let lanes = self.ended.len();
+        let (aligning, arrived) = self
+            .aligning
+            .get_or_insert_with(|| (epoch, vec![false; lanes]));
+        debug_assert_eq!(*aligning, epoch, "a blocked lane cannot deliver the next barrier");
+        arrived[lane] = true;
+        self.try_align()
+    }
+
+    /// `lane` ended. Returns whether every lane has ended, a barrier the end
+    /// completed, and a watermark the end advanced.
+    pub(crate) fn on_end(&mut self, lane: usize) -> (bool, Option<Epoch>, Option<EventTime>) {
+        self.ended[lane] = true;
+        let all_ended = self.ended.iter().all(|e| *e);
+        if all_ended {
+            return (true, None, None);
+        }
+        let aligned = match self.aligning {
+            Some(_) => match self.try_align() {
+                Alignment::Aligned(epoch) => Some(epoch),
+                Alignment::Wait => None,
+            },
+            None => None,
+        };
+        (false, aligned, self.advance_watermark())
+    }
+
+    fn try_align(&mut self) -> Alignment {
+        let Some((epoch, arrived)) = &self.aligning else {
+            return Alignment::Wait;
+        };
+        let complete = arrived
+            .iter()
+            .zip(&self.ended)
+            .all(|(arrived, ended)| *arrived || *ended);
+        if !complete {
+            return Alignment::Wait;
+        }
+        let epoch = *epoch;
+        self.aligning = None;
+        Alignment::Aligned(epoch)
+    }
+
+    fn advance_watermark(&mut self) -> Option<EventTime> {
+        let min = self
+            .watermarks
+            .iter()
+            .zip(&self.ended)
+            .filter(|(_, ended)| !**ended)
+            .map(|(watermark, _)| *watermark)
+            .min()?;
+        (min > self.output_watermark).then(|| {
+            self.output_watermark = min;
+            min
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watermark_is_the_minimum_over_lanes_and_never_regresses() {
+        let mut inputs = Inputs::new(2);
+        assert_eq!(inputs.on_watermark(0, 10), None, "lane 1 holds it back");
+        assert_eq!(inputs.on_watermark(1, 5), Some(5));
+        assert_eq!(inputs.on_watermark(1, 20), Some(10));
+        assert_eq!(inputs.on_watermark(0, 8), None, "a lane going back changes nothing");
+        assert_eq!(inputs.on_watermark(0, 30), Some(20));
+    }
+
+    #[test]
+    fn an_ended_lane_stops_holding_the_watermark_back() {
+        let mut inputs = Inputs::new(2);
+        inputs.on_watermark(0, 50);
+        assert_eq!(inputs.on_end(1), (false, None, Some(50)));
+        assert_eq!(inputs.on_end(0), (true, None, None));
+    }
+
+    #[test]
+    fn barrier_blocks_each_lane_until_all_lanes_deliver_it() {
+        let mut inputs = Inputs::new(3);
+        assert_eq!(inputs.on_barrier(1, 7), Alignment::Wait);
+        assert!(!inputs.readable(1));
+        assert!(inputs.readable(0) && inputs.readable(2));
+        assert_eq!(inputs.on_barrier(0, 7), Alignment::Wait);
+        assert_eq!(inputs.on_barrier(2, 7), Alignment::Aligned(7));
+        assert!((0..3).all(|lane| inputs.readable(lane)));
+        assert_eq!(inputs.on_barrier(2, 8), Alignment::Wait);
+    }
+
+    #[test]
+    fn an_ending_lane_completes_a_pending_alignment() {
+        let mut inputs = Inputs::new(2);
+        assert_eq!(inputs.on_barrier(0, 3), Alignment::Wait);
+        assert_eq!(inputs.on_end(1), (false, Some(3), None));
+        assert!(inputs.readable(0));
+        assert!(!inputs.readable(1));
+    }
+
+    #[test]
+    fn single_lane_aligns_at_once() {
+        let mut inputs = Inputs::new(1);
+        assert_eq!(inputs.on_barrier(0, 1), Alignment::Aligned(1));
+    }
+}

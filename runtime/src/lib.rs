@@ -1,0 +1,51 @@
+//! # rtflow-runtime
+//!
+//! The engine under rtflow. A user builds a [`Dataflow`] of [`Stream`]s; starting it
+//! hands the graph to the [`coordinator`], an actix actor on its own thread, which
+//! validates it ([`plan`]), fuses forward chains of operators into actors, and
+//! starts one long-running thread per actor. Actors talk only through bounded
+//! `crossbeam-channel` mailbox lanes ([`dispatch`]): a full lane blocks its sender,
+//! so backpressure reaches the sources and nothing is dropped or unbounded.
+//!
+//! How the parts fit:
+//!
+//! - [`graph`]: the builder ([`Dataflow`], [`Stream`], [`KeyedStream`]).
+//! - [`operator`]: the [`Operator`] trait operator authors implement, and the
+//!   [`Emit`] chain an actor pushes records through.
+//! - [`connector`]: the [`Source`] and [`Sink`] traits connectors implement.
+//! - [`plan`]: start-time validation (with Spark's error classes), parallelism,
+//!   chaining, slots, and wiring of lanes to operators.
+//! - `actor`: the two loops an actor runs; `inputs`: watermark minimum and barrier
+//!   alignment over an actor's lanes, as pure logic.
+//! - [`query`]: the [`StreamingQuery`] handle; [`metrics`]: counters and latency.
+//!
+//! Dependencies point one way: rtflow-operators and rtflow-connectors build on
+//! this crate; it knows neither.
+
+mod actor;
+pub mod config;
+pub mod connector;
+mod coordinator;
+pub mod dispatch;
+pub mod error;
+pub mod graph;
+mod inputs;
+pub mod metrics;
+pub mod operator;
+pub mod plan;
+pub mod query;
+pub mod record;
+pub mod table;
+mod wiring;
+
+pub use config::{OutputMode, QueryConfig, Trigger};
+pub use connector::{
+    Sink, SinkContext, SinkWriter, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
+};
+pub use error::{BoxError, Result, RtflowError};
+pub use graph::{Dataflow, KeyedStream, Stream};
+pub use metrics::{LatencyReport, MetricsSnapshot, Percentiles};
+pub use operator::{Collector, Emit, Operator, OperatorContext};
+pub use query::StreamingQuery;
+pub use record::{Data, Epoch, EventTime, Nanos, Record, RecordMeta};
+pub use table::StaticTable;

@@ -1,0 +1,200 @@
+//! The operator model: a struct that implements [`Operator`] and writes only the
+//! hooks it needs. The runtime calls the hooks from the actor's one loop.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::metrics::OperatorMetrics;
+use crate::record::{now_nanos, Epoch, EventTime, Record, RecordMeta};
+
+/// Where an actor pushes what it produces: the next operator in the same actor
+/// (chaining), the dispatcher to the next actors' mailboxes, or a sink.
+///
+/// Operator authors meet it only through [`Collector`].
+pub trait Emit<T>: Send {
+    /// Takes one record.
+    fn record(&mut self, record: Record<T>) -> Result<()>;
+    /// Takes a watermark that has advanced.
+    fn watermark(&mut self, watermark: EventTime) -> Result<()>;
+    /// Takes the barrier that ends `epoch`.
+    fn barrier(&mut self, epoch: Epoch) -> Result<()>;
+    /// The actor drained what its mailbox held: push buffered records on now, so
+    /// batching never waits for a batch to fill.
+    fn flush(&mut self) -> Result<()>;
+    /// Every input ended: finish, flush and pass the end on.
+    fn end(&mut self) -> Result<()>;
+    /// The actor is failing with `error`: release what is held, without output.
+    fn abort(&mut self, error: &crate::RtflowError);
+}
+
+/// Who an operator instance is, for its hooks.
+#[derive(Debug, Clone)]
+pub struct OperatorContext {
+    /// The operator's name in the dataflow.
+    pub operator: String,
+    /// This instance's index, `0..parallelism`.
+    pub subtask: usize,
+    /// How many instances the operator runs.
+    pub parallelism: usize,
+}
+
+/// The output handle an operator writes to; records emitted while processing a
+/// record inherit its timestamps.
+pub struct Collector<'a, T> {
+    next: &'a mut dyn Emit<T>,
+    meta: RecordMeta,
+    emitted: &'a mut u64,
+}
+
+impl<'a, T> Collector<'a, T> {
+    /// Emits `value` with the timestamps of the record being processed.
+    #[inline]
+    pub fn emit(&mut self, value: T) -> Result<()> {
+        *self.emitted += 1;
+        self.next.record(Record {
+            value,
+            meta: self.meta,
+        })
+    }
+
+    /// Emits a record with timestamps of its own.
+    #[inline]
+    pub fn emit_record(&mut self, record: Record<T>) -> Result<()> {
+        *self.emitted += 1;
+        self.next.record(record)
+    }
+
+    /// The timestamps emitted records inherit.
+    pub fn meta(&self) -> RecordMeta {
+        self.meta
+    }
+}
+
+/// A dataflow operator with one input: map, filter, join against a static table, ...
+///
+/// Only `process` is required; the other hooks default to doing nothing.
+///
+/// ```
+/// use rtflow_runtime::{Collector, Operator, Record, Result};
+///
+/// /// Emits the running length of every string it sees.
+/// struct RunningLength(usize);
+///
+/// impl Operator<String, usize> for RunningLength {
+///     fn process(&mut self, record: Record<String>, out: &mut Collector<'_, usize>) -> Result<()> {
+///         self.0 += record.value.len();
+///         out.emit(self.0)
+///     }
+/// }
+/// ```
+pub trait Operator<In, Out>: Send + 'static {
+    /// Called once on the actor's thread before the first record.
+    fn on_start(&mut self, _ctx: &OperatorContext) -> Result<()> {
+        Ok(())
+    }
+
+    /// Called for every input record.
+    fn process(&mut self, record: Record<In>, out: &mut Collector<'_, Out>) -> Result<()>;
+
+    /// Called when the input watermark advances, before it is passed downstream.
+    fn on_watermark(&mut self, _watermark: EventTime, _out: &mut Collector<'_, Out>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Called once when every input has ended, before the end is passed downstream.
+    fn on_close(&mut self, _out: &mut Collector<'_, Out>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// An operator fused with whatever follows it in the same actor.
+pub(crate) struct Chained<O, In, Out> {
+    operator: O,
+    next: Box<dyn Emit<Out>>,
+    metrics: Arc<OperatorMetrics>,
+    records_in: u64,
+    records_out: u64,
+    _input: PhantomData<fn(In)>,
+}
+
+impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
+    pub(crate) fn start(
+        mut operator: O,
+        ctx: &OperatorContext,
+        next: Box<dyn Emit<Out>>,
+        metrics: Arc<OperatorMetrics>,
+    ) -> Result<Self> {
+        operator.on_start(ctx)?;
+        Ok(Self {
+            operator,
+            next,
+            metrics,
+            records_in: 0,
+            records_out: 0,
+            _input: PhantomData,
+        })
+    }
+
+    /// Runs a hook that is not about one record; what it emits is stamped now.
+    fn out_of_band(
+        &mut self,
+        event_time: EventTime,
+        hook: impl FnOnce(&mut O, &mut Collector<'_, Out>) -> Result<()>,
+    ) -> Result<()> {
+        let now = now_nanos();
+        let mut out = Collector {
+            next: &mut *self.next,
+            meta: RecordMeta {
+                event_time,
+                source_time: now,
+                ingest_time: now,
+            },
+            emitted: &mut self.records_out,
+        };
+        hook(&mut self.operator, &mut out)
+    }
+
+    fn publish_counts(&mut self) {
+        self.metrics.add(self.records_in, self.records_out);
+        self.records_in = 0;
+        self.records_out = 0;
+    }
+}
+
+impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
+    #[inline]
+    fn record(&mut self, record: Record<In>) -> Result<()> {
+        self.records_in += 1;
+        let mut out = Collector {
+            next: &mut *self.next,
+            meta: record.meta,
+            emitted: &mut self.records_out,
+        };
+        self.operator.process(record, &mut out)
+    }
+
+    fn watermark(&mut self, watermark: EventTime) -> Result<()> {
+        self.out_of_band(watermark, |op, out| op.on_watermark(watermark, out))?;
+        self.next.watermark(watermark)
+    }
+
+    fn barrier(&mut self, epoch: Epoch) -> Result<()> {
+        self.next.barrier(epoch)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.publish_counts();
+        self.next.flush()
+    }
+
+    fn end(&mut self) -> Result<()> {
+        self.out_of_band(EventTime::MAX, |op, out| op.on_close(out))?;
+        self.publish_counts();
+        self.next.end()
+    }
+
+    fn abort(&mut self, error: &crate::RtflowError) {
+        self.next.abort(error);
+    }
+}

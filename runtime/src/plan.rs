@@ -1,0 +1,375 @@
+//! From logical graph to running actors: validate the shape, resolve parallelism,
+//! fuse forward chains into actors, count slots, then wire lanes and operators.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use crate::actor::ActorEnv;
+use crate::config::QueryConfig;
+use crate::connector::{SinkContext, SourceContext};
+use crate::dispatch::Partitioning;
+use crate::error::{Result, RtflowError};
+use crate::graph::{Graph, NodeId, WITH_WATERMARK};
+use crate::metrics::{MailboxMetrics, QueryMetrics};
+use crate::operator::OperatorContext;
+use crate::wiring::{ActorMain, AnyBox, Body};
+
+/// Operator kinds a real-time query may use while the allowlist check is on.
+pub const OPERATOR_ALLOWLIST: &[&str] = &["map", "filter", "flat_map", "broadcast_join", WITH_WATERMARK];
+
+/// Sink kinds a real-time query may use while the allowlist check is on.
+pub const SINK_ALLOWLIST: &[&str] = &["kafka", "foreach", "console", "memory"];
+
+/// Checks the dataflow's shape against real-time mode's rules. No I/O.
+pub(crate) fn validate(graph: &Graph, config: &QueryConfig) -> Result<()> {
+    if let Some(error) = graph.errors.first() {
+        return Err(RtflowError::InvalidDataflow(error.clone()));
+    }
+    let consumers = consumers(graph);
+    if !graph.nodes.iter().any(|n| matches!(n.body, Body::Sink(_))) {
+        return Err(RtflowError::InvalidDataflow(
+            "the dataflow has no sink; end a stream with .sink(...)".into(),
+        ));
+    }
+    for (id, node) in graph.nodes.iter().enumerate() {
+        if !matches!(node.body, Body::Sink(_)) && consumers[id].is_empty() {
+            return Err(RtflowError::InvalidDataflow(format!(
+                "the output of '{}' is never used; end it in a sink or remove it",
+                node.name
+            )));
+        }
+    }
+    for node in &graph.nodes {
+        match &node.body {
+            Body::Source(source, _) if !source.supports_real_time() => {
+                return Err(RtflowError::InputStreamNotSupported {
+                    source_name: node.name.clone(),
+                })
+            }
+            Body::Sink(sink) if !sink.supports_real_time() => {
+                return Err(RtflowError::SinkNotSupported {
+                    sink: node.kind.clone(),
+                })
+            }
+            _ => {}
+        }
+    }
+    if config.allowlist_check {
+        for node in &graph.nodes {
+            let (what, allowed) = match node.body {
+                Body::Source(..) => continue,
+                Body::Operator(..) => ("operator", OPERATOR_ALLOWLIST),
+                Body::Sink(_) => ("sink", SINK_ALLOWLIST),
+            };
+            if !allowed.contains(&node.kind.as_str()) {
+                return Err(RtflowError::OperatorOrSinkNotInAllowlist {
+                    what,
+                    name: node.kind.clone(),
+                });
+            }
+        }
+    }
+    let sources = upstream_sources(graph);
+    for inputs in &graph.unions {
+        let mut seen = BTreeSet::new();
+        for input in inputs {
+            if let Some(shared) = sources[*input].iter().find(|s| !seen.insert(**s)) {
+                return Err(RtflowError::IdenticalSourcesInUnion {
+                    source_name: graph.nodes[*shared].name.clone(),
+                });
+            }
+        }
+    }
+    let mut shuffled = vec![false; graph.nodes.len()];
+    for (id, node) in graph.nodes.iter().enumerate() {
+        shuffled[id] = node
+            .inputs
+            .iter()
+            .any(|edge| edge.partitioning.is_shuffle() || shuffled[edge.from]);
+        if node.kind == WITH_WATERMARK && shuffled[id] {
+            return Err(RtflowError::ShuffleBeforeWatermark {
+                operator: node.name.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// For every node, the edges leaving it: (consumer, index of the edge in its inputs).
+fn consumers(graph: &Graph) -> Vec<Vec<(NodeId, usize)>> {
+    let mut consumers = vec![Vec::new(); graph.nodes.len()];
+    for (id, node) in graph.nodes.iter().enumerate() {
+        for (index, edge) in node.inputs.iter().enumerate() {
+            consumers[edge.from].push((id, index));
+        }
+    }
+    consumers
+}
+
+/// For every node, the sources it reads from.
+fn upstream_sources(graph: &Graph) -> Vec<BTreeSet<NodeId>> {
+    let mut sources: Vec<BTreeSet<NodeId>> = Vec::with_capacity(graph.nodes.len());
+    for (id, node) in graph.nodes.iter().enumerate() {
+        let mut own = BTreeSet::new();
+        if matches!(node.body, Body::Source(..)) {
+            own.insert(id);
+        }
+        for edge in &node.inputs {
+            own.extend(sources[edge.from].iter().copied());
+        }
+        sources.push(own);
+    }
+    sources
+}
+
+/// One actor to start: the chain of operators it runs, and its body.
+pub(crate) struct ActorSpec {
+    pub(crate) label: String,
+    pub(crate) subtask: usize,
+    pub(crate) main: ActorMain,
+}
+
+/// A validated graph with parallelism resolved and actors decided.
+pub(crate) struct Plan {
+    graph: Graph,
+    parallelism: Vec<usize>,
+    source_partitions: Vec<usize>,
+    consumers: Vec<Vec<(NodeId, usize)>>,
+    /// The node fused after each node in the same actor, if any.
+    chained_next: Vec<Option<NodeId>>,
+    chained_prev: Vec<Option<NodeId>>,
+}
+
+impl Plan {
+    /// Resolves parallelism (asking sources for their partitions), fuses chains and
+    /// checks that the query fits its slots.
+    pub(crate) fn new(mut graph: Graph, config: &QueryConfig) -> Result<Self> {
+        let n = graph.nodes.len();
+        let mut parallelism = vec![0; n];
+        let mut source_partitions = vec![0; n];
+        for id in 0..n {
+            let node = &graph.nodes[id];
+            parallelism[id] = match &node.body {
+                Body::Source(source, _) => {
+                    source_partitions[id] = source.partitions()?;
+                    if source_partitions[id] == 0 {
+                        return Err(RtflowError::source(&node.name, "the source has no partitions"));
+                    }
+                    node.parallelism
+                        .unwrap_or(source_partitions[id])
+                        .min(source_partitions[id])
+                }
+                _ => node.parallelism.unwrap_or_else(|| {
+                    let all_forward = node.inputs.iter().all(|e| !e.partitioning.is_shuffle());
+                    let widest = node.inputs.iter().map(|e| parallelism[e.from]).max();
+                    match widest {
+                        Some(p) if all_forward => p,
+                        _ => config.default_parallelism,
+                    }
+                }),
+            };
+        }
+        // A forward edge between different parallelisms deals records round-robin.
+        for id in 0..n {
+            let width = parallelism[id];
+            for edge in &mut graph.nodes[id].inputs {
+                if matches!(edge.partitioning, Partitioning::Forward) && parallelism[edge.from] != width {
+                    edge.partitioning = Partitioning::RoundRobin;
+                }
+            }
+        }
+        let consumers = consumers(&graph);
+        let mut chained_next = vec![None; n];
+        let mut chained_prev = vec![None; n];
+        if config.operator_chaining {
+            for (id, node) in graph.nodes.iter().enumerate() {
+                if let [edge] = node.inputs.as_slice() {
+                    if matches!(edge.partitioning, Partitioning::Forward) && consumers[edge.from].len() == 1 {
+                        chained_next[edge.from] = Some(id);
+                        chained_prev[id] = Some(edge.from);
+                    }
+                }
+            }
+        }
+        let plan = Self {
+            graph,
+            parallelism,
+            source_partitions,
+            consumers,
+            chained_next,
+            chained_prev,
+        };
+        let needed = plan.actor_count();
+        if needed > config.task_slots {
+            return Err(RtflowError::InsufficientTaskSlots {
+                needed,
+                available: config.task_slots,
+            });
+        }
+        Ok(plan)
+    }
+
+    fn heads(&self) -> impl Iterator<Item = NodeId> + '_ {
+        (0..self.graph.nodes.len()).filter(|id| self.chained_prev[*id].is_none())
+    }
+
+    /// Long-running actors (and so slots) the query needs.
+    pub(crate) fn actor_count(&self) -> usize {
+        self.heads().map(|head| self.parallelism[head]).sum()
+    }
+
+    fn chain(&self, head: NodeId) -> Vec<NodeId> {
+        let mut chain = vec![head];
+        while let Some(next) = self.chained_next[*chain.last().expect("non-empty")] {
+            chain.push(next);
+        }
+        chain
+    }
+
+    /// Makes every lane, dispatcher, operator instance and reader, and returns the
+    /// body of every actor, named.
+    pub(crate) fn wire(
+        self,
+        config: &QueryConfig,
+        metrics: &QueryMetrics,
+        env: &ActorEnv,
+    ) -> Result<Vec<ActorSpec>> {
+        let n = self.graph.nodes.len();
+        // senders[from][subtask] = per consumer edge, its lanes in receiver order.
+        let mut senders: Vec<Vec<Vec<Vec<(AnyBox, Arc<MailboxMetrics>)>>>> = (0..n)
+            .map(|id| (0..self.parallelism[id]).map(|_| Vec::new()).collect())
+            .collect();
+        let mut receivers: Vec<Vec<Vec<AnyBox>>> = (0..n)
+            .map(|id| (0..self.parallelism[id]).map(|_| Vec::new()).collect())
+            .collect();
+        for from in 0..n {
+            let Some(port) = self.graph.nodes[from].body.port() else {
+                continue;
+            };
+            for &(to, edge) in &self.consumers[from] {
+                if self.chained_prev[to] == Some(from) {
+                    continue;
+                }
+                let forward = matches!(self.graph.nodes[to].inputs[edge].partitioning, Partitioning::Forward);
+                for sending in &mut senders[from] {
+                    sending.push(Vec::new());
+                }
+                for receiver in 0..self.parallelism[to] {
+                    let mailbox = metrics.mailbox(&self.graph.nodes[to].name, receiver, config.mailbox_capacity);
+                    for sender in 0..self.parallelism[from] {
+                        if forward && sender != receiver {
+                            continue;
+                        }
+                        let (tx, rx) = port.lane(config.mailbox_capacity);
+                        senders[from][sender]
+                            .last_mut()
+                            .expect("edge added above")
+                            .push((tx, mailbox.clone()));
+                        receivers[to][receiver].push(rx);
+                    }
+                }
+            }
+        }
+
+        let mut actors = Vec::with_capacity(self.actor_count());
+        for head in self.heads().collect::<Vec<_>>() {
+            let chain = self.chain(head);
+            let tail = *chain.last().expect("non-empty");
+            let label = chain
+                .iter()
+                .map(|id| self.graph.nodes[*id].name.as_str())
+                .collect::<Vec<_>>()
+                .join(" -> ");
+            for subtask in (0..self.parallelism[head]).rev() {
+                let mut emit = self.outputs(tail, senders[tail].pop(), config, env);
+                for &id in chain.iter().rev() {
+                    let node = &self.graph.nodes[id];
+                    let parallelism = self.parallelism[id];
+                    emit = Some(match &node.body {
+                        Body::Sink(sink) => {
+                            let ctx = SinkContext {
+                                query: config.name.clone(),
+                                subtask,
+                                parallelism,
+                            };
+                            sink.chain(&ctx, &node.name, metrics)?
+                        }
+                        Body::Operator(operator, _) => {
+                            let ctx = OperatorContext {
+                                operator: node.name.clone(),
+                                subtask,
+                                parallelism,
+                            };
+                            operator.chain(&ctx, emit.expect("an operator has an output"), metrics)?
+                        }
+                        Body::Source(..) => break,
+                    });
+                }
+                let emit = emit.expect("every actor ends in outputs or a sink");
+                let node = &self.graph.nodes[head];
+                let main = match &node.body {
+                    Body::Source(source, _) => {
+                        let ctx = SourceContext {
+                            subtask,
+                            parallelism: self.parallelism[head],
+                            partitions: (0..self.source_partitions[head])
+                                .filter(|p| p % self.parallelism[head] == subtask)
+                                .collect(),
+                        };
+                        let reader = source.open(&ctx)?;
+                        let env = ActorEnv {
+                            source_metrics: Some(metrics.operator(&node.name, subtask)),
+                            ..env.clone()
+                        };
+                        source.actor(reader, emit, env)
+                    }
+                    _ => {
+                        let upstream = node.inputs[0].from;
+                        let port = self.graph.nodes[upstream]
+                            .body
+                            .port()
+                            .expect("an input comes from a node with outputs");
+                        let lanes = std::mem::take(&mut receivers[head][subtask]);
+                        port.inbox_actor(lanes, emit, env.clone())
+                    }
+                };
+                actors.push(ActorSpec {
+                    label: label.clone(),
+                    subtask,
+                    main,
+                });
+            }
+        }
+        Ok(actors)
+    }
+
+    /// The dispatchers of `tail`'s subtask to every consumer, fanned out if several.
+    fn outputs(
+        &self,
+        tail: NodeId,
+        lanes: Option<Vec<Vec<(AnyBox, Arc<MailboxMetrics>)>>>,
+        config: &QueryConfig,
+        env: &ActorEnv,
+    ) -> Option<AnyBox> {
+        let port = self.graph.nodes[tail].body.port()?;
+        let mut outputs: Vec<AnyBox> = lanes
+            .expect("senders exist for every subtask")
+            .into_iter()
+            .zip(&self.consumers[tail])
+            .map(|(lanes, &(to, edge))| {
+                port.output(
+                    lanes,
+                    &self.graph.nodes[to].inputs[edge].partitioning,
+                    config.max_key_groups,
+                    config.max_records_per_message,
+                    env.cancel.clone(),
+                )
+            })
+            .collect();
+        Some(if outputs.len() == 1 {
+            outputs.pop().expect("one output")
+        } else {
+            port.fanout(outputs)
+        })
+    }
+}

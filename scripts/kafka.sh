@@ -1,0 +1,424 @@
+#!/usr/bin/env bash
+# scripts/kafka.sh - a real single-node Apache Kafka 4.x broker (KRaft mode,
+# combined broker+controller) for rtflow's integration tests.
+#
+# Needs only bash, Java 17+ and Maven: `install` has Maven copy the Kafka jars
+# from Maven Central (dependency list: scripts/kafka/pom.xml) into
+# target/kafka/libs; `start` formats target/kafka/data once, writes
+# target/kafka/server.properties and runs `java kafka.Kafka` in the background,
+# then waits until a real Kafka admin client can list topics.
+#
+#   scripts/kafka.sh install             fetch the jars (no-op when present)
+#   scripts/kafka.sh start               install if needed, start, wait for ready
+#   scripts/kafka.sh stop [--clean]      SIGTERM (then SIGKILL); --clean wipes data
+#   scripts/kafka.sh restart             stop + start
+#   scripts/kafka.sh status              exit 0 if running, 1 if not
+#   scripts/kafka.sh topic create NAME PARTITIONS   (no-op if it exists)
+#   scripts/kafka.sh topic delete NAME              (no-op if missing)
+#   scripts/kafka.sh topic list | describe [NAME]
+#   scripts/kafka.sh produce TOPIC            send stdin lines ("key<TAB>value" with --keyed)
+#   scripts/kafka.sh consume TOPIC MAX [MS]   print up to MAX records from the beginning
+#   scripts/kafka.sh tool MAIN_CLASS [ARGS]  run any class from the Kafka jars
+#
+# Environment (all optional):
+#   RTFLOW_KAFKA_PORT=9092             client listener on 127.0.0.1
+#   RTFLOW_KAFKA_CONTROLLER_PORT=9093  KRaft controller listener on 127.0.0.1
+#   RTFLOW_KAFKA_VERSION=4.1.1         Kafka version to install
+#   RTFLOW_KAFKA_DIR=<repo>/target/kafka  where jars, data, logs, pid live
+#   RTFLOW_KAFKA_START_TIMEOUT=60      seconds to wait for the broker
+#   RTFLOW_KAFKA_HEAP_OPTS="-Xms256m -Xmx512m"   broker heap
+#   JAVA_HOME                          java to use (else `java` on PATH)
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$SCRIPT_DIR/.." && pwd)"
+
+PORT="${RTFLOW_KAFKA_PORT:-9092}"
+CPORT="${RTFLOW_KAFKA_CONTROLLER_PORT:-9093}"
+VERSION="${RTFLOW_KAFKA_VERSION:-4.1.1}"
+KDIR="${RTFLOW_KAFKA_DIR:-$ROOT/target/kafka}"
+START_TIMEOUT="${RTFLOW_KAFKA_START_TIMEOUT:-60}"
+HEAP_OPTS="${RTFLOW_KAFKA_HEAP_OPTS:--Xms256m -Xmx512m}"
+
+LIBS="$KDIR/libs"
+DATA="$KDIR/data"
+LOGS="$KDIR/logs"
+PIDFILE="$KDIR/kafka.pid"
+PROPS="$KDIR/server.properties"
+LOG4J_SERVER="$KDIR/log4j2-server.properties"
+LOG4J_TOOLS="$KDIR/log4j2-tools.properties"
+JAVA="${JAVA_HOME:+$JAVA_HOME/bin/}java"
+
+# Short-lived CLI JVMs: start fast, stay small (the machine has 2 cores).
+TOOL_JVM_OPTS=(-Xmx256m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 -Djava.awt.headless=true)
+
+log() { echo "kafka: $*"; }
+die() { echo "kafka: error: $*" >&2; exit 1; }
+
+# ---------------------------------------------------------------- install ---
+
+installed() {
+    [[ -f "$LIBS/.version" && "$(cat "$LIBS/.version")" == "$VERSION" &&
+       -f "$LIBS/kafka_2.13-$VERSION.jar" ]]
+}
+
+cmd_install() {
+    if installed; then
+        log "$VERSION already installed in $LIBS"
+        return 0
+    fi
+    command -v mvn >/dev/null || die "mvn not found (apt-get install maven)"
+    command -v "$JAVA" >/dev/null || die "java not found"
+    mkdir -p "$KDIR"
+    local tmp="$KDIR/libs.tmp" mvnlog="$KDIR/install.log"
+    rm -rf "$tmp"
+    log "installing Kafka $VERSION from Maven Central into $LIBS"
+    # Debian's Maven 3.8 prints stray ANSI resets even with -q -B, so keep its
+    # output in a file and show it only when something went wrong.
+    if ! mvn -q -B -f "$SCRIPT_DIR/kafka/pom.xml" \
+            -Dkafka.version="$VERSION" -Dkafka.libs.dir="$tmp" \
+            dependency:copy-dependencies >"$mvnlog" 2>&1; then
+        cat "$mvnlog" >&2
+        die "maven could not fetch Kafka $VERSION"
+    fi
+    [[ -f "$tmp/kafka_2.13-$VERSION.jar" ]] || die "kafka_2.13-$VERSION.jar missing after install"
+    echo "$VERSION" >"$tmp/.version"
+    rm -rf "$LIBS"
+    mv "$tmp" "$LIBS"
+    log "installed $(find "$LIBS" -name '*.jar' | wc -l) jars"
+}
+
+# ------------------------------------------------------------ helpers ---
+
+# Pid of our broker if it is alive (checks the command line, so a stale pid
+# file whose number was reused by another process is not mistaken for it).
+broker_pid() {
+    [[ -f "$PIDFILE" ]] || return 1
+    local pid
+    pid="$(cat "$PIDFILE" 2>/dev/null || true)"
+    [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+    kill -0 "$pid" 2>/dev/null || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "kafka.Kafka $PROPS" || return 1
+    echo "$pid"
+}
+
+# Without explicit port variables, talk to the broker that is running (it may
+# have been started with other ports) rather than assume the defaults.
+RUNNING_PORT=""
+resolve_ports() {
+    if broker_pid >/dev/null; then
+        RUNNING_PORT="$(sed -n 's|^listeners=PLAINTEXT://127.0.0.1:\([0-9]*\),.*|\1|p' "$PROPS")"
+        if [[ -z "${RTFLOW_KAFKA_PORT:-}${RTFLOW_KAFKA_CONTROLLER_PORT:-}" ]]; then
+            PORT="$RUNNING_PORT"
+            CPORT="$(sed -n 's|^controller.quorum.voters=1@127.0.0.1:\([0-9]*\)$|\1|p' "$PROPS")"
+        fi
+    fi
+    BOOTSTRAP="127.0.0.1:$PORT"
+}
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# Run a main class from the Kafka jars with a quiet (stderr, WARN) log config,
+# killed after $TOOL_TIMEOUT seconds if that is set.
+run_tool() {
+    installed || die "Kafka $VERSION is not installed; run: $0 install"
+    write_log4j
+    local limit=()
+    [[ -n "${TOOL_TIMEOUT:-}" ]] && limit=(timeout "$TOOL_TIMEOUT")
+    "${limit[@]}" "$JAVA" "${TOOL_JVM_OPTS[@]}" -Dlog4j2.configurationFile="$LOG4J_TOOLS" \
+        -cp "$LIBS/*" "$@"
+}
+
+write_log4j() {
+    mkdir -p "$LOGS"
+    cat >"$LOG4J_SERVER" <<EOF
+# Generated by scripts/kafka.sh: the broker logs to $LOGS/server.log.
+status = warn
+appender.file.type = RollingFile
+appender.file.name = FILE
+appender.file.fileName = $LOGS/server.log
+appender.file.filePattern = $LOGS/server.log.%i
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+appender.file.policies.type = Policies
+appender.file.policies.size.type = SizeBasedTriggeringPolicy
+appender.file.policies.size.size = 50MB
+appender.file.strategy.type = DefaultRolloverStrategy
+appender.file.strategy.max = 2
+rootLogger.level = info
+rootLogger.appenderRef.file.ref = FILE
+logger.request.name = kafka.request.logger
+logger.request.level = warn
+logger.clients.name = org.apache.kafka.clients
+logger.clients.level = warn
+EOF
+    cat >"$LOG4J_TOOLS" <<EOF
+# Generated by scripts/kafka.sh: CLI tools only report warnings, on stderr.
+status = warn
+appender.err.type = Console
+appender.err.name = STDERR
+appender.err.target = SYSTEM_ERR
+appender.err.layout.type = PatternLayout
+appender.err.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = warn
+rootLogger.appenderRef.err.ref = STDERR
+EOF
+}
+
+write_props() {
+    cat >"$PROPS" <<EOF
+# Generated by scripts/kafka.sh on each start; edits are overwritten.
+# Single node, combined broker + KRaft controller, plaintext on loopback.
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:$CPORT
+listeners=PLAINTEXT://127.0.0.1:$PORT,CONTROLLER://127.0.0.1:$CPORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$PORT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+log.dirs=$DATA
+
+# One broker: every internal topic must live with replication factor 1.
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=4
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=4
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+share.coordinator.state.topic.num.partitions=4
+default.replication.factor=1
+min.insync.replicas=1
+
+# Test-friendly behaviour.
+auto.create.topics.enable=false
+delete.topic.enable=true
+num.partitions=1
+group.initial.rebalance.delay.ms=0
+
+# Small footprint for a 2-core machine.
+num.network.threads=2
+num.io.threads=2
+background.threads=2
+num.recovery.threads.per.data.dir=1
+log.segment.bytes=16777216
+log.retention.hours=24
+log.retention.check.interval.ms=60000
+log.cleaner.threads=1
+log.cleaner.dedupe.buffer.size=8388608
+EOF
+}
+
+# Format the KRaft storage once (meta.properties marks a formatted dir).
+format_storage() {
+    [[ -f "$DATA/meta.properties" ]] && return 0
+    log "formatting KRaft storage in $DATA"
+    mkdir -p "$DATA"
+    local cluster_id
+    cluster_id="$(run_tool kafka.tools.StorageTool random-uuid)"
+    run_tool kafka.tools.StorageTool format --ignore-formatted \
+        --cluster-id "$cluster_id" --config "$PROPS" >"$LOGS/format.log" 2>&1 || {
+        cat "$LOGS/format.log" >&2
+        die "storage format failed"
+    }
+}
+
+# Ready = an admin client gets a topic list back from the broker within $1 s.
+broker_ready() {
+    TOOL_TIMEOUT="$1" run_tool org.apache.kafka.tools.TopicCommand \
+        --bootstrap-server "$BOOTSTRAP" --list >/dev/null 2>&1
+}
+
+show_log_tail() {
+    local f
+    for f in "$LOGS/kafka.out" "$LOGS/server.log"; do
+        [[ -s "$f" ]] || continue
+        echo "---- tail of $f ----" >&2
+        tail -n 30 "$f" >&2
+    done
+}
+
+# ------------------------------------------------------ start/stop/status ---
+
+cmd_start() {
+    local pid
+    if pid="$(broker_pid)"; then
+        [[ "$RUNNING_PORT" == "$PORT" ]] ||
+            die "already running (pid $pid) at 127.0.0.1:$RUNNING_PORT, not $PORT; stop it first"
+        log "already running (pid $pid), ready at $BOOTSTRAP"
+        return 0
+    fi
+    rm -f "$PIDFILE"
+    installed || cmd_install
+    for p in "$PORT" "$CPORT"; do
+        port_open "$p" && die "port 127.0.0.1:$p is already in use by another process"
+    done
+    mkdir -p "$LOGS"
+    # Each start gets fresh logs; the previous run's are kept as *.prev.
+    local f
+    for f in server.log kafka.out; do
+        [[ -f "$LOGS/$f" ]] && mv -f "$LOGS/$f" "$LOGS/$f.prev"
+    done
+    write_log4j
+    write_props
+    format_storage
+
+    local t0=$SECONDS heap
+    read -r -a heap <<<"$HEAP_OPTS"
+    # setsid: the broker outlives the shell (and Ctrl-C) that started it.
+    setsid nohup "$JAVA" "${heap[@]}" \
+        -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:InitiatingHeapOccupancyPercent=35 \
+        -XX:+ExplicitGCInvokesConcurrent -XX:+ExitOnOutOfMemoryError \
+        -Djava.awt.headless=true \
+        -Dlog4j2.configurationFile="$LOG4J_SERVER" -Dkafka.logs.dir="$LOGS" \
+        -cp "$LIBS/*" kafka.Kafka "$PROPS" \
+        >"$LOGS/kafka.out" 2>&1 </dev/null &
+    pid=$!
+    echo "$pid" >"$PIDFILE"
+    log "starting Kafka $VERSION (pid $pid), logs in $LOGS"
+
+    # Wait cheaply for the port, then for a real client round trip.
+    local deadline=$((SECONDS + START_TIMEOUT))
+    while ((SECONDS < deadline)); do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            rm -f "$PIDFILE"
+            show_log_tail
+            die "broker exited during startup"
+        fi
+        if port_open "$PORT" && broker_ready $((deadline - SECONDS + 1)); then
+            log "ready at $BOOTSTRAP (started in $((SECONDS - t0))s)"
+            return 0
+        fi
+        sleep 0.5
+    done
+    show_log_tail
+    cmd_stop >/dev/null 2>&1 || true
+    die "broker not ready after ${START_TIMEOUT}s"
+}
+
+cmd_stop() {
+    local clean=0 pid
+    [[ "${1:-}" == "--clean" ]] && clean=1
+    if pid="$(broker_pid)"; then
+        log "stopping (pid $pid)"
+        kill -TERM "$pid" 2>/dev/null || true
+        local i
+        for ((i = 0; i < 60; i++)); do   # 30 s for a controlled shutdown
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.5
+        done
+        if kill -0 "$pid" 2>/dev/null; then
+            log "still alive after 30s, sending SIGKILL"
+            kill -KILL "$pid" 2>/dev/null || true
+            for ((i = 0; i < 20; i++)); do
+                kill -0 "$pid" 2>/dev/null || break
+                sleep 0.25
+            done
+        fi
+        log "stopped"
+    else
+        log "not running"
+    fi
+    rm -f "$PIDFILE"
+    if ((clean)); then
+        rm -rf "$DATA" "$LOGS"
+        log "removed $DATA and $LOGS"
+    fi
+}
+
+cmd_status() {
+    local pid
+    if pid="$(broker_pid)"; then
+        log "running (pid $pid) at 127.0.0.1:$RUNNING_PORT"
+    else
+        log "not running"
+        return 1
+    fi
+}
+
+# ------------------------------------------------------ topics and data ---
+
+cmd_topic() {
+    local sub="${1:-}"
+    shift || true
+    local tc=(org.apache.kafka.tools.TopicCommand --bootstrap-server "$BOOTSTRAP")
+    case "$sub" in
+        create)
+            (($# >= 2)) || die "usage: $0 topic create NAME PARTITIONS [extra TopicCommand args]"
+            local name="$1" parts="$2"
+            shift 2
+            run_tool "${tc[@]}" --create --if-not-exists --topic "$name" \
+                --partitions "$parts" --replication-factor 1 "$@" ;;
+        delete)
+            (($# >= 1)) || die "usage: $0 topic delete NAME"
+            run_tool "${tc[@]}" --delete --if-exists --topic "$1" ;;
+        list)
+            run_tool "${tc[@]}" --list ;;
+        describe)
+            run_tool "${tc[@]}" --describe ${1:+--topic "$1"} ;;
+        *)
+            die "usage: $0 topic create NAME PARTITIONS | delete NAME | list | describe [NAME]" ;;
+    esac
+}
+
+# produce TOPIC [--keyed]: one record per stdin line; with --keyed each line
+# is "key<TAB>value".
+cmd_produce() {
+    (($# >= 1)) || die "usage: $0 produce TOPIC [--keyed] < lines"
+    local topic="$1" keyed=()
+    [[ "${2:-}" == "--keyed" ]] && keyed=(--property parse.key=true --property key.separator=$'\t')
+    # --max-block-ms: give up after 15 s (not the default 60 s) if e.g. the topic
+    # is missing. The console producer reports failed sends only in its log and
+    # still exits 0, so look for those reports to fail properly.
+    local err="$KDIR/produce.$$.err" rc=0
+    run_tool org.apache.kafka.tools.ConsoleProducer --bootstrap-server "$BOOTSTRAP" \
+        --topic "$topic" --max-block-ms 15000 "${keyed[@]}" 2>"$err" || rc=$?
+    cat "$err" >&2
+    grep -q 'Error when sending message' "$err" && rc=1
+    rm -f "$err"
+    return "$rc"
+}
+
+# consume TOPIC MAX [TIMEOUT_MS]: print up to MAX records from the beginning,
+# one per line as "Partition:N<TAB>key<TAB>value"; stops early (still exit 0)
+# after TIMEOUT_MS (default 10000) without a new record. The tool's own
+# "timed out" and "Processed a total of" chatter on stderr is dropped.
+cmd_consume() {
+    (($# >= 2)) || die "usage: $0 consume TOPIC MAX [TIMEOUT_MS]"
+    {
+        run_tool org.apache.kafka.tools.consumer.ConsoleConsumer \
+            --bootstrap-server "$BOOTSTRAP" --topic "$1" --from-beginning \
+            --max-messages "$2" --timeout-ms "${3:-10000}" \
+            --property print.partition=true --property print.key=true \
+            --property key.separator=$'\t' 2>&1 1>&3 |
+            { grep -v -e 'Error processing message, terminating consumer process: *(' \
+                -e '^org.apache.kafka.common.errors.TimeoutException' \
+                -e '^Processed a total of' >&2 || true; }
+    } 3>&1
+}
+
+usage() {
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+}
+
+main() {
+    local cmd="${1:-help}"
+    shift || true
+    resolve_ports
+    case "$cmd" in
+        install) cmd_install ;;
+        start) cmd_start ;;
+        stop) cmd_stop "$@" ;;
+        restart) cmd_stop; cmd_start ;;
+        status) cmd_status ;;
+        topic) cmd_topic "$@" ;;
+        produce) cmd_produce "$@" ;;
+        consume) cmd_consume "$@" ;;
+        tool) run_tool "$@" ;;
+        help | -h | --help) usage ;;
+        *) usage >&2; exit 2 ;;
+    esac
+}
+
+main "$@"

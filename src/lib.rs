@@ -1,0 +1,59 @@
+//! # rtflow
+//!
+//! A real-time streaming dataflow runtime: records flow from source to sink the
+//! moment they arrive, through long-running actors linked by bounded mailboxes,
+//! while a checkpoint interval (the trigger's batch duration) decides only how
+//! often progress is made durable.
+//!
+//! This crate is the facade. It re-exports the three crates that do the work:
+//! [`runtime`] (graph, actors, coordinator, query), [`operators`] (map, filter,
+//! joins, ...) and [`connectors`] (memory, generator, console, foreach, ...).
+//! `use rtflow::prelude::*` brings in everything a dataflow needs.
+//!
+//! ```
+//! use std::time::Duration;
+//! use rtflow::prelude::*;
+//!
+//! let flow = Dataflow::new("doubler");
+//! let input = MemorySource::new(2);
+//! let output = MemorySink::new();
+//! flow.source(input.clone())
+//!     .map(|x: u64| x * 2)
+//!     .filter(|x| x % 3 != 0)
+//!     .sink(output.clone());
+//!
+//! let dir = std::env::temp_dir().join("rtflow-doc-doubler");
+//! let query = flow.start(QueryConfig::new("doubler").checkpoint_location(dir))?;
+//! input.push_all(0, [1, 2, 3])?;
+//! input.push_all(1, [4, 5])?;
+//! input.end();
+//! query.await_termination(Some(Duration::from_secs(10)))?;
+//!
+//! let mut rows = output.rows();
+//! rows.sort();
+//! assert_eq!(rows, vec![2, 4, 8, 10]);
+//! # Ok::<(), rtflow::RtflowError>(())
+//! ```
+
+pub use rtflow_connectors as connectors;
+pub use rtflow_operators as operators;
+pub use rtflow_runtime as runtime;
+
+pub use rtflow_runtime::{
+    BoxError, Collector, Data, Dataflow, KeyedStream, LatencyReport, MetricsSnapshot, Operator,
+    OperatorContext, OutputMode, Percentiles, QueryConfig, Record, RecordMeta, Result,
+    RtflowError, StaticTable, Stream, StreamingQuery, Trigger,
+};
+
+/// Everything a dataflow program needs, in one import.
+pub mod prelude {
+    pub use rtflow_connectors::{
+        ConsoleSink, CsvTable, ForeachSink, ForeachWriter, GeneratorSource, MemorySink,
+        MemorySource,
+    };
+    pub use rtflow_operators::StreamExt;
+    pub use rtflow_runtime::{
+        BoxError, Collector, Data, Dataflow, KeyedStream, Operator, OperatorContext, OutputMode,
+        QueryConfig, Record, Result, RtflowError, StaticTable, Stream, StreamingQuery, Trigger,
+    };
+}
