@@ -1,1 +1,178 @@
-fn main(){}
+//! Benchmark of the dataflow generator (2 partitions) -> map -> filter -> sink.
+//!
+//! For operator chaining on (the default: each partition's whole pipeline runs in
+//! one actor) and off (every operator its own actor thread, linked by bounded
+//! mailboxes), it measures:
+//!
+//! * **throughput**: the generator produces `--records` rows per partition as fast
+//!   as the query takes them; records/s is the rows generated divided by the wall
+//!   time from `start()` until `await_termination` returns, median of `--runs` runs;
+//! * **latency**: the generator produces `--rate` rows/s in total for `--seconds`,
+//!   then the query is stopped and the sink's processing (read by the source ->
+//!   processed by the sink) and end-to-end (produced -> processed) latency
+//!   percentiles are reported in microseconds.
+//!
+//! Each measurement prints one JSON line to stdout; the command and a summary
+//! table go to stderr.
+//!
+//! ```text
+//! cargo bench --bench pipeline
+//! cargo bench --bench pipeline -- --records 10000000 --runs 3 --rate 100000 --seconds 10
+//! ```
+
+use std::time::{Duration, Instant};
+
+use rtflow::prelude::*;
+use rtflow::{LatencyReport, Percentiles};
+
+const PARTITIONS: u64 = 2;
+
+struct Args {
+    /// Rows per generator partition in a throughput run.
+    records: u64,
+    /// Throughput runs per configuration; the median is reported.
+    runs: u64,
+    /// Rows per second over all partitions in the latency run.
+    rate: u64,
+    /// Length of the latency run.
+    seconds: u64,
+}
+
+impl Args {
+    /// Reads `--records N`, `--runs N`, `--rate N`, `--seconds N`; ignores anything
+    /// else, such as the `--bench` that `cargo bench` passes.
+    fn parse() -> Self {
+        let mut args = Self {
+            records: 10_000_000,
+            runs: 3,
+            rate: 100_000,
+            seconds: 10,
+        };
+        let mut words = std::env::args().skip(1);
+        while let Some(flag) = words.next() {
+            let value = match flag.as_str() {
+                "--records" => &mut args.records,
+                "--runs" => &mut args.runs,
+                "--rate" => &mut args.rate,
+                "--seconds" => &mut args.seconds,
+                _ => continue,
+            };
+            let Some(parsed) = words.next().and_then(|v| v.parse().ok()).filter(|v| *v > 0) else {
+                eprintln!("{flag} takes a positive integer");
+                std::process::exit(2);
+            };
+            *value = parsed;
+        }
+        args
+    }
+}
+
+/// Starts generator -> map -> filter -> sink, the generator's pace set by `source`.
+fn start(source: GeneratorSource<u64>, chaining: bool) -> Result<StreamingQuery> {
+    let flow = Dataflow::new("pipeline");
+    flow.source(source.partitions(PARTITIONS as usize))
+        .name("generator")
+        .map(|x: u64| x.wrapping_mul(31) ^ 7)
+        .filter(|x| x % 100 != 0)
+        .sink_named("sink", ForeachSink::from_fn(|_| Ok(())));
+    flow.start(
+        QueryConfig::new("pipeline")
+            .checkpoint_location(std::env::temp_dir().join("rtflow-bench-pipeline"))
+            .trigger(Trigger::real_time("30 seconds"))
+            .operator_chaining(chaining),
+    )
+}
+
+/// Median wall time, in seconds, to push `args.records` rows per partition through.
+fn throughput(args: &Args, chaining: bool) -> Result<f64> {
+    let mut seconds = Vec::new();
+    for _ in 0..args.runs {
+        let started = Instant::now();
+        let query = start(
+            GeneratorSource::new(|_, offset| offset).rows_per_partition(args.records),
+            chaining,
+        )?;
+        query.await_termination(None)?;
+        seconds.push(started.elapsed().as_secs_f64());
+        let generated = query.metrics().records_out("generator");
+        assert_eq!(generated, args.records * PARTITIONS, "rows generated");
+    }
+    seconds.sort_by(f64::total_cmp);
+    Ok(seconds[seconds.len() / 2])
+}
+
+/// Sink latencies after `args.seconds` at `args.rate` rows/s.
+fn latency(args: &Args, chaining: bool) -> Result<LatencyReport> {
+    let query = start(
+        GeneratorSource::new(|_, offset| offset).rows_per_second(args.rate),
+        chaining,
+    )?;
+    query.await_termination(Some(Duration::from_secs(args.seconds)))?;
+    query.stop()?;
+    Ok(query.metrics().latency)
+}
+
+/// `p50 / p90 / p99 / max` in microseconds.
+fn micros(p: &Percentiles) -> [f64; 4] {
+    [p.p50, p.p90, p.p99, p.max].map(|ms| ms * 1000.0)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    eprintln!(
+        "command: cargo bench --bench pipeline -- --records {} --runs {} --rate {} --seconds {}",
+        args.records, args.runs, args.rate, args.seconds
+    );
+    let records = args.records * PARTITIONS;
+    let mut table = Vec::new();
+    for chaining in [true, false] {
+        let seconds = throughput(&args, chaining)?;
+        let per_sec = records as f64 / seconds;
+        println!(
+            "{{\"bench\":\"pipeline\",\"mode\":\"throughput\",\"chaining\":{chaining},\
+             \"records\":{records},\"runs\":{},\"seconds\":{seconds:.3},\
+             \"records_per_sec\":{per_sec:.0}}}",
+            args.runs
+        );
+
+        let report = latency(&args, chaining)?;
+        let [p50, p90, p99, max] = micros(&report.processing);
+        let [e50, e90, e99, emax] = micros(&report.end_to_end);
+        println!(
+            "{{\"bench\":\"pipeline\",\"mode\":\"latency\",\"chaining\":{chaining},\
+             \"rate\":{},\"seconds\":{},\"count\":{},\
+             \"processing_p50_us\":{p50:.1},\"processing_p90_us\":{p90:.1},\
+             \"processing_p99_us\":{p99:.1},\"processing_max_us\":{max:.1},\
+             \"e2e_p50_us\":{e50:.1},\"e2e_p90_us\":{e90:.1},\
+             \"e2e_p99_us\":{e99:.1},\"e2e_max_us\":{emax:.1}}}",
+            args.rate, args.seconds, report.processing.count
+        );
+        table.push((chaining, per_sec, report));
+    }
+
+    eprintln!(
+        "\ngenerator({PARTITIONS} partitions) -> map -> filter -> sink; throughput: \
+         {records} records, median of {} runs; latency: {} records/s for {} s, in µs",
+        args.runs, args.rate, args.seconds
+    );
+    eprintln!(
+        "{:<9}{:>13}{:>11}  {:>30}  {:>30}",
+        "chaining",
+        "records/s",
+        "count",
+        "processing p50/p90/p99/max",
+        "end-to-end p50/p90/p99/max"
+    );
+    for (chaining, per_sec, report) in table {
+        let row = |p: &Percentiles| micros(p).map(|us| format!("{us:.1}")).join(" / ");
+        eprintln!(
+            "{:<9}{:>13.0}{:>11}  {:>30}  {:>30}",
+            if chaining { "on" } else { "off" },
+            per_sec,
+            report.processing.count,
+            row(&report.processing),
+            row(&report.end_to_end)
+        );
+    }
+    Ok(())
+}

@@ -41,8 +41,8 @@ pub use rtflow_runtime as runtime;
 
 pub use rtflow_runtime::{
     BoxError, Collector, Data, Dataflow, KeyedStream, LatencyReport, MetricsSnapshot, Operator,
-    OperatorContext, OutputMode, Percentiles, QueryConfig, Record, RecordMeta, Result,
-    RtflowError, StaticTable, Stream, StreamingQuery, Trigger,
+    OperatorContext, OutputMode, Percentiles, QueryConfig, Record, RecordMeta, Result, RtflowError,
+    StaticTable, Stream, StreamingQuery, Trigger,
 };
 
 /// Everything a dataflow program needs, in one import.

@@ -43,7 +43,9 @@ pub struct ForeachSink<T> {
 
 impl<T: Data> ForeachSink<T> {
     /// A sink whose writers `make` creates, one per sink partition.
-    pub fn new<W: ForeachWriter<T> + 'static>(make: impl Fn() -> W + Send + Sync + 'static) -> Self {
+    pub fn new<W: ForeachWriter<T> + 'static>(
+        make: impl Fn() -> W + Send + Sync + 'static,
+    ) -> Self {
         Self {
             make: Arc::new(move || Box::new(make())),
         }

@@ -126,7 +126,11 @@ impl<T: Data> SourceReader<T> for GeneratorReader<T> {
             // Sleep until the next row is due, but no longer than asked.
             let rate = self.rate.expect("only a limited rate has nothing due");
             let next_due = Duration::from_secs_f64((self.emitted + 1) as f64 / rate);
-            std::thread::sleep(next_due.saturating_sub(self.started.elapsed()).min(max_wait));
+            std::thread::sleep(
+                next_due
+                    .saturating_sub(self.started.elapsed())
+                    .min(max_wait),
+            );
             return Ok(SourceStatus::Active);
         }
         let created = now_nanos();

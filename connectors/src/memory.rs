@@ -224,7 +224,10 @@ impl<T: Data> MemorySink<T> {
 
     /// The values received so far, in arrival order.
     pub fn rows(&self) -> Vec<T> {
-        self.records_guard().iter().map(|r| r.value.clone()).collect()
+        self.records_guard()
+            .iter()
+            .map(|r| r.value.clone())
+            .collect()
     }
 
     /// The records received so far, with their timestamps.

@@ -58,7 +58,11 @@ where
     F: Fn(&T) -> K + Send + 'static,
 {
     #[inline]
-    fn process(&mut self, record: Record<T>, out: &mut Collector<'_, (T, Option<V>)>) -> Result<()> {
+    fn process(
+        &mut self,
+        record: Record<T>,
+        out: &mut Collector<'_, (T, Option<V>)>,
+    ) -> Result<()> {
         let rows = self.table.get(&(self.key)(&record.value));
         if rows.is_empty() {
             return out.emit((record.value, None));

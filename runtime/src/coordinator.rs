@@ -68,7 +68,12 @@ impl Coordinator {
         }
     }
 
-    fn start_actors(&mut self, graph: Graph, config: &QueryConfig, ctx: &Context<Self>) -> Result<()> {
+    fn start_actors(
+        &mut self,
+        graph: Graph,
+        config: &QueryConfig,
+        ctx: &Context<Self>,
+    ) -> Result<()> {
         let _span = tracing::info_span!("start", query = %config.name).entered();
         config.validate()?;
         validate(&graph, config)?;

@@ -81,9 +81,14 @@ impl Hasher for StableHasher {
 
 enum Route<T> {
     Single,
-    Hash { key_hash: KeyHash<T>, key_groups: usize },
+    Hash {
+        key_hash: KeyHash<T>,
+        key_groups: usize,
+    },
     Broadcast,
-    RoundRobin { next: usize },
+    RoundRobin {
+        next: usize,
+    },
 }
 
 /// The sending end of one edge for one upstream actor.
@@ -119,7 +124,10 @@ impl<T: Data> Output<T> {
         };
         let (lanes, mailboxes): (Vec<_>, Vec<_>) = lanes.into_iter().unzip();
         Self {
-            buffers: lanes.iter().map(|_| Vec::with_capacity(max_records)).collect(),
+            buffers: lanes
+                .iter()
+                .map(|_| Vec::with_capacity(max_records))
+                .collect(),
             lanes,
             mailboxes,
             route,
@@ -246,10 +254,7 @@ pub(crate) struct Fanout<T> {
 
 impl<T: Data> Emit<T> for Fanout<T> {
     fn record(&mut self, record: Record<T>) -> Result<()> {
-        let (last, rest) = self
-            .outputs
-            .split_last_mut()
-            .expect("a fanout has outputs");
+        let (last, rest) = self.outputs.split_last_mut().expect("a fanout has outputs");
         for output in rest {
             output.record(record.clone())?;
         }
@@ -257,7 +262,9 @@ impl<T: Data> Emit<T> for Fanout<T> {
     }
 
     fn watermark(&mut self, watermark: EventTime) -> Result<()> {
-        self.outputs.iter_mut().try_for_each(|o| o.watermark(watermark))
+        self.outputs
+            .iter_mut()
+            .try_for_each(|o| o.watermark(watermark))
     }
 
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {
@@ -286,7 +293,10 @@ mod tests {
         // Pinned values: keyed state in checkpoints depends on them never changing.
         assert_eq!(stable_hash(&42u64), stable_hash(&42u64));
         assert_ne!(stable_hash("a"), stable_hash("b"));
-        assert_eq!(stable_hash("user-1"), 0x2d3f_8e2b_9d3e_4f7c_u64.wrapping_mul(0) + stable_hash("user-1"));
+        assert_eq!(
+            stable_hash("user-1"),
+            0x2d3f_8e2b_9d3e_4f7c_u64.wrapping_mul(0) + stable_hash("user-1")
+        );
     }
 
     #[test]

@@ -90,7 +90,10 @@ pub enum RtflowError {
 
     /// A source failed while being read.
     #[error("source '{source_name}' failed: {message}")]
-    Source { source_name: String, message: String },
+    Source {
+        source_name: String,
+        message: String,
+    },
 
     /// A sink failed while being written.
     #[error("sink '{sink}' failed: {message}")]

@@ -100,7 +100,10 @@ impl Dataflow {
     /// Adds a source; one source actor runs per source partition.
     pub fn source<T: Data>(&self, source: impl Source<T>) -> Stream<T> {
         let kind = source.kind().to_owned();
-        let body = Body::Source(Box::new(SourceNode::new(source)), Arc::new(PortOf::<T>::new()));
+        let body = Body::Source(
+            Box::new(SourceNode::new(source)),
+            Arc::new(PortOf::<T>::new()),
+        );
         let id = self.graph.borrow_mut().add(&kind, body, Vec::new());
         Stream::new(self.graph.clone(), vec![(id, Partitioning::Forward)])
     }

@@ -56,7 +56,10 @@ impl Inputs {
         let (aligning, arrived) = self
             .aligning
             .get_or_insert_with(|| (epoch, vec![false; lanes]));
-        debug_assert_eq!(*aligning, epoch, "a blocked lane cannot deliver the next barrier");
+        debug_assert_eq!(
+            *aligning, epoch,
+            "a blocked lane cannot deliver the next barrier"
+        );
         arrived[lane] = true;
         self.try_align()
     }
@@ -120,7 +123,11 @@ mod tests {
         assert_eq!(inputs.on_watermark(0, 10), None, "lane 1 holds it back");
         assert_eq!(inputs.on_watermark(1, 5), Some(5));
         assert_eq!(inputs.on_watermark(1, 20), Some(10));
-        assert_eq!(inputs.on_watermark(0, 8), None, "a lane going back changes nothing");
+        assert_eq!(
+            inputs.on_watermark(0, 8),
+            None,
+            "a lane going back changes nothing"
+        );
         assert_eq!(inputs.on_watermark(0, 30), Some(20));
     }
 

@@ -104,9 +104,8 @@ struct LatencyHistograms {
 impl LatencyHistograms {
     fn new() -> Self {
         // 1 ns .. 1 hour at 2 significant digits: ~1% error, a few KiB each.
-        let histogram = || {
-            Histogram::new_with_bounds(1, 3_600_000_000_000, 2).expect("valid histogram bounds")
-        };
+        let histogram =
+            || Histogram::new_with_bounds(1, 3_600_000_000_000, 2).expect("valid histogram bounds");
         Self {
             processing: histogram(),
             source_queuing: histogram(),
@@ -193,7 +192,12 @@ impl QueryMetrics {
         metrics
     }
 
-    pub(crate) fn mailbox(&self, name: &str, subtask: usize, capacity: usize) -> Arc<MailboxMetrics> {
+    pub(crate) fn mailbox(
+        &self,
+        name: &str,
+        subtask: usize,
+        capacity: usize,
+    ) -> Arc<MailboxMetrics> {
         let metrics = Arc::new(MailboxMetrics::new(capacity));
         lock(&self.mailboxes).push((name.to_owned(), subtask, metrics.clone()));
         metrics
@@ -245,7 +249,9 @@ impl QueryMetrics {
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Records in and out of one operator instance.

@@ -15,7 +15,13 @@ use crate::operator::OperatorContext;
 use crate::wiring::{ActorMain, AnyBox, Body};
 
 /// Operator kinds a real-time query may use while the allowlist check is on.
-pub const OPERATOR_ALLOWLIST: &[&str] = &["map", "filter", "flat_map", "broadcast_join", WITH_WATERMARK];
+pub const OPERATOR_ALLOWLIST: &[&str] = &[
+    "map",
+    "filter",
+    "flat_map",
+    "broadcast_join",
+    WITH_WATERMARK,
+];
 
 /// Sink kinds a real-time query may use while the allowlist check is on.
 pub const SINK_ALLOWLIST: &[&str] = &["kafka", "foreach", "console", "memory"];
@@ -153,7 +159,10 @@ impl Plan {
                 Body::Source(source, _) => {
                     source_partitions[id] = source.partitions()?;
                     if source_partitions[id] == 0 {
-                        return Err(RtflowError::source(&node.name, "the source has no partitions"));
+                        return Err(RtflowError::source(
+                            &node.name,
+                            "the source has no partitions",
+                        ));
                     }
                     node.parallelism
                         .unwrap_or(source_partitions[id])
@@ -173,7 +182,9 @@ impl Plan {
         for id in 0..n {
             let width = parallelism[id];
             for edge in &mut graph.nodes[id].inputs {
-                if matches!(edge.partitioning, Partitioning::Forward) && parallelism[edge.from] != width {
+                if matches!(edge.partitioning, Partitioning::Forward)
+                    && parallelism[edge.from] != width
+                {
                     edge.partitioning = Partitioning::RoundRobin;
                 }
             }
@@ -184,7 +195,9 @@ impl Plan {
         if config.operator_chaining {
             for (id, node) in graph.nodes.iter().enumerate() {
                 if let [edge] = node.inputs.as_slice() {
-                    if matches!(edge.partitioning, Partitioning::Forward) && consumers[edge.from].len() == 1 {
+                    if matches!(edge.partitioning, Partitioning::Forward)
+                        && consumers[edge.from].len() == 1
+                    {
                         chained_next[edge.from] = Some(id);
                         chained_prev[id] = Some(edge.from);
                     }
@@ -250,12 +263,19 @@ impl Plan {
                 if self.chained_prev[to] == Some(from) {
                     continue;
                 }
-                let forward = matches!(self.graph.nodes[to].inputs[edge].partitioning, Partitioning::Forward);
+                let forward = matches!(
+                    self.graph.nodes[to].inputs[edge].partitioning,
+                    Partitioning::Forward
+                );
                 for sending in &mut senders[from] {
                     sending.push(Vec::new());
                 }
                 for receiver in 0..self.parallelism[to] {
-                    let mailbox = metrics.mailbox(&self.graph.nodes[to].name, receiver, config.mailbox_capacity);
+                    let mailbox = metrics.mailbox(
+                        &self.graph.nodes[to].name,
+                        receiver,
+                        config.mailbox_capacity,
+                    );
                     for sender in 0..self.parallelism[from] {
                         if forward && sender != receiver {
                             continue;
@@ -300,7 +320,11 @@ impl Plan {
                                 subtask,
                                 parallelism,
                             };
-                            operator.chain(&ctx, emit.expect("an operator has an output"), metrics)?
+                            operator.chain(
+                                &ctx,
+                                emit.expect("an operator has an output"),
+                                metrics,
+                            )?
                         }
                         Body::Source(..) => break,
                     });

@@ -84,7 +84,9 @@ impl StreamingQuery {
                 let _ = system.run();
             })
             .map_err(|error| {
-                RtflowError::InvalidConfiguration(format!("could not start the coordinator: {error}"))
+                RtflowError::InvalidConfiguration(format!(
+                    "could not start the coordinator: {error}"
+                ))
             })?;
         let coordinator = address_rx
             .recv()
@@ -123,7 +125,10 @@ impl StreamingQuery {
 
     /// Whether the query is still running.
     pub fn is_active(&self) -> bool {
-        matches!(*self.shared.lifecycle(), Lifecycle::Starting | Lifecycle::Active)
+        matches!(
+            *self.shared.lifecycle(),
+            Lifecycle::Starting | Lifecycle::Active
+        )
     }
 
     /// The error that terminated the query, if it failed.

@@ -115,7 +115,12 @@ where
     fn chain(&self, ctx: &OperatorContext, next: AnyBox, metrics: &QueryMetrics) -> Result<AnyBox> {
         let next: Box<dyn Emit<Out>> = unbox(next);
         let operator = (self.factory)(ctx);
-        let chained = Chained::start(operator, ctx, next, metrics.operator(&ctx.operator, ctx.subtask))?;
+        let chained = Chained::start(
+            operator,
+            ctx,
+            next,
+            metrics.operator(&ctx.operator, ctx.subtask),
+        )?;
         let emit: Box<dyn Emit<In>> = Box::new(chained);
         Ok(Box::new(emit))
     }

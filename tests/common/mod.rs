@@ -1,0 +1,35 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use rtflow::prelude::*;
+
+/// Long enough for any test query on a loaded 2-core machine.
+pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A valid configuration with its own checkpoint directory.
+pub fn config(name: &str) -> QueryConfig {
+    let dir = std::env::temp_dir()
+        .join("rtflow-tests")
+        .join(format!("{name}-{}", std::process::id()));
+    QueryConfig::new(name).checkpoint_location(dir)
+}
+
+/// Runs a dataflow whose sources end, and waits until it has drained.
+pub fn run_to_end(flow: Dataflow, config: QueryConfig) -> StreamingQuery {
+    let query = flow.start(config).expect("query starts");
+    assert_eq!(
+        query.await_termination(Some(TIMEOUT)),
+        Ok(true),
+        "query finishes within {TIMEOUT:?}"
+    );
+    query
+}
+
+/// The sorted rows of a sink.
+pub fn sorted<T: Ord + Clone + Send + 'static>(sink: &MemorySink<T>) -> Vec<T> {
+    let mut rows = sink.rows();
+    rows.sort();
+    rows
+}
