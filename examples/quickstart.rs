@@ -40,11 +40,11 @@ const COUNTRIES: [&str; 5] = ["NL", "BR", "JP", "KE", "CA"];
 /// The raw event, as a producer would write it: deterministic from its offset.
 fn event(partition: usize, offset: u64) -> String {
     let n = offset * 7 + partition as u64 * 13;
+    let amount_cents = (n * 7_919) % 10_000;
     format!(
-        "user-{},{},{}",
+        "user-{},{},{amount_cents}",
         n % 50,
-        ACTIONS[(n % 4) as usize],
-        n % 10_000
+        ACTIONS[(n % 4) as usize]
     )
 }
 
@@ -73,6 +73,7 @@ fn main() -> Result<()> {
             .partitions(args.partitions)
             .rows_per_second(args.rate),
     )
+    .name("clicks")
     .flat_map(parse)
     .filter(|click| click.action == "purchase")
     .broadcast_join(&users, |click| click.user)
@@ -99,17 +100,22 @@ fn main() -> Result<()> {
     let elapsed = started.elapsed().as_secs_f64();
 
     let metrics = query.metrics();
-    let read = metrics.records_out("generator-0");
-    let latency = metrics.latency.processing;
+    let read = metrics.records_out("clicks");
+    let latency = metrics.latency;
     println!();
     println!(
         "records read: {read}  purchases printed: {}  ({:.0} records/s over {elapsed:.1} s)",
-        latency.count,
+        latency.processing.count,
         read as f64 / elapsed
     );
-    println!(
-        "processing latency ms: p50 {:.3}  p90 {:.3}  p99 {:.3}",
-        latency.p50, latency.p90, latency.p99
-    );
+    for (name, p) in [
+        ("processing", latency.processing),
+        ("end-to-end", latency.end_to_end),
+    ] {
+        println!(
+            "{name:>10} latency ms: p50 {:.3}  p90 {:.3}  p99 {:.3}",
+            p.p50, p.p90, p.p99
+        );
+    }
     Ok(())
 }

@@ -137,11 +137,11 @@ fn broadcast_join_reads_a_csv_table() {
     assert_eq!(sorted(&out), vec![(1, "NL".into()), (2, "JP".into())]);
 }
 
-/// Which sink partition saw each record.
-struct Tagged(
-    std::sync::Arc<std::sync::Mutex<Vec<(usize, (u32, u32))>>>,
-    usize,
-);
+/// Each record a sink partition saw, tagged with that partition.
+type Seen = std::sync::Arc<std::sync::Mutex<Vec<(usize, (u32, u32))>>>;
+
+/// A writer that tags what it sees with its partition.
+struct Tagged(Seen, usize);
 
 impl ForeachWriter<(u32, u32)> for Tagged {
     fn open(&mut self, partition_id: usize, _epoch_id: u64) -> bool {

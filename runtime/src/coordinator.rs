@@ -147,11 +147,6 @@ impl Actor for Coordinator {
             started,
         } = self.startup.take().expect("started once");
         match self.start_actors(graph, &config, ctx) {
-            Ok(()) if self.running == 0 => {
-                self.shared.terminate(None);
-                let _ = started.send(Ok(()));
-                ctx.stop();
-            }
             Ok(()) => {
                 self.shared.activate();
                 let _ = started.send(Ok(()));

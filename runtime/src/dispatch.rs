@@ -69,6 +69,24 @@ impl Hasher for StableHasher {
         }
     }
 
+    // Integers hash as little-endian 64-bit values, so a key hashes the same on
+    // every platform.
+    fn write_u16(&mut self, n: u16) {
+        self.write(&u64::from(n).to_le_bytes());
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.write(&u64::from(n).to_le_bytes());
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.write(&n.to_le_bytes());
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.write(&(n as u64).to_le_bytes());
+    }
+
     fn finish(&self) -> u64 {
         let mut h = self.0;
         h ^= h >> 33;

@@ -265,14 +265,6 @@ impl<T: Data> Stream<T> {
         let body = Body::Sink(Box::new(SinkNode::new(sink)));
         self.graph.borrow_mut().add(&kind, body, self.inputs());
     }
-
-    /// Like [`Stream::sink`], with a name for the sink operator.
-    pub fn sink_named(&self, name: impl Into<String>, sink: impl Sink<T>) {
-        self.sink(sink);
-        let mut graph = self.graph.borrow_mut();
-        let node = graph.nodes.last_mut().expect("the sink just added");
-        node.name = name.into();
-    }
 }
 
 impl<T> AsRef<Stream<T>> for Stream<T> {
@@ -288,11 +280,6 @@ pub struct KeyedStream<K, T> {
 }
 
 impl<K, T: Data> KeyedStream<K, T> {
-    /// The key of `value`.
-    pub fn key_of(&self, value: &T) -> K {
-        (self.key)(value)
-    }
-
     /// The key function, for keyed operators.
     pub fn key_fn(&self) -> Arc<dyn Fn(&T) -> K + Send + Sync> {
         self.key.clone()

@@ -128,6 +128,17 @@ fn upstream_sources(graph: &Graph) -> Vec<BTreeSet<NodeId>> {
     sources
 }
 
+/// The sending ends of one edge for one upstream actor, in receiver order.
+type EdgeLanes = Vec<(AnyBox, Arc<MailboxMetrics>)>;
+
+/// The lanes of a query before they are handed to its actors.
+struct Lanes {
+    /// `outgoing[node][subtask][consumer edge]`: the actor's sending ends.
+    outgoing: Vec<Vec<Vec<EdgeLanes>>>,
+    /// `incoming[node][subtask]`: the actor's receiving ends over all its inputs.
+    incoming: Vec<Vec<Vec<AnyBox>>>,
+}
+
 /// One actor to start: the chain of operators it runs, and its body.
 pub(crate) struct ActorSpec {
     pub(crate) label: String,
@@ -239,6 +250,52 @@ impl Plan {
         chain
     }
 
+    /// Makes a bounded lane for every pair of actors joined by an edge that is not
+    /// fused into one actor.
+    fn lanes(&self, config: &QueryConfig, metrics: &QueryMetrics) -> Lanes {
+        let mut outgoing: Vec<Vec<Vec<EdgeLanes>>> = self
+            .parallelism
+            .iter()
+            .map(|p| (0..*p).map(|_| Vec::new()).collect())
+            .collect();
+        let mut incoming: Vec<Vec<Vec<AnyBox>>> = self
+            .parallelism
+            .iter()
+            .map(|p| (0..*p).map(|_| Vec::new()).collect())
+            .collect();
+        for (from, node) in self.graph.nodes.iter().enumerate() {
+            let Some(port) = node.body.port() else {
+                continue;
+            };
+            for &(to, edge) in &self.consumers[from] {
+                if self.chained_prev[to] == Some(from) {
+                    continue;
+                }
+                let consumer = &self.graph.nodes[to];
+                let forward = matches!(consumer.inputs[edge].partitioning, Partitioning::Forward);
+                for outputs in &mut outgoing[from] {
+                    outputs.push(Vec::new());
+                }
+                for (receiver, inbox) in incoming[to].iter_mut().enumerate() {
+                    let mailbox =
+                        metrics.mailbox(&consumer.name, receiver, config.mailbox_capacity);
+                    for (sender, outputs) in outgoing[from].iter_mut().enumerate() {
+                        if forward && sender != receiver {
+                            continue;
+                        }
+                        let (tx, rx) = port.lane(config.mailbox_capacity);
+                        outputs
+                            .last_mut()
+                            .expect("edge added above")
+                            .push((tx, mailbox.clone()));
+                        inbox.push(rx);
+                    }
+                }
+            }
+        }
+        Lanes { outgoing, incoming }
+    }
+
     /// Makes every lane, dispatcher, operator instance and reader, and returns the
     /// body of every actor, named.
     pub(crate) fn wire(
@@ -247,50 +304,10 @@ impl Plan {
         metrics: &QueryMetrics,
         env: &ActorEnv,
     ) -> Result<Vec<ActorSpec>> {
-        let n = self.graph.nodes.len();
-        // senders[from][subtask] = per consumer edge, its lanes in receiver order.
-        let mut senders: Vec<Vec<Vec<Vec<(AnyBox, Arc<MailboxMetrics>)>>>> = (0..n)
-            .map(|id| (0..self.parallelism[id]).map(|_| Vec::new()).collect())
-            .collect();
-        let mut receivers: Vec<Vec<Vec<AnyBox>>> = (0..n)
-            .map(|id| (0..self.parallelism[id]).map(|_| Vec::new()).collect())
-            .collect();
-        for from in 0..n {
-            let Some(port) = self.graph.nodes[from].body.port() else {
-                continue;
-            };
-            for &(to, edge) in &self.consumers[from] {
-                if self.chained_prev[to] == Some(from) {
-                    continue;
-                }
-                let forward = matches!(
-                    self.graph.nodes[to].inputs[edge].partitioning,
-                    Partitioning::Forward
-                );
-                for sending in &mut senders[from] {
-                    sending.push(Vec::new());
-                }
-                for receiver in 0..self.parallelism[to] {
-                    let mailbox = metrics.mailbox(
-                        &self.graph.nodes[to].name,
-                        receiver,
-                        config.mailbox_capacity,
-                    );
-                    for sender in 0..self.parallelism[from] {
-                        if forward && sender != receiver {
-                            continue;
-                        }
-                        let (tx, rx) = port.lane(config.mailbox_capacity);
-                        senders[from][sender]
-                            .last_mut()
-                            .expect("edge added above")
-                            .push((tx, mailbox.clone()));
-                        receivers[to][receiver].push(rx);
-                    }
-                }
-            }
-        }
-
+        let Lanes {
+            mut outgoing,
+            mut incoming,
+        } = self.lanes(config, metrics);
         let mut actors = Vec::with_capacity(self.actor_count());
         for head in self.heads().collect::<Vec<_>>() {
             let chain = self.chain(head);
@@ -301,7 +318,7 @@ impl Plan {
                 .collect::<Vec<_>>()
                 .join(" -> ");
             for subtask in (0..self.parallelism[head]).rev() {
-                let mut emit = self.outputs(tail, senders[tail].pop(), config, env);
+                let mut emit = self.outputs(tail, outgoing[tail].pop(), config, env);
                 for &id in chain.iter().rev() {
                     let node = &self.graph.nodes[id];
                     let parallelism = self.parallelism[id];
@@ -353,7 +370,7 @@ impl Plan {
                             .body
                             .port()
                             .expect("an input comes from a node with outputs");
-                        let lanes = std::mem::take(&mut receivers[head][subtask]);
+                        let lanes = std::mem::take(&mut incoming[head][subtask]);
                         port.inbox_actor(lanes, emit, env.clone())
                     }
                 };
@@ -371,7 +388,7 @@ impl Plan {
     fn outputs(
         &self,
         tail: NodeId,
-        lanes: Option<Vec<Vec<(AnyBox, Arc<MailboxMetrics>)>>>,
+        lanes: Option<Vec<EdgeLanes>>,
         config: &QueryConfig,
         env: &ActorEnv,
     ) -> Option<AnyBox> {
