@@ -57,3 +57,8 @@ pub mod prelude {
         QueryConfig, Record, Result, RtflowError, StaticTable, Stream, StreamingQuery, Trigger,
     };
 }
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

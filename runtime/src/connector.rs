@@ -1,10 +1,11 @@
 //! The traits connectors implement: a [`Source`] hands out one [`SourceReader`] per
 //! source actor, a [`Sink`] one [`SinkWriter`] per sink actor.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Result, RtflowError};
-use crate::metrics::LatencyRecorder;
+use crate::metrics::{LatencyRecorder, OperatorMetrics};
 use crate::operator::Emit;
 use crate::record::{nanos_to_event_time, now_nanos, Epoch, EventTime, Nanos, Record, RecordMeta};
 
@@ -154,12 +155,42 @@ pub trait SinkWriter<T>: Send {
     }
 }
 
-/// The end of a sink actor's chain: writes, then records the record's latencies.
+/// The end of a sink actor's chain: writes each record, and once the batch is
+/// flushed records the latencies of its records against one clock read.
 pub(crate) struct SinkEmit<T> {
-    pub(crate) writer: Box<dyn SinkWriter<T>>,
-    pub(crate) latency: LatencyRecorder,
-    pub(crate) metrics: std::sync::Arc<crate::metrics::OperatorMetrics>,
-    pub(crate) written: u64,
+    writer: Box<dyn SinkWriter<T>>,
+    latency: LatencyRecorder,
+    metrics: Arc<OperatorMetrics>,
+    /// Timestamps of the records written since the last flush.
+    unflushed: Vec<RecordMeta>,
+}
+
+impl<T> SinkEmit<T> {
+    pub(crate) fn new(
+        writer: Box<dyn SinkWriter<T>>,
+        latency: LatencyRecorder,
+        metrics: Arc<OperatorMetrics>,
+    ) -> Self {
+        Self {
+            writer,
+            latency,
+            metrics,
+            unflushed: Vec::new(),
+        }
+    }
+
+    /// The unflushed records are now fully processed.
+    fn settle(&mut self) {
+        if self.unflushed.is_empty() {
+            return;
+        }
+        let done = now_nanos();
+        for meta in &self.unflushed {
+            self.latency.record(meta, done);
+        }
+        self.metrics.add(self.unflushed.len() as u64, 0);
+        self.unflushed.clear();
+    }
 }
 
 impl<T: Send> Emit<T> for SinkEmit<T> {
@@ -167,8 +198,7 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
     fn record(&mut self, record: Record<T>) -> Result<()> {
         let meta = record.meta;
         self.writer.write(record)?;
-        self.written += 1;
-        self.latency.record(&meta, now_nanos());
+        self.unflushed.push(meta);
         Ok(())
     }
 
@@ -182,17 +212,15 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
 
     fn flush(&mut self) -> Result<()> {
         self.writer.flush()?;
-        self.metrics.add(self.written, 0);
-        self.written = 0;
+        self.settle();
         self.latency.publish_if_due();
         Ok(())
     }
 
     fn end(&mut self) -> Result<()> {
         self.writer.flush()?;
+        self.settle();
         self.writer.close(None)?;
-        self.metrics.add(self.written, 0);
-        self.written = 0;
         self.latency.publish();
         Ok(())
     }

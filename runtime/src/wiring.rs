@@ -149,12 +149,11 @@ impl<T: Data> ErasedSink for SinkNode<T> {
     }
 
     fn chain(&self, ctx: &SinkContext, name: &str, metrics: &QueryMetrics) -> Result<AnyBox> {
-        let emit: Box<dyn Emit<T>> = Box::new(SinkEmit {
-            writer: self.sink.writer(ctx)?,
-            latency: metrics.latency_recorder(),
-            metrics: metrics.operator(name, ctx.subtask),
-            written: 0,
-        });
+        let emit: Box<dyn Emit<T>> = Box::new(SinkEmit::new(
+            self.sink.writer(ctx)?,
+            metrics.latency_recorder(),
+            metrics.operator(name, ctx.subtask),
+        ));
         Ok(Box::new(emit))
     }
 }
