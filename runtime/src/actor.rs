@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Select, TryRecvError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Select, TryRecvError};
 
 use crate::connector::{SourceOutput, SourceReader, SourceStatus};
 use crate::error::{Result, RtflowError};
@@ -113,11 +113,24 @@ fn inbox_loop<T: Data>(
     let mut select = readable_lanes(lanes, &inputs);
     loop {
         env.check_cancel()?;
-        if select.ready_timeout(IDLE_WAIT).is_err() {
-            continue;
-        }
         let mut budget = DRAIN_BUDGET;
         let mut lanes_changed = false;
+        // One lane (a forward edge) is waited on directly: a plain receive wakes
+        // faster than a select.
+        if let [lane] = lanes {
+            let message = match lane.recv_timeout(IDLE_WAIT) {
+                Ok(message) => message,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return Err(RtflowError::Cancelled),
+            };
+            budget -= 1;
+            match handle(0, message, &mut inputs, emit)? {
+                Step::Continue | Step::LanesChanged => {}
+                Step::Finished => return emit.end(),
+            }
+        } else if select.ready_timeout(IDLE_WAIT).is_err() {
+            continue;
+        }
         while budget > 0 {
             let mut received = false;
             for (lane, receiver) in lanes.iter().enumerate() {
