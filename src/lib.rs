@@ -47,6 +47,9 @@ pub use rtflow_runtime::{
 
 /// Everything a dataflow program needs, in one import.
 pub mod prelude {
+    pub use rtflow_connectors::kafka::{
+        KafkaAdmin, KafkaMessage, KafkaRecord, KafkaSink, KafkaSource, StartingOffsets,
+    };
     pub use rtflow_connectors::{
         ConsoleSink, CsvTable, ForeachSink, ForeachWriter, GeneratorSource, MemorySink,
         MemorySource,

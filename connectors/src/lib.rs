@@ -7,12 +7,14 @@
 //! - [`GeneratorSource`]: deterministic rows at a fixed or unlimited rate.
 //! - [`ConsoleSink`]: prints rows as they arrive.
 //! - [`ForeachSink`]: hands rows to a user [`ForeachWriter`].
+//! - [`kafka`]: Apache Kafka source and sink (rdkafka), and topic administration.
 //! - [`CsvTable`]: loads a [`StaticTable`](rtflow_runtime::StaticTable) for
 //!   stream-static joins from a CSV file.
 
 mod console;
 mod foreach;
 mod generator;
+pub mod kafka;
 mod memory;
 mod static_table;
 

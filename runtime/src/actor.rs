@@ -74,8 +74,9 @@ fn source_loop<T: Data>(
             if let Some(metrics) = &env.source_metrics {
                 metrics.add(0, read as u64);
             }
-            emit.flush()?;
         }
+        // Also when idle: a sink learns of asynchronous failures when flushed.
+        emit.flush()?;
         if status == SourceStatus::Finished {
             return emit.end();
         }
@@ -120,7 +121,10 @@ fn inbox_loop<T: Data>(
         if let [lane] = lanes {
             let message = match lane.recv_timeout(IDLE_WAIT) {
                 Ok(message) => message,
-                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Timeout) => {
+                    emit.flush()?;
+                    continue;
+                }
                 Err(RecvTimeoutError::Disconnected) => return Err(RtflowError::Cancelled),
             };
             budget -= 1;
@@ -129,6 +133,7 @@ fn inbox_loop<T: Data>(
                 Step::Finished => return emit.end(),
             }
         } else if select.ready_timeout(IDLE_WAIT).is_err() {
+            emit.flush()?;
             continue;
         }
         while budget > 0 {

@@ -25,8 +25,14 @@ pub trait Source<T>: Send + 'static {
     /// The connector kind: "kafka", "memory", "generator", ...
     fn kind(&self) -> &str;
 
-    /// How many partitions the source has; one reader actor runs per partition.
+    /// How many partitions the source has. Called once at start, before any reader
+    /// is opened.
     fn partitions(&self) -> Result<usize>;
+
+    /// How many reader actors share `partitions`; by default one per partition.
+    fn readers(&self, partitions: usize) -> usize {
+        partitions
+    }
 
     /// Whether the source can be read continuously by long-running readers.
     fn supports_real_time(&self) -> bool {

@@ -176,8 +176,8 @@ impl Plan {
                         ));
                     }
                     node.parallelism
-                        .unwrap_or(source_partitions[id])
-                        .min(source_partitions[id])
+                        .unwrap_or_else(|| source.readers(source_partitions[id]))
+                        .clamp(1, source_partitions[id])
                 }
                 _ => node.parallelism.unwrap_or_else(|| {
                     let all_forward = node.inputs.iter().all(|e| !e.partitioning.is_shuffle());

@@ -51,6 +51,7 @@ fn unbox<T: 'static>(any: AnyBox) -> T {
 pub(crate) trait ErasedSource: Send {
     fn supports_real_time(&self) -> bool;
     fn partitions(&self) -> Result<usize>;
+    fn readers(&self, partitions: usize) -> usize;
     fn open(&self, ctx: &SourceContext) -> Result<AnyBox>;
     fn actor(&self, reader: AnyBox, emit: AnyBox, env: ActorEnv) -> ActorMain;
 }
@@ -74,6 +75,10 @@ impl<T: Data> ErasedSource for SourceNode<T> {
 
     fn partitions(&self) -> Result<usize> {
         self.source.partitions()
+    }
+
+    fn readers(&self, partitions: usize) -> usize {
+        self.source.readers(partitions)
     }
 
     fn open(&self, ctx: &SourceContext) -> Result<AnyBox> {

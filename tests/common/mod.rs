@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod kafka;
+
 use std::time::Duration;
 
 use rtflow::prelude::*;

@@ -1,0 +1,75 @@
+//! Topic administration, for examples, benchmarks and tests.
+
+use std::time::Duration;
+
+use futures_executor::block_on;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::ClientConfig;
+use rtflow_runtime::{Result, RtflowError};
+
+/// Creates and deletes topics on a Kafka cluster.
+///
+/// ```no_run
+/// use rtflow_connectors::kafka::KafkaAdmin;
+/// let admin = KafkaAdmin::new("127.0.0.1:9092")?;
+/// admin.create_topic("clicks", 3)?;
+/// # Ok::<(), rtflow_runtime::RtflowError>(())
+/// ```
+pub struct KafkaAdmin {
+    client: AdminClient<DefaultClientContext>,
+    options: AdminOptions,
+}
+
+fn admin_error(message: impl std::fmt::Display) -> RtflowError {
+    RtflowError::source("kafka admin", message)
+}
+
+impl KafkaAdmin {
+    /// Connects to the cluster at `bootstrap_servers`.
+    pub fn new(bootstrap_servers: &str) -> Result<Self> {
+        let client = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap_servers)
+            .create()
+            .map_err(admin_error)?;
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        Ok(Self { client, options })
+    }
+
+    /// Creates `topic` with `partitions` partitions (replication 1); an existing
+    /// topic is left as it is.
+    pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<()> {
+        let new_topic = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+        let results = block_on(self.client.create_topics([&new_topic], &self.options))
+            .map_err(admin_error)?;
+        for result in results {
+            match result {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((name, code)) => {
+                    return Err(admin_error(format!(
+                        "could not create topic '{name}': {code}"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes `topic`; a missing topic is not an error.
+    pub fn delete_topic(&self, topic: &str) -> Result<()> {
+        let results =
+            block_on(self.client.delete_topics(&[topic], &self.options)).map_err(admin_error)?;
+        for result in results {
+            match result {
+                Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+                Err((name, code)) => {
+                    return Err(admin_error(format!(
+                        "could not delete topic '{name}': {code}"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+}

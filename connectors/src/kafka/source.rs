@@ -1,0 +1,389 @@
+//! [`KafkaSource`]: long-running readers over manually assigned topic partitions.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Headers, Message, Timestamp};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{Offset, TopicPartitionList};
+use regex::Regex;
+use rtflow_runtime::record::now_nanos;
+use rtflow_runtime::{
+    Result, RtflowError, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
+};
+
+use super::{KafkaRecord, Options, TimestampType, DEFAULT_METADATA_TIMEOUT};
+
+/// Where readers start in each partition.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum StartingOffsets {
+    /// The oldest record still in the log.
+    Earliest,
+    /// Only records appended after the query starts.
+    #[default]
+    Latest,
+    /// The given offset per `(topic, partition)`; partitions not listed start at
+    /// the earliest record.
+    Offsets(HashMap<(String, i32), i64>),
+}
+
+#[derive(Debug, Clone)]
+enum Subscription {
+    Topics(Vec<String>),
+    Pattern(String),
+    Partitions(Vec<(String, i32)>),
+}
+
+/// Reads Kafka topics: one reader actor per topic partition (Spark RTM's 1:1
+/// mapping) unless [`max_partitions`](KafkaSource::max_partitions) lets one reader
+/// take several.
+///
+/// ```no_run
+/// use rtflow_connectors::kafka::{KafkaSource, StartingOffsets};
+/// let clicks = KafkaSource::new("127.0.0.1:9092")
+///     .subscribe(["clicks"])
+///     .starting_offsets(StartingOffsets::Earliest)
+///     .option("kafka.fetch.wait.max.ms", "20");
+/// ```
+pub struct KafkaSource {
+    bootstrap_servers: String,
+    subscription: Subscription,
+    starting_offsets: StartingOffsets,
+    max_partitions: Option<usize>,
+    fail_on_data_loss: bool,
+    metadata_timeout: Duration,
+    options: Options,
+    /// The `(topic, partition)` list found at start; reader partition indexes point
+    /// into it.
+    assigned: Mutex<Vec<(String, i32)>>,
+}
+
+impl KafkaSource {
+    /// A source on the cluster at `bootstrap_servers`, starting at the latest
+    /// offsets. Name what to read with `subscribe`, `subscribe_pattern` or `assign`.
+    pub fn new(bootstrap_servers: impl Into<String>) -> Self {
+        Self {
+            bootstrap_servers: bootstrap_servers.into(),
+            subscription: Subscription::Topics(Vec::new()),
+            starting_offsets: StartingOffsets::default(),
+            max_partitions: None,
+            fail_on_data_loss: true,
+            metadata_timeout: DEFAULT_METADATA_TIMEOUT,
+            options: Options::default(),
+            assigned: Mutex::default(),
+        }
+    }
+
+    /// Reads every partition of these topics.
+    pub fn subscribe<S: Into<String>>(mut self, topics: impl IntoIterator<Item = S>) -> Self {
+        self.subscription = Subscription::Topics(topics.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Reads every partition of the topics whose whole name matches `pattern` (a
+    /// regular expression) when the query starts.
+    pub fn subscribe_pattern(mut self, pattern: impl Into<String>) -> Self {
+        self.subscription = Subscription::Pattern(pattern.into());
+        self
+    }
+
+    /// Reads exactly these `(topic, partition)`s.
+    pub fn assign<S: Into<String>>(
+        mut self,
+        partitions: impl IntoIterator<Item = (S, i32)>,
+    ) -> Self {
+        self.subscription = Subscription::Partitions(
+            partitions
+                .into_iter()
+                .map(|(topic, partition)| (topic.into(), partition))
+                .collect(),
+        );
+        self
+    }
+
+    /// Where to start reading.
+    pub fn starting_offsets(mut self, offsets: StartingOffsets) -> Self {
+        self.starting_offsets = offsets;
+        self
+    }
+
+    /// Lets one reader actor read up to `partitions` partitions.
+    pub fn max_partitions(mut self, partitions: usize) -> Self {
+        self.max_partitions = Some(partitions.max(1));
+        self
+    }
+
+    /// Whether offsets that are no longer available fail the query (the default)
+    /// or make readers continue from the earliest available record.
+    pub fn fail_on_data_loss(mut self, fail: bool) -> Self {
+        self.fail_on_data_loss = fail;
+        self
+    }
+
+    /// How long start-up waits for the cluster's metadata. Default 10 s.
+    pub fn metadata_timeout(mut self, timeout: Duration) -> Self {
+        self.metadata_timeout = timeout;
+        self
+    }
+
+    /// Sets a librdkafka consumer setting: `.option("kafka.<key>", value)`.
+    pub fn option(mut self, key: &str, value: impl ToString) -> Self {
+        self.options.set(key, &value.to_string());
+        self
+    }
+
+    fn error(&self, message: impl std::fmt::Display) -> RtflowError {
+        RtflowError::source(format!("kafka {}", self.bootstrap_servers), message)
+    }
+
+    fn consumer(&self) -> Result<BaseConsumer> {
+        let reset = if self.fail_on_data_loss {
+            "error"
+        } else {
+            "earliest"
+        };
+        self.options
+            .client_config(
+                "KafkaSource",
+                &[
+                    ("bootstrap.servers", &self.bootstrap_servers),
+                    ("group.id", "rtflow"),
+                    ("client.id", "rtflow-source"),
+                    ("enable.auto.commit", "false"),
+                    ("enable.auto.offset.store", "false"),
+                    ("enable.partition.eof", "false"),
+                    ("auto.offset.reset", reset),
+                    ("socket.nagle.disable", "true"),
+                    ("fetch.wait.max.ms", "100"),
+                    // librdkafka stops fetching a partition once this much is
+                    // prefetched, so a reader blocked on a full mailbox pauses it.
+                    ("queued.max.messages.kbytes", "1024"),
+                ],
+            )?
+            .create()
+            .map_err(|e| self.error(format!("could not create the consumer: {e}")))
+    }
+
+    /// Asks the cluster which partitions the subscription covers.
+    fn resolve(&self) -> Result<Vec<(String, i32)>> {
+        let consumer = self.consumer()?;
+        let unreachable = |e: KafkaError| {
+            self.error(format!(
+                "could not fetch metadata within {:?}: {e}; check that the broker is \
+                 running and that the bootstrap servers are right",
+                self.metadata_timeout
+            ))
+        };
+        let topics: Vec<String> = match &self.subscription {
+            Subscription::Topics(topics) if topics.is_empty() => {
+                return Err(
+                    self.error("no topic to read; call subscribe, subscribe_pattern or assign")
+                )
+            }
+            Subscription::Topics(topics) => topics.clone(),
+            Subscription::Partitions(partitions) => {
+                partitions.iter().map(|(t, _)| t.clone()).collect()
+            }
+            Subscription::Pattern(pattern) => {
+                let regex = Regex::new(&format!("^(?:{pattern})$"))
+                    .map_err(|e| self.error(format!("invalid topic pattern: {e}")))?;
+                let metadata = consumer
+                    .fetch_metadata(None, self.metadata_timeout)
+                    .map_err(unreachable)?;
+                let matched: Vec<String> = metadata
+                    .topics()
+                    .iter()
+                    .map(|t| t.name().to_owned())
+                    .filter(|name| !name.starts_with("__") && regex.is_match(name))
+                    .collect();
+                if matched.is_empty() {
+                    return Err(self.error(format!("no topic matches the pattern '{pattern}'")));
+                }
+                matched
+            }
+        };
+        let mut found = Vec::new();
+        for topic in dedup(topics) {
+            let metadata = consumer
+                .fetch_metadata(Some(&topic), self.metadata_timeout)
+                .map_err(unreachable)?;
+            let entry = metadata
+                .topics()
+                .iter()
+                .find(|t| t.name() == topic)
+                .ok_or_else(|| self.error(format!("no metadata for topic '{topic}'")))?;
+            if let Some(error) = entry.error() {
+                let code = RDKafkaErrorCode::from(error);
+                return Err(match code {
+                    RDKafkaErrorCode::UnknownTopicOrPartition => self.error(format!(
+                        "topic '{topic}' does not exist; create it before starting the query"
+                    )),
+                    _ => self.error(format!("topic '{topic}': {code}")),
+                });
+            }
+            found.extend(entry.partitions().iter().map(|p| (topic.clone(), p.id())));
+        }
+        if let Subscription::Partitions(wanted) = &self.subscription {
+            if let Some((topic, partition)) = wanted.iter().find(|w| !found.contains(w)) {
+                return Err(self.error(format!(
+                    "partition {partition} of topic '{topic}' does not exist"
+                )));
+            }
+            found = dedup(wanted.clone());
+        }
+        found.sort();
+        Ok(found)
+    }
+
+    fn start_offset(&self, topic: &str, partition: i32) -> Offset {
+        match &self.starting_offsets {
+            StartingOffsets::Earliest => Offset::Beginning,
+            StartingOffsets::Latest => Offset::End,
+            StartingOffsets::Offsets(offsets) => offsets
+                .get(&(topic.to_owned(), partition))
+                .map_or(Offset::Beginning, |offset| Offset::Offset(*offset)),
+        }
+    }
+}
+
+fn dedup<T: Ord>(mut items: Vec<T>) -> Vec<T> {
+    items.sort();
+    items.dedup();
+    items
+}
+
+impl Source<KafkaRecord> for KafkaSource {
+    fn kind(&self) -> &str {
+        "kafka"
+    }
+
+    fn partitions(&self) -> Result<usize> {
+        let partitions = self.resolve()?;
+        let count = partitions.len();
+        *self.assigned.lock().unwrap_or_else(|p| p.into_inner()) = partitions;
+        Ok(count)
+    }
+
+    fn readers(&self, partitions: usize) -> usize {
+        match self.max_partitions {
+            Some(per_reader) => partitions.div_ceil(per_reader),
+            None => partitions,
+        }
+    }
+
+    fn reader(&self, ctx: &SourceContext) -> Result<Box<dyn SourceReader<KafkaRecord>>> {
+        let assigned = self.assigned.lock().unwrap_or_else(|p| p.into_inner());
+        let partitions: Vec<(String, i32)> = ctx
+            .partitions
+            .iter()
+            .map(|i| assigned[*i].clone())
+            .collect();
+        let consumer = self.consumer()?;
+        let mut assignment = TopicPartitionList::new();
+        for (topic, partition) in &partitions {
+            assignment
+                .add_partition_offset(topic, *partition, self.start_offset(topic, *partition))
+                .map_err(|e| self.error(e))?;
+        }
+        consumer
+            .assign(&assignment)
+            .map_err(|e| self.error(format!("could not assign partitions: {e}")))?;
+        Ok(Box::new(KafkaReader {
+            consumer,
+            source: format!("kafka {}", self.bootstrap_servers),
+            partitions,
+        }))
+    }
+}
+
+struct KafkaReader {
+    consumer: BaseConsumer,
+    source: String,
+    partitions: Vec<(String, i32)>,
+}
+
+impl KafkaReader {
+    /// An error the reader cannot continue after; transient ones (a broker away
+    /// for a while) are retried by librdkafka.
+    fn fatal(&self, error: &KafkaError) -> Option<RtflowError> {
+        let code = error.rdkafka_error_code()?;
+        let message = match code {
+            RDKafkaErrorCode::AutoOffsetReset | RDKafkaErrorCode::OffsetOutOfRange => format!(
+                "the requested offsets of {:?} are no longer available (deleted by \
+                 retention, or beyond the end of the log): {error}; the query fails \
+                 rather than skip records; set fail_on_data_loss(false) to continue from \
+                 the earliest available offset",
+                self.partitions
+            ),
+            RDKafkaErrorCode::UnknownTopicOrPartition
+            | RDKafkaErrorCode::UnknownTopic
+            | RDKafkaErrorCode::UnknownPartition
+            | RDKafkaErrorCode::TopicAuthorizationFailed
+            | RDKafkaErrorCode::Fatal => format!("{error}"),
+            _ => return None,
+        };
+        Some(RtflowError::source(&self.source, message))
+    }
+}
+
+fn record(message: &rdkafka::message::BorrowedMessage<'_>) -> (KafkaRecord, Option<i64>) {
+    let timestamp = match message.timestamp() {
+        Timestamp::CreateTime(ms) => Some((ms, TimestampType::CreateTime)),
+        Timestamp::LogAppendTime(ms) => Some((ms, TimestampType::LogAppendTime)),
+        Timestamp::NotAvailable => None,
+    };
+    let headers = message
+        .headers()
+        .map(|headers| {
+            headers
+                .iter()
+                .map(|h| (h.key.to_owned(), h.value.map(Bytes::copy_from_slice)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let record = KafkaRecord {
+        topic: message.topic().to_owned(),
+        partition: message.partition(),
+        offset: message.offset(),
+        key: message.key().map(Bytes::copy_from_slice),
+        value: message.payload().map(Bytes::copy_from_slice),
+        timestamp,
+        headers,
+    };
+    (record, timestamp.map(|(ms, _)| ms))
+}
+
+impl SourceReader<KafkaRecord> for KafkaReader {
+    fn poll(
+        &mut self,
+        out: &mut SourceOutput<KafkaRecord>,
+        max_wait: Duration,
+    ) -> Result<SourceStatus> {
+        let mut wait = max_wait;
+        while out.remaining() > 0 {
+            match self.consumer.poll(wait) {
+                None => break,
+                Some(Ok(message)) => {
+                    let (record, timestamp) = record(&message);
+                    match timestamp {
+                        Some(ms) => out.push_at(record, ms as u64 * 1_000_000, ms),
+                        None => out.push(record, now_nanos()),
+                    }
+                }
+                Some(Err(error)) => {
+                    if let Some(fatal) = self.fatal(&error) {
+                        return Err(fatal);
+                    }
+                    tracing::warn!(source = %self.source, %error, "kafka consumer error; retrying");
+                    break;
+                }
+            }
+            wait = Duration::ZERO;
+        }
+        Ok(SourceStatus::Active)
+    }
+}

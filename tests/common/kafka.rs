@@ -1,0 +1,132 @@
+//! Kafka helpers: the broker that scripts/test.sh started, fresh topics, and a
+//! plain rdkafka producer and consumer to feed and check queries independently of
+//! rtflow's own connectors.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use rtflow::prelude::KafkaAdmin;
+
+/// The broker's address, or `None` (test skipped) outside CI when no broker was
+/// started. In CI a missing broker fails the test: Kafka tests never skip there.
+pub fn bootstrap() -> Option<String> {
+    match std::env::var("RTFLOW_KAFKA_BOOTSTRAP") {
+        Ok(bootstrap) => Some(bootstrap),
+        Err(_) if std::env::var_os("CI").is_some() => {
+            panic!("RTFLOW_KAFKA_BOOTSTRAP is not set: run the tests with scripts/test.sh")
+        }
+        Err(_) => {
+            eprintln!("skipped: no Kafka broker; run scripts/test.sh to start one");
+            None
+        }
+    }
+}
+
+/// A new topic with a name no other test uses.
+pub fn topic(bootstrap: &str, name: &str, partitions: i32) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let topic = format!("{name}-{}-{nanos}", std::process::id());
+    KafkaAdmin::new(bootstrap)
+        .unwrap()
+        .create_topic(&topic, partitions)
+        .unwrap();
+    topic
+}
+
+/// Writes `(partition, key, value)` records and waits until all are acknowledged.
+pub fn produce(
+    bootstrap: &str,
+    topic: &str,
+    records: impl IntoIterator<Item = (i32, String, Vec<u8>)>,
+) {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("linger.ms", "5")
+        .create()
+        .unwrap();
+    for (partition, key, value) in records {
+        let mut record = BaseRecord::to(topic)
+            .partition(partition)
+            .key(&key)
+            .payload(&value);
+        while let Err((error, back)) = producer.send(record) {
+            assert!(
+                matches!(
+                    error,
+                    rdkafka::error::KafkaError::MessageProduction(
+                        rdkafka::types::RDKafkaErrorCode::QueueFull
+                    )
+                ),
+                "{error}"
+            );
+            producer.poll(Duration::from_millis(10));
+            record = back;
+        }
+        producer.poll(Duration::ZERO);
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+}
+
+/// One record as read back by the plain consumer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Read {
+    pub partition: i32,
+    pub offset: i64,
+    pub key: String,
+    pub value: Vec<u8>,
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+/// Reads `topic` from the beginning (read_committed) until `count` records arrived
+/// or `timeout` passed.
+pub fn consume(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    count: usize,
+    timeout: Duration,
+) -> Vec<Read> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", "rtflow-tests")
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .create()
+        .unwrap();
+    let mut assignment = TopicPartitionList::new();
+    for partition in 0..partitions {
+        assignment
+            .add_partition_offset(topic, partition, Offset::Beginning)
+            .unwrap();
+    }
+    consumer.assign(&assignment).unwrap();
+    let deadline = Instant::now() + timeout;
+    let mut read = Vec::new();
+    while read.len() < count && Instant::now() < deadline {
+        let Some(message) = consumer.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        let message = message.unwrap();
+        read.push(Read {
+            partition: message.partition(),
+            offset: message.offset(),
+            key: String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned(),
+            value: message.payload().unwrap_or_default().to_vec(),
+            headers: message
+                .headers()
+                .map(|h| {
+                    h.iter()
+                        .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        });
+    }
+    read
+}

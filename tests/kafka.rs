@@ -1,0 +1,348 @@
+//! The Kafka source and sink against a real Apache Kafka broker (started by
+//! scripts/test.sh).
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::kafka::{bootstrap, consume, produce, topic};
+use common::{config, TIMEOUT};
+use rtflow::prelude::*;
+
+/// `count` records per partition, valued "partition:sequence", keyed by sequence.
+fn numbered(partitions: i32, count: usize) -> Vec<(i32, String, Vec<u8>)> {
+    (0..count)
+        .flat_map(|sequence| {
+            (0..partitions).map(move |p| {
+                (
+                    p,
+                    format!("k{sequence}"),
+                    format!("{p}:{sequence}").into_bytes(),
+                )
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn kafka_to_kafka_delivers_every_record_in_partition_order() {
+    let Some(bootstrap) = bootstrap() else { return };
+    const PER_PARTITION: usize = 2000;
+    let input = topic(&bootstrap, "rtflow-in", 3);
+    let output = topic(&bootstrap, "rtflow-out", 3);
+    produce(&bootstrap, &input, numbered(3, PER_PARTITION));
+
+    let flow = Dataflow::new("kafka-to-kafka");
+    flow.source(
+        KafkaSource::new(&bootstrap)
+            .subscribe([&input])
+            .starting_offsets(StartingOffsets::Earliest),
+    )
+    .map(|record: KafkaRecord| {
+        let value = record.value_str().to_uppercase();
+        (
+            record.partition,
+            record.offset,
+            record.key_str().into_owned(),
+            value,
+        )
+    })
+    .sink(KafkaSink::new(
+        &bootstrap,
+        &output,
+        |(partition, offset, key, value): &(i32, i64, String, String)| {
+            KafkaMessage::new(format!("seen {value}"))
+                .key(key.clone())
+                .partition(*partition)
+                .header("source-offset", offset.to_string())
+        },
+    ));
+    let query = flow.start(config("kafka-to-kafka")).unwrap();
+
+    let read = consume(&bootstrap, &output, 3, 3 * PER_PARTITION, TIMEOUT);
+    query.stop().unwrap();
+    assert_eq!(read.len(), 3 * PER_PARTITION, "every record arrives");
+    let mut next: HashMap<i32, usize> = HashMap::new();
+    for record in &read {
+        let sequence = next.entry(record.partition).or_insert(0);
+        let expected = format!("seen {}:{sequence}", record.partition);
+        assert_eq!(
+            String::from_utf8_lossy(&record.value),
+            expected,
+            "partition order"
+        );
+        assert_eq!(record.key, format!("k{sequence}"));
+        assert_eq!(
+            record.headers,
+            vec![("source-offset".into(), sequence.to_string().into_bytes())]
+        );
+        *sequence += 1;
+    }
+    assert_eq!(query.exception(), None);
+    let metrics = query.metrics();
+    assert_eq!(metrics.latency.processing.count, 3 * PER_PARTITION as u64);
+    assert!(metrics.latency.source_queuing.count > 0);
+}
+
+/// Starts `source` -> memory sink and returns the values read within `wait_for`.
+fn read_values(name: &str, source: KafkaSource, expected: usize) -> Vec<String> {
+    let flow = Dataflow::new(name);
+    let out = MemorySink::new();
+    flow.source(source)
+        .map(|record: KafkaRecord| record.value_str().into_owned())
+        .sink(out.clone());
+    let query = flow.start(config(name)).unwrap();
+    out.wait_for(expected, TIMEOUT);
+    // Anything beyond what was expected would show up by now.
+    std::thread::sleep(Duration::from_millis(300));
+    query.stop().unwrap();
+    out.rows()
+}
+
+#[test]
+fn starting_offsets_are_honoured() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let input = topic(&bootstrap, "rtflow-offsets", 1);
+    produce(
+        &bootstrap,
+        &input,
+        (0..10).map(|i| (0, String::new(), format!("{i}").into_bytes())),
+    );
+
+    let offsets = HashMap::from([((input.clone(), 0), 6)]);
+    let source = KafkaSource::new(&bootstrap)
+        .subscribe([&input])
+        .starting_offsets(StartingOffsets::Offsets(offsets));
+    assert_eq!(read_values("offsets", source, 4), vec!["6", "7", "8", "9"]);
+
+    // Latest: only what is appended after the start.
+    let flow = Dataflow::new("latest");
+    let out = MemorySink::new();
+    flow.source(KafkaSource::new(&bootstrap).subscribe([&input]))
+        .map(|record: KafkaRecord| record.value_str().into_owned())
+        .sink(out.clone());
+    let query = flow.start(config("latest")).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    produce(&bootstrap, &input, [(0, String::new(), b"new".to_vec())]);
+    assert!(out.wait_for(1, TIMEOUT));
+    query.stop().unwrap();
+    assert_eq!(out.rows(), vec!["new"]);
+}
+
+#[test]
+fn record_fields_are_exposed() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let input = topic(&bootstrap, "rtflow-fields", 2);
+    produce(
+        &bootstrap,
+        &input,
+        [(1, "the-key".into(), b"the-value".to_vec())],
+    );
+    let flow = Dataflow::new("fields");
+    let out = MemorySink::new();
+    flow.source(
+        KafkaSource::new(&bootstrap)
+            .subscribe([&input])
+            .starting_offsets(StartingOffsets::Earliest),
+    )
+    .sink(out.clone());
+    let query = flow.start(config("fields")).unwrap();
+    assert!(out.wait_for(1, TIMEOUT));
+    query.stop().unwrap();
+    let record = &out.records()[0];
+    let value = &record.value;
+    assert_eq!(
+        (value.topic.as_str(), value.partition, value.offset),
+        (input.as_str(), 1, 0)
+    );
+    assert_eq!(value.key_str(), "the-key");
+    assert_eq!(value.value_str(), "the-value");
+    let (millis, kind) = value.timestamp.expect("a timestamp");
+    assert_eq!(kind, rtflow::connectors::kafka::TimestampType::CreateTime);
+    assert_eq!(
+        record.meta.event_time, millis,
+        "event time is the Kafka timestamp"
+    );
+    assert_eq!(record.meta.source_time, millis as u64 * 1_000_000);
+}
+
+#[test]
+fn pattern_subscription_and_max_partitions() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let a = topic(&bootstrap, "rtflow-pattern-a", 2);
+    let b = topic(&bootstrap, "rtflow-pattern-b", 2);
+    produce(
+        &bootstrap,
+        &a,
+        [
+            (0, String::new(), b"a0".to_vec()),
+            (1, String::new(), b"a1".to_vec()),
+        ],
+    );
+    produce(
+        &bootstrap,
+        &b,
+        [
+            (0, String::new(), b"b0".to_vec()),
+            (1, String::new(), b"b1".to_vec()),
+        ],
+    );
+    let pattern = format!("{}|{}", regex_escape(&a), regex_escape(&b));
+
+    let flow = Dataflow::new("pattern");
+    let out = MemorySink::new();
+    flow.source(
+        KafkaSource::new(&bootstrap)
+            .subscribe_pattern(pattern)
+            .starting_offsets(StartingOffsets::Earliest)
+            .max_partitions(2),
+    )
+    .name("topics")
+    .map(|record: KafkaRecord| record.value_str().into_owned())
+    .sink(out.clone());
+    let query = flow.start(config("pattern")).unwrap();
+    assert!(out.wait_for(4, TIMEOUT));
+    let readers = query
+        .metrics()
+        .operators
+        .iter()
+        .filter(|o| o.operator == "topics")
+        .count();
+    query.stop().unwrap();
+    assert_eq!(common::sorted(&out), vec!["a0", "a1", "b0", "b1"]);
+    assert_eq!(readers, 2, "4 partitions, at most 2 per reader");
+}
+
+fn regex_escape(text: &str) -> String {
+    text.replace('.', "\\.")
+}
+
+#[test]
+fn missing_topics_fail_at_start() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let flow = Dataflow::new("missing");
+    flow.source(KafkaSource::new(&bootstrap).subscribe(["rtflow-no-such-topic"]))
+        .sink(MemorySink::new());
+    let error = flow.start(config("missing")).unwrap_err();
+    assert_eq!(error.error_class(), "SOURCE_FAILED");
+    assert!(
+        error
+            .to_string()
+            .contains("'rtflow-no-such-topic' does not exist"),
+        "{error}"
+    );
+
+    let flow = Dataflow::new("missing-sink");
+    flow.source(MemorySource::<String>::new(1))
+        .sink(KafkaSink::new(
+            &bootstrap,
+            "rtflow-no-such-output",
+            |v: &String| KafkaMessage::new(v.clone()),
+        ));
+    let error = flow.start(config("missing-sink")).unwrap_err();
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    assert!(
+        error
+            .to_string()
+            .contains("'rtflow-no-such-output' does not exist"),
+        "{error}"
+    );
+}
+
+#[test]
+fn an_unreachable_broker_fails_at_start_within_seconds() {
+    if bootstrap().is_none() {
+        return;
+    }
+    let started = Instant::now();
+    let flow = Dataflow::new("unreachable");
+    flow.source(
+        KafkaSource::new("127.0.0.1:1")
+            .subscribe(["anything"])
+            .metadata_timeout(Duration::from_secs(2)),
+    )
+    .sink(MemorySink::new());
+    let error = flow.start(config("unreachable")).unwrap_err();
+    assert_eq!(error.error_class(), "SOURCE_FAILED");
+    assert!(
+        error
+            .to_string()
+            .contains("check that the broker is running"),
+        "{error}"
+    );
+    assert!(
+        started.elapsed() < TIMEOUT,
+        "no hang: {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_record_too_large_for_the_broker_fails_the_query() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let output = topic(&bootstrap, "rtflow-large", 1);
+    let flow = Dataflow::new("large");
+    let input = MemorySource::new(1);
+    flow.source(input.clone())
+        .sink(KafkaSink::new(&bootstrap, &output, |size: &usize| {
+            KafkaMessage::new(vec![b'x'; *size])
+        }));
+    let query = flow.start(config("large")).unwrap();
+    input.push(0, 100).unwrap();
+    input.push(0, 3_000_000).unwrap();
+    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    assert!(
+        error.to_string().to_lowercase().contains("too large"),
+        "{error}"
+    );
+}
+
+#[test]
+fn unavailable_offsets_fail_unless_data_loss_is_allowed() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let input = topic(&bootstrap, "rtflow-loss", 1);
+    produce(
+        &bootstrap,
+        &input,
+        (0..3).map(|i| (0, String::new(), format!("{i}").into_bytes())),
+    );
+    let beyond = || StartingOffsets::Offsets(HashMap::from([((input.clone(), 0), 1_000)]));
+
+    let flow = Dataflow::new("loss");
+    flow.source(
+        KafkaSource::new(&bootstrap)
+            .subscribe([&input])
+            .starting_offsets(beyond()),
+    )
+    .sink(MemorySink::new());
+    let query = flow.start(config("loss")).unwrap();
+    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
+    assert_eq!(error.error_class(), "SOURCE_FAILED");
+    assert!(
+        error.to_string().contains("fail_on_data_loss(false)"),
+        "{error}"
+    );
+
+    let source = KafkaSource::new(&bootstrap)
+        .subscribe([&input])
+        .starting_offsets(beyond())
+        .fail_on_data_loss(false);
+    assert_eq!(read_values("loss-allowed", source, 3), vec!["0", "1", "2"]);
+}
+
+#[test]
+fn unknown_options_are_rejected() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let flow = Dataflow::new("options");
+    flow.source(
+        KafkaSource::new(&bootstrap)
+            .subscribe(["x"])
+            .option("fetch.wait.max.ms", 5),
+    )
+    .sink(MemorySink::new());
+    let error = flow.start(config("options")).unwrap_err();
+    assert_eq!(error.error_class(), "INVALID_CONFIGURATION");
+    assert!(error.to_string().contains("prefix 'kafka.'"), "{error}");
+}
