@@ -1,0 +1,91 @@
+//! A broker stopped and restarted mid-stream: the query either resumes with every
+//! record delivered, in order, or fails with the broker's error; it never drops
+//! records silently. A test binary of its own, since it stops the shared broker.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::config;
+use common::kafka::{bootstrap, consume, produce, topic};
+use rtflow::prelude::*;
+
+fn kafka_script(args: &[&str], port: &str) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/kafka.sh");
+    let status = Command::new("bash")
+        .arg(script)
+        .args(args)
+        .env("RTFLOW_KAFKA_PORT", port)
+        .status()
+        .expect("scripts/kafka.sh runs");
+    assert!(status.success(), "scripts/kafka.sh {args:?} failed");
+}
+
+fn batch(partitions: i32, sequences: std::ops::Range<usize>) -> Vec<(i32, String, Vec<u8>)> {
+    sequences
+        .flat_map(|s| {
+            (0..partitions).map(move |p| (p, String::new(), format!("{p}:{s}").into_bytes()))
+        })
+        .collect()
+}
+
+#[test]
+fn a_broker_restart_mid_stream_loses_nothing() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let port = bootstrap.rsplit(':').next().unwrap().to_owned();
+    let input = topic(&bootstrap, "rtflow-restart-in", 3);
+    let output = topic(&bootstrap, "rtflow-restart-out", 3);
+
+    let flow = Dataflow::new("restart");
+    flow.source(
+        KafkaSource::new(&bootstrap)
+            .subscribe([&input])
+            .starting_offsets(StartingOffsets::Earliest),
+    )
+    .sink(KafkaSink::new(
+        &bootstrap,
+        &output,
+        |record: &KafkaRecord| {
+            KafkaMessage::new(record.value.clone().unwrap_or_default()).partition(record.partition)
+        },
+    ));
+    let query = flow.start(config("restart")).unwrap();
+
+    produce(&bootstrap, &input, batch(3, 0..200));
+    kafka_script(&["stop"], &port);
+    std::thread::sleep(Duration::from_secs(2));
+    kafka_script(&["start"], &port);
+    produce(&bootstrap, &input, batch(3, 200..400));
+
+    let read = consume(&bootstrap, &output, 3, 1200, Duration::from_secs(90));
+    let failure = query.exception();
+    query.stop().unwrap();
+    if let Some(error) = failure {
+        // Failing loudly with the broker's error is an allowed outcome.
+        eprintln!("the query failed with the broker's error: {error}");
+        assert!(
+            matches!(error.error_class(), "SOURCE_FAILED" | "SINK_FAILED"),
+            "{error}"
+        );
+        return;
+    }
+    assert_eq!(
+        read.len(),
+        1200,
+        "the query is running, so every record must arrive"
+    );
+    let mut next: HashMap<i32, usize> = HashMap::new();
+    for record in &read {
+        let sequence = next.entry(record.partition).or_insert(0);
+        let expected = format!("{}:{sequence}", record.partition);
+        assert_eq!(
+            String::from_utf8_lossy(&record.value),
+            expected,
+            "in order, none lost or repeated"
+        );
+        *sequence += 1;
+    }
+}
