@@ -6,6 +6,7 @@
 //!
 //! ```text
 //! cargo run --release --example quickstart -- --seconds 10
+//! RUST_LOG=rtflow_runtime=info cargo run --release --example quickstart   # with lifecycle logs
 //! ```
 
 use std::time::{Duration, Instant};
@@ -62,6 +63,10 @@ fn parse(line: String) -> Option<Click> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let users = StaticTable::from_rows(
         "users",
         (0..50u32).map(|id| (id, COUNTRIES[id as usize % COUNTRIES.len()].to_owned())),
@@ -95,7 +100,7 @@ fn main() -> Result<()> {
             .trigger(Trigger::real_time("30 seconds")),
     )?;
     let started = Instant::now();
-    query.await_termination(Some(Duration::from_secs(args.seconds)))?;
+    query.await_with_status(Duration::from_secs(args.seconds), std::io::stderr())?;
     query.stop()?;
     let elapsed = started.elapsed().as_secs_f64();
 

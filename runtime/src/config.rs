@@ -1,10 +1,13 @@
 //! Query configuration: trigger, output mode, checkpoint location and runtime sizes.
 
 use std::fmt;
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Result, RtflowError};
+use crate::progress::StreamingQueryListener;
 
 /// How a query emits results. Real-time mode supports only [`OutputMode::Update`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -224,6 +227,23 @@ pub struct QueryConfig {
     /// Fuse forward-connected operators of equal parallelism into one actor.
     /// Default true.
     pub operator_chaining: bool,
+    /// Where to serve Prometheus `/metrics`, if anywhere. Queries naming the same
+    /// address share one endpoint.
+    pub metrics_address: Option<SocketAddr>,
+    /// The longest time between two progress reports. Default 5 s.
+    pub progress_interval: Duration,
+    /// Told when the query starts, reports progress and terminates.
+    pub listeners: Listeners,
+}
+
+/// The listeners of a query.
+#[derive(Clone, Default)]
+pub struct Listeners(pub(crate) Vec<Arc<dyn StreamingQueryListener>>);
+
+impl fmt::Debug for Listeners {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} listener(s)", self.0.len())
+    }
 }
 
 impl QueryConfig {
@@ -246,6 +266,9 @@ impl QueryConfig {
             default_parallelism: std::thread::available_parallelism().map_or(2, |n| n.get()),
             max_key_groups: 128,
             operator_chaining: true,
+            metrics_address: None,
+            progress_interval: Duration::from_secs(5),
+            listeners: Listeners::default(),
         }
     }
 
@@ -315,6 +338,24 @@ impl QueryConfig {
         self
     }
 
+    /// Serves Prometheus `/metrics` on `address`.
+    pub fn metrics_address(mut self, address: SocketAddr) -> Self {
+        self.metrics_address = Some(address);
+        self
+    }
+
+    /// Sets the longest time between two progress reports.
+    pub fn progress_interval(mut self, interval: Duration) -> Self {
+        self.progress_interval = interval;
+        self
+    }
+
+    /// Adds a listener.
+    pub fn listener(mut self, listener: Arc<dyn StreamingQueryListener>) -> Self {
+        self.listeners.0.push(listener);
+        self
+    }
+
     /// Checks the settings that do not depend on the dataflow, in the order Spark
     /// reports them, and returns the batch duration.
     pub(crate) fn validate(&self) -> Result<Duration> {
@@ -336,6 +377,11 @@ impl QueryConfig {
                     self.min_batch_duration.as_millis()
                 ),
             });
+        }
+        if self.progress_interval.is_zero() {
+            return Err(RtflowError::InvalidConfiguration(
+                "progress_interval must be positive".into(),
+            ));
         }
         for (name, value) in [
             ("task_slots", self.task_slots),

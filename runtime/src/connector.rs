@@ -25,6 +25,11 @@ pub trait Source<T>: Send + 'static {
     /// The connector kind: "kafka", "memory", "generator", ...
     fn kind(&self) -> &str;
 
+    /// What the source reads, for progress reports.
+    fn description(&self) -> String {
+        self.kind().to_owned()
+    }
+
     /// How many partitions the source has. Called once at start, before any reader
     /// is opened.
     fn partitions(&self) -> Result<usize>;
@@ -131,6 +136,11 @@ pub trait Sink<T>: Send + 'static {
     /// The connector kind: "kafka", "foreach", "console", "memory", ...
     fn kind(&self) -> &str;
 
+    /// Where the sink writes, for progress reports.
+    fn description(&self) -> String {
+        self.kind().to_owned()
+    }
+
     /// Whether the sink can be written record by record by long-running writers.
     fn supports_real_time(&self) -> bool {
         true
@@ -208,7 +218,8 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
         Ok(())
     }
 
-    fn watermark(&mut self, _watermark: EventTime) -> Result<()> {
+    fn watermark(&mut self, watermark: EventTime) -> Result<()> {
+        self.metrics.set_watermark(watermark);
         Ok(())
     }
 

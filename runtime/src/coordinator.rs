@@ -12,6 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::SystemTime;
 
 use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Message, System};
 
@@ -20,7 +21,9 @@ use crate::config::QueryConfig;
 use crate::error::{Result, RtflowError};
 use crate::graph::Graph;
 use crate::plan::{validate, ActorSpec, Plan};
+use crate::progress::{timestamp, ProgressTracker, QueryStartedEvent, QueryTerminatedEvent};
 use crate::query::QueryShared;
+use crate::record::Epoch;
 
 /// An actor thread ended, with how.
 #[derive(Message)]
@@ -48,6 +51,9 @@ pub(crate) struct Coordinator {
     threads: Vec<JoinHandle<()>>,
     running: usize,
     failure: Option<RtflowError>,
+    progress: Option<ProgressTracker>,
+    /// The current checkpoint epoch.
+    epoch: Epoch,
 }
 
 impl Coordinator {
@@ -65,6 +71,8 @@ impl Coordinator {
             threads: Vec::new(),
             running: 0,
             failure: None,
+            progress: None,
+            epoch: 0,
         }
     }
 
@@ -77,6 +85,11 @@ impl Coordinator {
         let _span = tracing::info_span!("start", query = %config.name).entered();
         config.validate()?;
         validate(&graph, config)?;
+        self.progress = Some(ProgressTracker::new(
+            &self.shared,
+            graph.source_descriptions(),
+            graph.sink_descriptions(),
+        ));
         let plan = Plan::new(graph, config)?;
         let actors = plan.wire(config, &self.shared.metrics, &self.env)?;
         tracing::info!(actors = actors.len(), "starting actors");
@@ -109,6 +122,26 @@ impl Coordinator {
     fn join_threads(&mut self) {
         for thread in self.threads.drain(..) {
             let _ = thread.join();
+        }
+    }
+
+    fn publish_progress(&mut self) {
+        if let Some(tracker) = &mut self.progress {
+            let progress = tracker.report(&self.shared.metrics, self.epoch);
+            self.shared.publish(progress);
+        }
+    }
+
+    fn terminate(&mut self, failure: Option<RtflowError>) {
+        let event = QueryTerminatedEvent {
+            id: self.shared.id.to_string(),
+            run_id: self.shared.run_id.to_string(),
+            exception: failure.as_ref().map(ToString::to_string),
+            error_class: failure.as_ref().map(|e| e.error_class().to_owned()),
+        };
+        self.shared.terminate(failure);
+        for listener in &self.shared.listeners {
+            listener.on_query_terminated(&event);
         }
     }
 }
@@ -150,6 +183,18 @@ impl Actor for Coordinator {
             Ok(()) => {
                 self.shared.activate();
                 let _ = started.send(Ok(()));
+                let event = QueryStartedEvent {
+                    id: self.shared.id.to_string(),
+                    run_id: self.shared.run_id.to_string(),
+                    name: self.shared.name.clone(),
+                    timestamp: timestamp(SystemTime::now()),
+                };
+                for listener in &self.shared.listeners {
+                    listener.on_query_started(&event);
+                }
+                ctx.run_interval(config.progress_interval, |coordinator, _| {
+                    coordinator.publish_progress()
+                });
             }
             Err(error) => {
                 self.shared.terminate(Some(error.clone()));
@@ -181,7 +226,9 @@ impl Handler<ActorExited> for Coordinator {
             self.join_threads();
             let _span = tracing::info_span!("stop", query = %self.shared.name).entered();
             tracing::info!(failed = self.failure.is_some(), "query terminated");
-            self.shared.terminate(self.failure.take());
+            self.publish_progress();
+            let failure = self.failure.take();
+            self.terminate(failure);
             ctx.stop();
         }
     }

@@ -52,6 +52,28 @@ pub(crate) struct Graph {
 }
 
 impl Graph {
+    /// (operator name, description) of every source.
+    pub(crate) fn source_descriptions(&self) -> Vec<(String, String)> {
+        self.nodes
+            .iter()
+            .filter_map(|node| match &node.body {
+                Body::Source(source, _) => Some((node.name.clone(), source.description())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The description of every sink.
+    pub(crate) fn sink_descriptions(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .filter_map(|node| match &node.body {
+                Body::Sink(sink) => Some(sink.description()),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn add(&mut self, kind: &str, body: Body, inputs: Vec<Edge>) -> NodeId {
         let id = self.nodes.len();
         self.nodes.push(Node {

@@ -17,7 +17,9 @@
 //!   chaining, slots, and wiring of lanes to operators.
 //! - `actor`: the two loops an actor runs; `inputs`: watermark minimum and barrier
 //!   alignment over an actor's lanes, as pure logic.
-//! - [`query`]: the [`StreamingQuery`] handle; [`metrics`]: counters and latency.
+//! - [`query`]: the [`StreamingQuery`] handle; [`metrics`]: counters and latency;
+//!   [`progress`]: progress reports and listeners; `endpoint`: Prometheus
+//!   `/metrics`.
 //!
 //! Dependencies point one way: rtflow-operators and rtflow-connectors build on
 //! this crate; it knows neither.
@@ -27,12 +29,14 @@ pub mod config;
 pub mod connector;
 mod coordinator;
 pub mod dispatch;
+mod endpoint;
 pub mod error;
 pub mod graph;
 mod inputs;
 pub mod metrics;
 pub mod operator;
 pub mod plan;
+pub mod progress;
 pub mod query;
 pub mod record;
 pub mod table;
@@ -46,6 +50,7 @@ pub use error::{BoxError, Result, RtflowError};
 pub use graph::{Dataflow, KeyedStream, Stream};
 pub use metrics::{LatencyReport, MetricsSnapshot, Percentiles};
 pub use operator::{Collector, Emit, Operator, OperatorContext};
+pub use progress::{StreamingQueryListener, StreamingQueryProgress, StreamingQueryStatus};
 pub use query::StreamingQuery;
 pub use record::{Data, Epoch, EventTime, Nanos, Record, RecordMeta};
 pub use table::StaticTable;

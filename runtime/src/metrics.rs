@@ -1,19 +1,40 @@
 //! Counters and latency histograms. Actors count into plain fields on the hot path
-//! and publish into the shared atomics and histograms here once per batch.
+//! and publish into the shared atomics and histograms here once per batch; progress
+//! reports and the Prometheus endpoint read them from other threads.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 
-use crate::record::{Nanos, RecordMeta};
+use crate::record::{EventTime, Nanos, RecordMeta};
 
-/// Records in and out of one operator instance.
-#[derive(Debug, Default)]
+/// What part an operator instance plays, for reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Source,
+    Operator,
+    Sink,
+}
+
+/// Records in and out of one operator instance, and for sinks the watermark that
+/// reached them.
+#[derive(Debug)]
 pub struct OperatorMetrics {
     records_in: AtomicU64,
     records_out: AtomicU64,
+    watermark: AtomicI64,
+}
+
+impl Default for OperatorMetrics {
+    fn default() -> Self {
+        Self {
+            records_in: AtomicU64::new(0),
+            records_out: AtomicU64::new(0),
+            watermark: AtomicI64::new(EventTime::MIN),
+        }
+    }
 }
 
 impl OperatorMetrics {
@@ -25,12 +46,17 @@ impl OperatorMetrics {
             self.records_out.fetch_add(records_out, Ordering::Relaxed);
         }
     }
+
+    pub(crate) fn set_watermark(&self, watermark: EventTime) {
+        self.watermark.store(watermark, Ordering::Relaxed);
+    }
 }
 
-/// One mailbox lane set, seen from its senders.
+/// One actor's mailbox lanes, seen from their senders.
 #[derive(Debug, Default)]
 pub struct MailboxMetrics {
     capacity: AtomicU64,
+    depth: AtomicU64,
     max_depth: AtomicU64,
     blocked_nanos: AtomicU64,
 }
@@ -43,6 +69,7 @@ impl MailboxMetrics {
     }
 
     pub(crate) fn observe_depth(&self, depth: usize) {
+        self.depth.store(depth as u64, Ordering::Relaxed);
         self.max_depth.fetch_max(depth as u64, Ordering::Relaxed);
     }
 
@@ -94,11 +121,12 @@ pub struct LatencyReport {
     pub end_to_end: Percentiles,
 }
 
+/// Processing, source-queuing and end-to-end latency, in nanoseconds.
 #[derive(Clone)]
-struct LatencyHistograms {
-    processing: Histogram<u64>,
-    source_queuing: Histogram<u64>,
-    end_to_end: Histogram<u64>,
+pub(crate) struct LatencyHistograms {
+    pub(crate) processing: Histogram<u64>,
+    pub(crate) source_queuing: Histogram<u64>,
+    pub(crate) end_to_end: Histogram<u64>,
 }
 
 impl LatencyHistograms {
@@ -125,13 +153,27 @@ impl LatencyHistograms {
         self.source_queuing.reset();
         self.end_to_end.reset();
     }
+
+    fn report(&self) -> LatencyReport {
+        LatencyReport {
+            processing: Percentiles::of(&self.processing),
+            source_queuing: Percentiles::of(&self.source_queuing),
+            end_to_end: Percentiles::of(&self.end_to_end),
+        }
+    }
+}
+
+/// Latencies since the query started, and since the last progress report.
+struct Latencies {
+    total: LatencyHistograms,
+    interval: LatencyHistograms,
 }
 
 /// A sink actor's private latency histograms, merged into the query's every
 /// [`LatencyRecorder::PUBLISH_EVERY`] so the hot path takes no lock.
 pub(crate) struct LatencyRecorder {
     local: LatencyHistograms,
-    shared: Arc<Mutex<LatencyHistograms>>,
+    shared: Arc<Mutex<Latencies>>,
     last_publish: Instant,
 }
 
@@ -163,18 +205,26 @@ impl LatencyRecorder {
         if self.local.processing.is_empty() {
             return;
         }
-        if let Ok(mut shared) = self.shared.lock() {
-            shared.add(&self.local);
-        }
+        let mut shared = lock(&self.shared);
+        shared.total.add(&self.local);
+        shared.interval.add(&self.local);
+        drop(shared);
         self.local.clear();
     }
 }
 
-/// Every counter of one query, shared by its actors and read by its handle.
+struct Registered<T> {
+    operator: String,
+    subtask: usize,
+    metrics: Arc<T>,
+}
+
+/// Every counter of one query, shared by its actors and read by its handle, its
+/// progress reports and the Prometheus endpoint.
 pub struct QueryMetrics {
-    operators: Mutex<Vec<(String, usize, Arc<OperatorMetrics>)>>,
-    mailboxes: Mutex<Vec<(String, usize, Arc<MailboxMetrics>)>>,
-    latency: Arc<Mutex<LatencyHistograms>>,
+    operators: Mutex<Vec<(Role, Registered<OperatorMetrics>)>>,
+    mailboxes: Mutex<Vec<Registered<MailboxMetrics>>>,
+    latency: Arc<Mutex<Latencies>>,
 }
 
 impl QueryMetrics {
@@ -182,13 +232,23 @@ impl QueryMetrics {
         Self {
             operators: Mutex::default(),
             mailboxes: Mutex::default(),
-            latency: Arc::new(Mutex::new(LatencyHistograms::new())),
+            latency: Arc::new(Mutex::new(Latencies {
+                total: LatencyHistograms::new(),
+                interval: LatencyHistograms::new(),
+            })),
         }
     }
 
-    pub(crate) fn operator(&self, name: &str, subtask: usize) -> Arc<OperatorMetrics> {
+    pub(crate) fn operator(&self, name: &str, subtask: usize, role: Role) -> Arc<OperatorMetrics> {
         let metrics = Arc::new(OperatorMetrics::default());
-        lock(&self.operators).push((name.to_owned(), subtask, metrics.clone()));
+        lock(&self.operators).push((
+            role,
+            Registered {
+                operator: name.to_owned(),
+                subtask,
+                metrics: metrics.clone(),
+            },
+        ));
         metrics
     }
 
@@ -199,7 +259,11 @@ impl QueryMetrics {
         capacity: usize,
     ) -> Arc<MailboxMetrics> {
         let metrics = Arc::new(MailboxMetrics::new(capacity));
-        lock(&self.mailboxes).push((name.to_owned(), subtask, metrics.clone()));
+        lock(&self.mailboxes).push(Registered {
+            operator: name.to_owned(),
+            subtask,
+            metrics: metrics.clone(),
+        });
         metrics
     }
 
@@ -211,44 +275,55 @@ impl QueryMetrics {
         }
     }
 
+    /// The latencies recorded since the previous call, which starts a new interval.
+    pub(crate) fn take_interval_latency(&self) -> LatencyReport {
+        let mut latency = lock(&self.latency);
+        let report = latency.interval.report();
+        latency.interval.clear();
+        report
+    }
+
+    /// Runs `read` on the latency histograms since the start.
+    pub(crate) fn with_total_latency<R>(&self, read: impl FnOnce(&LatencyHistograms) -> R) -> R {
+        read(&lock(&self.latency).total)
+    }
+
     /// A consistent copy of every counter.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let operators = lock(&self.operators)
             .iter()
-            .map(|(name, subtask, m)| OperatorSnapshot {
-                operator: name.clone(),
-                subtask: *subtask,
-                records_in: m.records_in.load(Ordering::Relaxed),
-                records_out: m.records_out.load(Ordering::Relaxed),
+            .map(|(role, r)| {
+                let watermark = r.metrics.watermark.load(Ordering::Relaxed);
+                OperatorSnapshot {
+                    operator: r.operator.clone(),
+                    subtask: r.subtask,
+                    role: *role,
+                    records_in: r.metrics.records_in.load(Ordering::Relaxed),
+                    records_out: r.metrics.records_out.load(Ordering::Relaxed),
+                    watermark: (watermark != EventTime::MIN).then_some(watermark),
+                }
             })
             .collect();
         let mailboxes = lock(&self.mailboxes)
             .iter()
-            .map(|(name, subtask, m)| MailboxSnapshot {
-                operator: name.clone(),
-                subtask: *subtask,
-                capacity: m.capacity.load(Ordering::Relaxed) as usize,
-                max_depth: m.max_depth.load(Ordering::Relaxed) as usize,
-                blocked: Duration::from_nanos(m.blocked_nanos.load(Ordering::Relaxed)),
+            .map(|r| MailboxSnapshot {
+                operator: r.operator.clone(),
+                subtask: r.subtask,
+                capacity: r.metrics.capacity.load(Ordering::Relaxed) as usize,
+                depth: r.metrics.depth.load(Ordering::Relaxed) as usize,
+                max_depth: r.metrics.max_depth.load(Ordering::Relaxed) as usize,
+                blocked: Duration::from_nanos(r.metrics.blocked_nanos.load(Ordering::Relaxed)),
             })
             .collect();
-        let latency = {
-            let histograms = lock(&self.latency);
-            LatencyReport {
-                processing: Percentiles::of(&histograms.processing),
-                source_queuing: Percentiles::of(&histograms.source_queuing),
-                end_to_end: Percentiles::of(&histograms.end_to_end),
-            }
-        };
         MetricsSnapshot {
             operators,
             mailboxes,
-            latency,
+            latency: lock(&self.latency).total.report(),
         }
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -259,8 +334,11 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub struct OperatorSnapshot {
     pub operator: String,
     pub subtask: usize,
+    pub role: Role,
     pub records_in: u64,
     pub records_out: u64,
+    /// For sinks: the last watermark that reached them.
+    pub watermark: Option<EventTime>,
 }
 
 /// One actor's mailbox as its senders saw it.
@@ -271,6 +349,8 @@ pub struct MailboxSnapshot {
     pub subtask: usize,
     /// Capacity of each lane, in messages.
     pub capacity: usize,
+    /// The lane depth seen after the latest send.
+    pub depth: usize,
     /// The deepest any lane was seen after a send.
     pub max_depth: usize,
     /// Time senders spent blocked on a full lane (backpressure).
@@ -282,6 +362,7 @@ pub struct MailboxSnapshot {
 pub struct MetricsSnapshot {
     pub operators: Vec<OperatorSnapshot>,
     pub mailboxes: Vec<MailboxSnapshot>,
+    /// Latencies since the query started.
     pub latency: LatencyReport,
 }
 
@@ -302,5 +383,29 @@ impl MetricsSnapshot {
             .filter(|o| o.operator == operator)
             .map(|o| o.records_in)
             .sum()
+    }
+
+    /// Records read by every source.
+    pub fn records_read(&self) -> u64 {
+        self.with_role(Role::Source).map(|o| o.records_out).sum()
+    }
+
+    /// Records written by every sink.
+    pub fn records_written(&self) -> u64 {
+        self.with_role(Role::Sink).map(|o| o.records_in).sum()
+    }
+
+    /// The query's watermark: the lowest that reached a sink, once every sink has
+    /// seen one.
+    pub fn watermark(&self) -> Option<EventTime> {
+        self.with_role(Role::Sink)
+            .map(|o| o.watermark)
+            .collect::<Option<Vec<_>>>()?
+            .into_iter()
+            .min()
+    }
+
+    fn with_role(&self, role: Role) -> impl Iterator<Item = &OperatorSnapshot> {
+        self.operators.iter().filter(move |o| o.role == role)
     }
 }

@@ -10,7 +10,7 @@ use crate::connector::{SinkContext, SourceContext};
 use crate::dispatch::Partitioning;
 use crate::error::{Result, RtflowError};
 use crate::graph::{Graph, NodeId, WITH_WATERMARK};
-use crate::metrics::{MailboxMetrics, QueryMetrics};
+use crate::metrics::{MailboxMetrics, QueryMetrics, Role};
 use crate::operator::OperatorContext;
 use crate::wiring::{ActorMain, AnyBox, Body};
 
@@ -359,7 +359,11 @@ impl Plan {
                         };
                         let reader = source.open(&ctx)?;
                         let env = ActorEnv {
-                            source_metrics: Some(metrics.operator(&node.name, subtask)),
+                            source_metrics: Some(metrics.operator(
+                                &node.name,
+                                subtask,
+                                Role::Source,
+                            )),
                             ..env.clone()
                         };
                         source.actor(reader, emit, env)

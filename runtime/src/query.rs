@@ -1,5 +1,7 @@
 //! [`StreamingQuery`]: the handle on a started dataflow.
 
+use std::collections::VecDeque;
+use std::io::Write;
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -9,9 +11,14 @@ use uuid::Uuid;
 
 use crate::config::QueryConfig;
 use crate::coordinator::{Coordinator, Startup, StopQuery};
+use crate::endpoint::{register, Registration};
 use crate::error::{Result, RtflowError};
 use crate::graph::Graph;
 use crate::metrics::{MetricsSnapshot, QueryMetrics};
+use crate::progress::{StreamingQueryListener, StreamingQueryProgress, StreamingQueryStatus};
+
+/// How many progress reports a query keeps for `recent_progress`.
+const RECENT_PROGRESS: usize = 100;
 
 #[derive(Debug, Clone, PartialEq)]
 enum Lifecycle {
@@ -20,12 +27,16 @@ enum Lifecycle {
     Terminated(Option<RtflowError>),
 }
 
-/// What the coordinator and the handle share.
+/// What the coordinator, the handle and the metrics endpoint share.
 pub(crate) struct QueryShared {
+    pub(crate) id: Uuid,
+    pub(crate) run_id: Uuid,
     pub(crate) name: String,
     pub(crate) metrics: QueryMetrics,
+    pub(crate) listeners: Vec<Arc<dyn StreamingQueryListener>>,
     lifecycle: Mutex<Lifecycle>,
     changed: Condvar,
+    progress: Mutex<VecDeque<StreamingQueryProgress>>,
 }
 
 impl QueryShared {
@@ -33,6 +44,32 @@ impl QueryShared {
         self.lifecycle
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn progress(&self) -> MutexGuard<'_, VecDeque<StreamingQueryProgress>> {
+        self.progress
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Whether the query runs, and whether it failed.
+    pub(crate) fn liveness(&self) -> (bool, bool) {
+        match &*self.lifecycle() {
+            Lifecycle::Starting | Lifecycle::Active => (true, false),
+            Lifecycle::Terminated(failure) => (false, failure.is_some()),
+        }
+    }
+
+    /// Keeps a progress report and hands it to the listeners.
+    pub(crate) fn publish(&self, progress: StreamingQueryProgress) {
+        for listener in &self.listeners {
+            listener.on_query_progress(&progress);
+        }
+        let mut recent = self.progress();
+        if recent.len() == RECENT_PROGRESS {
+            recent.pop_front();
+        }
+        recent.push_back(progress);
     }
 
     pub(crate) fn activate(&self) {
@@ -50,21 +87,29 @@ impl QueryShared {
 ///
 /// Dropping the handle stops the query and joins its threads.
 pub struct StreamingQuery {
-    id: Uuid,
-    run_id: Uuid,
     shared: Arc<QueryShared>,
     coordinator: Addr<Coordinator>,
     coordinator_thread: Mutex<Option<JoinHandle<()>>>,
+    /// Keeps the query on its `/metrics` endpoint while the handle lives.
+    _endpoint: Option<Registration>,
 }
 
 impl StreamingQuery {
     pub(crate) fn launch(graph: Graph, config: QueryConfig) -> Result<Self> {
         let shared = Arc::new(QueryShared {
+            id: Uuid::new_v4(),
+            run_id: Uuid::new_v4(),
             name: config.name.clone(),
             metrics: QueryMetrics::new(),
+            listeners: config.listeners.0.clone(),
             lifecycle: Mutex::new(Lifecycle::Starting),
             changed: Condvar::new(),
+            progress: Mutex::default(),
         });
+        let endpoint = config
+            .metrics_address
+            .map(|address| register(address, shared.clone()))
+            .transpose()?;
         let (started_tx, started_rx) = mpsc::channel();
         let (address_tx, address_rx) = mpsc::channel();
         let coordinator_shared = shared.clone();
@@ -93,11 +138,10 @@ impl StreamingQuery {
             .expect("the coordinator thread sends its address");
         let started = started_rx.recv().unwrap_or(Err(RtflowError::Cancelled));
         let query = Self {
-            id: Uuid::new_v4(),
-            run_id: Uuid::new_v4(),
             shared,
             coordinator,
             coordinator_thread: Mutex::new(Some(thread)),
+            _endpoint: endpoint,
         };
         match started {
             Ok(()) => Ok(query),
@@ -110,12 +154,12 @@ impl StreamingQuery {
 
     /// The query's id.
     pub fn id(&self) -> Uuid {
-        self.id
+        self.shared.id
     }
 
     /// The id of this run of the query.
     pub fn run_id(&self) -> Uuid {
-        self.run_id
+        self.shared.run_id
     }
 
     /// The query's name.
@@ -139,9 +183,40 @@ impl StreamingQuery {
         }
     }
 
-    /// A copy of the query's counters and latency percentiles.
+    /// A copy of the query's counters and latency percentiles since it started.
     pub fn metrics(&self) -> MetricsSnapshot {
         self.shared.metrics.snapshot()
+    }
+
+    /// The latest progress report.
+    pub fn last_progress(&self) -> Option<StreamingQueryProgress> {
+        self.shared.progress().back().cloned()
+    }
+
+    /// The latest progress reports, oldest first (at most 100).
+    pub fn recent_progress(&self) -> Vec<StreamingQueryProgress> {
+        self.shared.progress().iter().cloned().collect()
+    }
+
+    /// What the query is doing now.
+    pub fn status(&self) -> StreamingQueryStatus {
+        let (active, failed) = self.shared.liveness();
+        let data_available = self
+            .shared
+            .progress()
+            .back()
+            .is_some_and(|p| p.num_input_rows > 0);
+        let message = match (active, failed, data_available) {
+            (true, _, true) => "Processing new data",
+            (true, _, false) => "Waiting for data to arrive",
+            (false, true, _) => "Terminated with exception",
+            (false, false, _) => "Stopped",
+        };
+        StreamingQueryStatus {
+            message: message.to_owned(),
+            is_data_available: data_available,
+            is_trigger_active: active,
+        }
     }
 
     /// Stops the query: sources end their streams, every record already read is
@@ -168,6 +243,40 @@ impl StreamingQuery {
                 Ok(true)
             }
             _ => Ok(false),
+        }
+    }
+
+    /// Like [`await_termination`](Self::await_termination), redrawing a one-line
+    /// status on `out` every second: records/s, p99 processing latency since the
+    /// start, watermark and epoch.
+    pub fn await_with_status(&self, timeout: Duration, mut out: impl Write) -> Result<bool> {
+        let deadline = Instant::now() + timeout;
+        let mut last_read = self.metrics().records_read();
+        let mut last_at = Instant::now();
+        loop {
+            let wait = deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_secs(1));
+            let terminated = wait.is_zero() || self.await_termination(Some(wait))?;
+            if terminated {
+                let _ = writeln!(out);
+                return Ok(!self.is_active());
+            }
+            let metrics = self.metrics();
+            let read = metrics.records_read();
+            let rate = (read - last_read) as f64 / last_at.elapsed().as_secs_f64();
+            (last_read, last_at) = (read, Instant::now());
+            let watermark = metrics
+                .watermark()
+                .map_or_else(|| "-".to_owned(), |w| w.to_string());
+            let epoch = self.last_progress().map_or(0, |p| p.batch_id);
+            let _ = write!(
+                out,
+                "\r[{}] {rate:.0} records/s | p99 {:.3} ms | watermark {watermark} | epoch {epoch}   ",
+                self.name(),
+                metrics.latency.processing.p99,
+            );
+            let _ = out.flush();
         }
     }
 
@@ -220,7 +329,7 @@ impl Drop for StreamingQuery {
 impl std::fmt::Debug for StreamingQuery {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StreamingQuery")
-            .field("id", &self.id)
+            .field("id", &self.shared.id)
             .field("name", &self.shared.name)
             .field("active", &self.is_active())
             .finish()

@@ -16,7 +16,7 @@ use crate::actor::{run_inbox, run_source, ActorEnv};
 use crate::connector::{Sink, SinkContext, SinkEmit, Source, SourceContext, SourceReader};
 use crate::dispatch::{Fanout, Output, Partitioning};
 use crate::error::Result;
-use crate::metrics::{MailboxMetrics, QueryMetrics};
+use crate::metrics::{MailboxMetrics, QueryMetrics, Role};
 use crate::operator::{Chained, Emit, Operator, OperatorContext};
 use crate::record::{Data, Message};
 
@@ -49,6 +49,7 @@ fn unbox<T: 'static>(any: AnyBox) -> T {
 }
 
 pub(crate) trait ErasedSource: Send {
+    fn description(&self) -> String;
     fn supports_real_time(&self) -> bool;
     fn partitions(&self) -> Result<usize>;
     fn readers(&self, partitions: usize) -> usize;
@@ -69,6 +70,10 @@ impl<T: Data> SourceNode<T> {
 }
 
 impl<T: Data> ErasedSource for SourceNode<T> {
+    fn description(&self) -> String {
+        self.source.description()
+    }
+
     fn supports_real_time(&self) -> bool {
         self.source.supports_real_time()
     }
@@ -124,7 +129,7 @@ where
             operator,
             ctx,
             next,
-            metrics.operator(&ctx.operator, ctx.subtask),
+            metrics.operator(&ctx.operator, ctx.subtask, Role::Operator),
         )?;
         let emit: Box<dyn Emit<In>> = Box::new(chained);
         Ok(Box::new(emit))
@@ -132,6 +137,7 @@ where
 }
 
 pub(crate) trait ErasedSink: Send {
+    fn description(&self) -> String;
     fn supports_real_time(&self) -> bool;
     fn chain(&self, ctx: &SinkContext, name: &str, metrics: &QueryMetrics) -> Result<AnyBox>;
 }
@@ -149,6 +155,10 @@ impl<T: Data> SinkNode<T> {
 }
 
 impl<T: Data> ErasedSink for SinkNode<T> {
+    fn description(&self) -> String {
+        self.sink.description()
+    }
+
     fn supports_real_time(&self) -> bool {
         self.sink.supports_real_time()
     }
@@ -157,7 +167,7 @@ impl<T: Data> ErasedSink for SinkNode<T> {
         let emit: Box<dyn Emit<T>> = Box::new(SinkEmit::new(
             self.sink.writer(ctx)?,
             metrics.latency_recorder(),
-            metrics.operator(name, ctx.subtask),
+            metrics.operator(name, ctx.subtask, Role::Sink),
         ));
         Ok(Box::new(emit))
     }

@@ -175,6 +175,13 @@ impl<T: Data> Sink<T> for KafkaSink<T> {
         "kafka"
     }
 
+    fn description(&self) -> String {
+        match &self.topic {
+            Some(topic) => format!("Kafka[{topic}]"),
+            None => "Kafka[per-record topic]".into(),
+        }
+    }
+
     fn writer(&self, _ctx: &SinkContext) -> Result<Box<dyn SinkWriter<T>>> {
         if let Some(topic) = &self.topic {
             self.check_topic(topic)?;

@@ -261,6 +261,15 @@ impl Source<KafkaRecord> for KafkaSource {
         "kafka"
     }
 
+    fn description(&self) -> String {
+        let what = match &self.subscription {
+            Subscription::Topics(topics) => format!("Subscribe[{}]", topics.join(",")),
+            Subscription::Pattern(pattern) => format!("SubscribePattern[{pattern}]"),
+            Subscription::Partitions(partitions) => format!("Assign{partitions:?}"),
+        };
+        format!("Kafka[{what}]")
+    }
+
     fn partitions(&self) -> Result<usize> {
         let partitions = self.resolve()?;
         let count = partitions.len();

@@ -1,0 +1,282 @@
+//! What a query reports about itself: [`StreamingQueryProgress`] (with Spark's JSON
+//! field names), [`StreamingQueryStatus`], and the [`StreamingQueryListener`]
+//! callbacks.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::metrics::{Percentiles, QueryMetrics};
+use crate::query::QueryShared;
+use crate::record::Epoch;
+
+/// One report of a query's progress: published at every checkpoint commit, and at
+/// least every `QueryConfig::progress_interval` while no epoch ends.
+///
+/// ```
+/// use rtflow_runtime::progress::StreamingQueryProgress;
+/// let json = r#"{"id":"a","runId":"b","name":"q","timestamp":"2026-01-01T00:00:00.000Z",
+///   "batchId":0,"numInputRows":0,"inputRowsPerSecond":0.0,"processedRowsPerSecond":0.0,
+///   "durationMs":{},"eventTime":{},"stateOperators":[],"sources":[],
+///   "sink":{"description":"memory","numOutputRows":0},
+///   "latencies":{"processingLatencyMs":{"P0":0.0,"P50":0.0,"P90":0.0,"P95":0.0,"P99":0.0},
+///   "sourceQueuingLatencyMs":{"P0":0.0,"P50":0.0,"P90":0.0,"P95":0.0,"P99":0.0},
+///   "e2eLatencyMs":{"P0":0.0,"P50":0.0,"P90":0.0,"P95":0.0,"P99":0.0}}}"#;
+/// let progress = StreamingQueryProgress::from_json(json).unwrap();
+/// assert_eq!(progress.name, "q");
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StreamingQueryProgress {
+    pub id: String,
+    pub run_id: String,
+    pub name: String,
+    /// When the report was made, RFC 3339 in UTC.
+    pub timestamp: String,
+    /// The epoch (checkpoint batch) the report belongs to.
+    pub batch_id: u64,
+    /// Rows read from every source since the previous report.
+    pub num_input_rows: u64,
+    pub input_rows_per_second: f64,
+    pub processed_rows_per_second: f64,
+    /// Durations of the report's phases, in milliseconds.
+    pub duration_ms: BTreeMap<String, u64>,
+    /// Event-time figures: `watermark` (RFC 3339) once a watermark is known.
+    pub event_time: BTreeMap<String, String>,
+    pub state_operators: Vec<StateOperatorProgress>,
+    pub sources: Vec<SourceProgress>,
+    pub sink: SinkProgress,
+    pub latencies: Latencies,
+}
+
+/// One stateful operator's state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StateOperatorProgress {
+    pub operator_name: String,
+    pub num_rows_total: u64,
+    pub num_rows_updated: u64,
+    pub memory_used_bytes: u64,
+    pub num_rows_dropped_by_watermark: u64,
+}
+
+/// One source's share of the report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceProgress {
+    pub description: String,
+    /// Offsets at the start of the report, when the source tracks them.
+    pub start_offset: Option<String>,
+    /// Offsets at the end of the report, when the source tracks them.
+    pub end_offset: Option<String>,
+    pub num_input_rows: u64,
+    pub input_rows_per_second: f64,
+    pub processed_rows_per_second: f64,
+}
+
+/// The sinks' share of the report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SinkProgress {
+    pub description: String,
+    pub num_output_rows: u64,
+}
+
+/// Latency percentiles of the records written since the previous report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Latencies {
+    pub processing_latency_ms: LatencyPercentiles,
+    pub source_queuing_latency_ms: LatencyPercentiles,
+    pub e2e_latency_ms: LatencyPercentiles,
+}
+
+/// Percentiles in milliseconds, as Databricks reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct LatencyPercentiles {
+    #[serde(rename = "P0")]
+    pub p0: f64,
+    #[serde(rename = "P50")]
+    pub p50: f64,
+    #[serde(rename = "P90")]
+    pub p90: f64,
+    #[serde(rename = "P95")]
+    pub p95: f64,
+    #[serde(rename = "P99")]
+    pub p99: f64,
+}
+
+impl From<Percentiles> for LatencyPercentiles {
+    fn from(p: Percentiles) -> Self {
+        Self {
+            p0: p.p0,
+            p50: p.p50,
+            p90: p.p90,
+            p95: p.p95,
+            p99: p.p99,
+        }
+    }
+}
+
+impl StreamingQueryProgress {
+    /// The report as JSON.
+    pub fn json(&self) -> String {
+        serde_json::to_string(self).expect("progress always serializes")
+    }
+
+    /// The report as indented JSON.
+    pub fn pretty_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("progress always serializes")
+    }
+
+    /// Reads a report back from JSON.
+    pub fn from_json(json: &str) -> serde_json::Result<Self> {
+        serde_json::from_str(json)
+    }
+}
+
+/// What a query is doing right now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StreamingQueryStatus {
+    pub message: String,
+    /// Whether the sources returned records in the last report.
+    pub is_data_available: bool,
+    /// Whether the query's long-running tasks are running.
+    pub is_trigger_active: bool,
+}
+
+/// A query started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueryStartedEvent {
+    pub id: String,
+    pub run_id: String,
+    pub name: String,
+    pub timestamp: String,
+}
+
+/// A query terminated, failed if `exception` is set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueryTerminatedEvent {
+    pub id: String,
+    pub run_id: String,
+    /// The failure's message.
+    pub exception: Option<String>,
+    /// The failure's error class.
+    pub error_class: Option<String>,
+}
+
+/// Callbacks on a query's life, called on its coordinator's thread: keep them
+/// short.
+pub trait StreamingQueryListener: Send + Sync {
+    /// The query's actors are running.
+    fn on_query_started(&self, _event: &QueryStartedEvent) {}
+    /// A progress report was published.
+    fn on_query_progress(&self, _progress: &StreamingQueryProgress) {}
+    /// The query stopped or failed; its last progress came before this.
+    fn on_query_terminated(&self, _event: &QueryTerminatedEvent) {}
+}
+
+/// RFC 3339 with milliseconds, in UTC.
+pub(crate) fn timestamp(at: std::time::SystemTime) -> String {
+    humantime::format_rfc3339_millis(at).to_string()
+}
+
+/// Builds each progress report from the counters' change since the previous one.
+pub(crate) struct ProgressTracker {
+    id: String,
+    run_id: String,
+    name: String,
+    /// (operator name, description) of every source.
+    sources: Vec<(String, String)>,
+    sink: String,
+    last_report: Instant,
+    last_read: BTreeMap<String, u64>,
+    last_written: u64,
+}
+
+impl ProgressTracker {
+    pub(crate) fn new(
+        query: &QueryShared,
+        sources: Vec<(String, String)>,
+        sinks: Vec<String>,
+    ) -> Self {
+        Self {
+            id: query.id.to_string(),
+            run_id: query.run_id.to_string(),
+            name: query.name.clone(),
+            sources,
+            sink: sinks.join(", "),
+            last_report: Instant::now(),
+            last_read: BTreeMap::new(),
+            last_written: 0,
+        }
+    }
+
+    /// The report for everything since the previous one, in `epoch`.
+    pub(crate) fn report(
+        &mut self,
+        metrics: &QueryMetrics,
+        epoch: Epoch,
+    ) -> StreamingQueryProgress {
+        let snapshot = metrics.snapshot();
+        let latency = metrics.take_interval_latency();
+        let elapsed = std::mem::replace(&mut self.last_report, Instant::now()).elapsed();
+        let per_second = |rows: u64| rows as f64 / elapsed.as_secs_f64().max(1e-9);
+
+        let sources: Vec<SourceProgress> = self
+            .sources
+            .iter()
+            .map(|(operator, description)| {
+                let read = snapshot.records_out(operator);
+                let before = self.last_read.insert(operator.clone(), read).unwrap_or(0);
+                let rows = read - before;
+                SourceProgress {
+                    description: description.clone(),
+                    start_offset: None,
+                    end_offset: None,
+                    num_input_rows: rows,
+                    input_rows_per_second: per_second(rows),
+                    processed_rows_per_second: per_second(rows),
+                }
+            })
+            .collect();
+        let num_input_rows = sources.iter().map(|s| s.num_input_rows).sum();
+        let written = snapshot.records_written();
+        let num_output_rows = written - std::mem::replace(&mut self.last_written, written);
+        let event_time = snapshot
+            .watermark()
+            .map(|ms| {
+                let at = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
+                BTreeMap::from([("watermark".to_owned(), timestamp(at))])
+            })
+            .unwrap_or_default();
+        StreamingQueryProgress {
+            id: self.id.clone(),
+            run_id: self.run_id.clone(),
+            name: self.name.clone(),
+            timestamp: timestamp(SystemTime::now()),
+            batch_id: epoch,
+            num_input_rows,
+            input_rows_per_second: per_second(num_input_rows),
+            processed_rows_per_second: per_second(num_input_rows),
+            duration_ms: BTreeMap::from([(
+                "triggerExecution".to_owned(),
+                elapsed.as_millis() as u64,
+            )]),
+            event_time,
+            state_operators: Vec::new(),
+            sources,
+            sink: SinkProgress {
+                description: self.sink.clone(),
+                num_output_rows,
+            },
+            latencies: Latencies {
+                processing_latency_ms: latency.processing.into(),
+                source_queuing_latency_ms: latency.source_queuing.into(),
+                e2e_latency_ms: latency.end_to_end.into(),
+            },
+        }
+    }
+}

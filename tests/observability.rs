@@ -1,0 +1,305 @@
+//! Progress reports, listeners and the Prometheus endpoint.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{config, TIMEOUT};
+use rtflow::prelude::*;
+use rtflow::runtime::progress::{
+    QueryStartedEvent, QueryTerminatedEvent, StreamingQueryListener, StreamingQueryProgress,
+};
+
+/// A free loopback address for a metrics endpoint.
+fn free_address() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// GET /metrics, parsed with a Prometheus text-format parser.
+fn scrape(address: SocketAddr) -> prometheus_parse::Scrape {
+    let mut stream = TcpStream::connect(address).unwrap();
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(
+        head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+        "{head}"
+    );
+    assert!(head.contains("text/plain"), "{head}");
+    let lines = body.lines().map(|line| Ok(line.to_owned()));
+    prometheus_parse::Scrape::parse(lines).expect("valid Prometheus text format")
+}
+
+fn value(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name)
+        .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .map(|s| match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => v,
+            prometheus_parse::Value::Histogram(ref buckets) => {
+                buckets.last().map_or(0.0, |b| b.count)
+            }
+            prometheus_parse::Value::Summary(_) => f64::NAN,
+        })
+        .reduce(|a, b| a + b)
+}
+
+#[test]
+fn metrics_endpoint_serves_moving_counters_for_every_query() {
+    let address = free_address();
+    let input = MemorySource::new(2);
+    let flow = Dataflow::new("scraped");
+    flow.source(input.clone())
+        .name("numbers")
+        .map(|x: u64| x + 1)
+        .sink(MemorySink::new());
+    let query = flow
+        .start(config("scraped").metrics_address(address))
+        .unwrap();
+    let other = Dataflow::new("other");
+    other
+        .source(MemorySource::<u64>::new(1))
+        .sink(MemorySink::new());
+    let other = other
+        .start(config("other").metrics_address(address))
+        .unwrap();
+
+    let records_out = |scrape: &prometheus_parse::Scrape| {
+        value(
+            scrape,
+            "rtflow_records_out_total",
+            &[("query", "scraped"), ("operator", "numbers")],
+        )
+    };
+    let before = scrape(address);
+    assert_eq!(records_out(&before), Some(0.0));
+    assert_eq!(
+        value(&before, "rtflow_query_up", &[("query", "scraped")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&before, "rtflow_query_up", &[("query", "other")]),
+        Some(1.0)
+    );
+
+    input.push_all(0, 0..600).unwrap();
+    input.push_all(1, 0..400).unwrap();
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let after = loop {
+        let after = scrape(address);
+        if value(
+            &after,
+            "rtflow_processing_latency_ms",
+            &[("query", "scraped")],
+        ) == Some(1000.0)
+        {
+            break after;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "latency histogram never reached 1000"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(records_out(&after), Some(1000.0));
+    assert_eq!(
+        value(
+            &after,
+            "rtflow_records_in_total",
+            &[("query", "scraped"), ("operator", "memory-2")]
+        ),
+        Some(1000.0)
+    );
+    for histogram in ["rtflow_e2e_latency_ms", "rtflow_source_queuing_latency_ms"] {
+        assert_eq!(
+            value(&after, histogram, &[("query", "scraped")]),
+            Some(1000.0),
+            "{histogram}"
+        );
+    }
+    query.stop().unwrap();
+    let stopped = scrape(address);
+    assert_eq!(
+        value(&stopped, "rtflow_query_up", &[("query", "scraped")]),
+        Some(0.0)
+    );
+    assert_eq!(
+        value(&stopped, "rtflow_query_failed", &[("query", "scraped")]),
+        Some(0.0)
+    );
+    drop(query);
+    let dropped = scrape(address);
+    assert_eq!(
+        value(&dropped, "rtflow_query_up", &[("query", "scraped")]),
+        None
+    );
+    other.stop().unwrap();
+}
+
+#[test]
+fn an_address_in_use_is_rejected() {
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let flow = Dataflow::new("taken");
+    flow.source(MemorySource::<u64>::new(1))
+        .sink(MemorySink::new());
+    let error = flow
+        .start(config("taken").metrics_address(taken.local_addr().unwrap()))
+        .unwrap_err();
+    assert_eq!(error.error_class(), "INVALID_CONFIGURATION");
+    assert!(
+        error.to_string().contains("cannot serve /metrics"),
+        "{error}"
+    );
+}
+
+#[test]
+fn processing_latency_reflects_a_slow_map() {
+    const DELAY: Duration = Duration::from_millis(20);
+    let input = MemorySource::new(1);
+    let flow = Dataflow::new("slow");
+    flow.source(input.clone())
+        .map(|x: u32| {
+            std::thread::sleep(DELAY);
+            x
+        })
+        .sink(MemorySink::new());
+    let query = flow
+        .start(config("slow").progress_interval(Duration::from_millis(200)))
+        .unwrap();
+    // One record at a time, so no record waits behind another.
+    for x in 0..10 {
+        input.push(0, x).unwrap();
+        std::thread::sleep(DELAY * 2);
+    }
+    input.end();
+    query.await_termination(Some(TIMEOUT)).unwrap();
+    let progress = query.recent_progress();
+    let reported: u64 = progress.iter().map(|p| p.num_input_rows).sum();
+    assert_eq!(reported, 10, "every row is counted in exactly one report");
+    let latency = query.metrics().latency.processing;
+    let delay_ms = DELAY.as_secs_f64() * 1000.0;
+    assert_eq!(latency.count, 10);
+    assert!(
+        latency.p50 >= delay_ms,
+        "p50 {} ms below the map's {delay_ms} ms",
+        latency.p50
+    );
+    let with_rows = progress.iter().find(|p| p.num_input_rows > 0).unwrap();
+    assert!(
+        with_rows.latencies.processing_latency_ms.p50 >= delay_ms,
+        "{}",
+        with_rows.pretty_json()
+    );
+}
+
+#[test]
+fn progress_json_round_trips_with_spark_field_names() {
+    let input = MemorySource::new(1);
+    input.push_all(0, 0..5u32).unwrap();
+    input.end();
+    let flow = Dataflow::new("json");
+    flow.source(input).sink(MemorySink::new());
+    let query = common::run_to_end(flow, config("json"));
+    let progress = query.last_progress().expect("a final report");
+    let json = progress.json();
+    for field in [
+        "\"id\"",
+        "\"runId\"",
+        "\"batchId\"",
+        "\"numInputRows\"",
+        "\"inputRowsPerSecond\"",
+        "\"processedRowsPerSecond\"",
+        "\"durationMs\"",
+        "\"eventTime\"",
+        "\"stateOperators\"",
+        "\"sources\"",
+        "\"sink\"",
+        "\"processingLatencyMs\"",
+        "\"sourceQueuingLatencyMs\"",
+        "\"e2eLatencyMs\"",
+        "\"P99\"",
+    ] {
+        assert!(json.contains(field), "{field} missing from {json}");
+    }
+    assert_eq!(StreamingQueryProgress::from_json(&json).unwrap(), progress);
+    assert_eq!(progress.id, query.id().to_string());
+    assert_eq!(progress.sources[0].description, "memory");
+    let status = query.status();
+    assert_eq!(status.message, "Stopped");
+    assert!(!status.is_trigger_active);
+}
+
+/// Records the events a listener receives, in order.
+#[derive(Default)]
+struct Recorder(Mutex<Vec<String>>);
+
+impl StreamingQueryListener for Recorder {
+    fn on_query_started(&self, event: &QueryStartedEvent) {
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("started {}", event.name));
+    }
+
+    fn on_query_progress(&self, progress: &StreamingQueryProgress) {
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("progress {}", progress.num_input_rows));
+    }
+
+    fn on_query_terminated(&self, event: &QueryTerminatedEvent) {
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("terminated {:?}", event.error_class));
+    }
+}
+
+#[test]
+fn listener_sees_started_progress_and_terminated_in_order() {
+    let recorder = Arc::new(Recorder::default());
+    let input = MemorySource::new(1);
+    let flow = Dataflow::new("listened");
+    flow.source(input.clone())
+        .map(|x: u32| {
+            assert!(x < 3, "too big");
+            x
+        })
+        .sink(MemorySink::new());
+    let query = flow
+        .start(
+            config("listened")
+                .listener(recorder.clone())
+                .progress_interval(Duration::from_millis(50)),
+        )
+        .unwrap();
+    input.push_all(0, 0..3).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    input.push(0, 3).unwrap();
+    assert!(query.await_termination(Some(TIMEOUT)).is_err());
+
+    let events = recorder.0.lock().unwrap();
+    assert_eq!(events.first().map(String::as_str), Some("started listened"));
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("terminated Some(\"OPERATOR_FAILED\")")
+    );
+    let progress: Vec<&String> = events[1..events.len() - 1].iter().collect();
+    assert!(progress.len() >= 2, "{events:?}");
+    assert!(
+        progress.iter().all(|e| e.starts_with("progress ")),
+        "{events:?}"
+    );
+}
