@@ -5,9 +5,10 @@
 //! while a checkpoint interval (the trigger's batch duration) decides only how
 //! often progress is made durable.
 //!
-//! This crate is the facade. It re-exports the three crates that do the work:
+//! This crate is the facade. It re-exports the crates that do the work:
 //! [`runtime`] (graph, actors, coordinator, query), [`operators`] (map, filter,
-//! joins, ...) and [`connectors`] (memory, generator, console, foreach, ...).
+//! joins, ...), [`connectors`] (Kafka, memory, generator, console, foreach, ...)
+//! and [`checkpoint`] (the checkpoint store and commit protocol).
 //! `use rtflow::prelude::*` brings in everything a dataflow needs.
 //!
 //! ```
@@ -35,6 +36,7 @@
 //! # Ok::<(), rtflow::RtflowError>(())
 //! ```
 
+pub use rtflow_checkpoint as checkpoint;
 pub use rtflow_connectors as connectors;
 pub use rtflow_operators as operators;
 pub use rtflow_runtime as runtime;

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::record::now_nanos;
 use rtflow_runtime::{
     Data, Result, RtflowError, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
@@ -80,7 +81,18 @@ impl<T: Data> Source<T> for GeneratorSource<T> {
             .map(|total| total as f64 * ctx.partitions.len() as f64 / self.partitions as f64);
         Ok(Box::new(GeneratorReader {
             make: self.make.clone(),
-            offsets: ctx.partitions.iter().map(|p| (*p, 0)).collect(),
+            offsets: ctx
+                .partitions
+                .iter()
+                .map(|p| {
+                    (
+                        *p,
+                        ctx.start_offsets
+                            .get(&p.to_string())
+                            .map_or(0, |o| *o as u64),
+                    )
+                })
+                .collect(),
             next: 0,
             limit: self.rows_per_partition.unwrap_or(u64::MAX),
             rate,
@@ -117,6 +129,13 @@ impl<T: Data> GeneratorReader<T> {
 }
 
 impl<T: Data> SourceReader<T> for GeneratorReader<T> {
+    fn offsets(&self) -> Offsets {
+        self.offsets
+            .iter()
+            .map(|(partition, offset)| (partition.to_string(), *offset as i64))
+            .collect()
+    }
+
     fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus> {
         if self.finished() {
             return Ok(SourceStatus::Finished);

@@ -4,6 +4,7 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::record::{nanos_to_event_time, now_nanos};
 use rtflow_runtime::{
     Data, EventTime, Nanos, Record, Result, RtflowError, Sink, SinkContext, SinkWriter, Source,
@@ -140,7 +141,18 @@ impl<T: Data> Source<T> for MemorySource<T> {
     fn reader(&self, ctx: &SourceContext) -> Result<Box<dyn SourceReader<T>>> {
         Ok(Box::new(MemoryReader {
             shared: self.shared.clone(),
-            offsets: ctx.partitions.iter().map(|p| (*p, 0)).collect(),
+            offsets: ctx
+                .partitions
+                .iter()
+                .map(|p| {
+                    (
+                        *p,
+                        ctx.start_offsets
+                            .get(&p.to_string())
+                            .map_or(0, |o| *o as usize),
+                    )
+                })
+                .collect(),
         }))
     }
 }
@@ -152,6 +164,13 @@ struct MemoryReader<T> {
 }
 
 impl<T: Data> SourceReader<T> for MemoryReader<T> {
+    fn offsets(&self) -> Offsets {
+        self.offsets
+            .iter()
+            .map(|(partition, offset)| (partition.to_string(), *offset as i64))
+            .collect()
+    }
+
     fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus> {
         let deadline = Instant::now() + max_wait;
         let mut log = self.shared.log();

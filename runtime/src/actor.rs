@@ -7,13 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Select, TryRecvError};
+use rtflow_checkpoint::{ActorId, Offsets};
 
 use crate::connector::{SourceOutput, SourceReader, SourceStatus};
 use crate::error::{Result, RtflowError};
 use crate::inputs::{Alignment, Inputs};
 use crate::metrics::OperatorMetrics;
 use crate::operator::Emit;
-use crate::record::{Data, Message};
+use crate::record::{Data, Epoch, Message};
 
 /// How long an idle actor waits before looking at its stop and cancel flags again.
 const IDLE_WAIT: Duration = Duration::from_millis(20);
@@ -21,9 +22,30 @@ const IDLE_WAIT: Duration = Duration::from_millis(20);
 /// The most messages an actor takes from its lanes before flushing its output.
 const DRAIN_BUDGET: usize = 64;
 
+/// What an actor tells the coordinator about checkpoints.
+pub(crate) enum Report {
+    /// The actor passed the barrier of `epoch` on; a source adds its offsets.
+    Barrier {
+        actor: ActorId,
+        epoch: Epoch,
+        offsets: Offsets,
+    },
+    /// A source read all its input; these offsets stand for every later epoch.
+    Finished { actor: ActorId, offsets: Offsets },
+}
+
+/// Delivers reports to the coordinator.
+pub(crate) type Reporter = Arc<dyn Fn(Report) + Send + Sync>;
+
 /// What every actor of a query shares with the coordinator.
 #[derive(Clone)]
 pub(crate) struct ActorEnv {
+    /// This actor's index among the query's actors.
+    pub(crate) actor: ActorId,
+    /// Checkpoint reports to the coordinator.
+    pub(crate) report: Reporter,
+    /// For source actors: the epochs the coordinator ends, in order.
+    pub(crate) barriers: Option<Receiver<Epoch>>,
     /// Set when the query fails: every actor exits at once, without output.
     pub(crate) cancel: Arc<AtomicBool>,
     /// Set by `stop()`: sources end their streams, the rest drains.
@@ -68,6 +90,16 @@ fn source_loop<T: Data>(
         if env.stop.load(Ordering::Relaxed) {
             return emit.end();
         }
+        // Between two polls every record read so far has been emitted, so the
+        // reader's offsets are exactly where the epoch ends.
+        for epoch in env.barriers.iter().flat_map(|b| b.try_iter()) {
+            emit.barrier(epoch)?;
+            (env.report)(Report::Barrier {
+                actor: env.actor,
+                epoch,
+                offsets: reader.offsets(),
+            });
+        }
         let status = reader.poll(&mut out, IDLE_WAIT)?;
         if !out.is_empty() {
             let read = out.drain_into(emit)?;
@@ -78,7 +110,12 @@ fn source_loop<T: Data>(
         // Also when idle: a sink learns of asynchronous failures when flushed.
         emit.flush()?;
         if status == SourceStatus::Finished {
-            return emit.end();
+            emit.end()?;
+            (env.report)(Report::Finished {
+                actor: env.actor,
+                offsets: reader.offsets(),
+            });
+            return Ok(());
         }
     }
 }
@@ -128,7 +165,7 @@ fn inbox_loop<T: Data>(
                 Err(RecvTimeoutError::Disconnected) => return Err(RtflowError::Cancelled),
             };
             budget -= 1;
-            match handle(0, message, &mut inputs, emit)? {
+            match handle(0, message, &mut inputs, emit, env)? {
                 Step::Continue | Step::LanesChanged => {}
                 Step::Finished => return emit.end(),
             }
@@ -150,7 +187,7 @@ fn inbox_loop<T: Data>(
                 };
                 received = true;
                 budget = budget.saturating_sub(1);
-                match handle(lane, message, &mut inputs, emit)? {
+                match handle(lane, message, &mut inputs, emit, env)? {
                     Step::Continue => {}
                     Step::LanesChanged => lanes_changed = true,
                     Step::Finished => return emit.end(),
@@ -172,6 +209,7 @@ fn handle<T>(
     message: Message<T>,
     inputs: &mut Inputs,
     emit: &mut dyn Emit<T>,
+    env: &ActorEnv,
 ) -> Result<Step> {
     match message {
         Message::Data(batch) => {
@@ -188,7 +226,7 @@ fn handle<T>(
         }
         Message::Barrier(epoch) => {
             if let Alignment::Aligned(epoch) = inputs.on_barrier(lane, epoch) {
-                emit.barrier(epoch)?;
+                pass_barrier(epoch, emit, env)?;
             }
             Ok(Step::LanesChanged)
         }
@@ -198,7 +236,7 @@ fn handle<T>(
                 return Ok(Step::Finished);
             }
             if let Some(epoch) = aligned {
-                emit.barrier(epoch)?;
+                pass_barrier(epoch, emit, env)?;
             }
             if let Some(watermark) = watermark {
                 emit.watermark(watermark)?;
@@ -206,6 +244,17 @@ fn handle<T>(
             Ok(Step::LanesChanged)
         }
     }
+}
+
+/// Every input delivered the barrier: pass it on, then acknowledge it.
+fn pass_barrier<T>(epoch: Epoch, emit: &mut dyn Emit<T>, env: &ActorEnv) -> Result<()> {
+    emit.barrier(epoch)?;
+    (env.report)(Report::Barrier {
+        actor: env.actor,
+        epoch,
+        offsets: Offsets::new(),
+    });
+    Ok(())
 }
 
 fn readable_lanes<'a, T>(lanes: &'a [Receiver<Message<T>>], inputs: &Inputs) -> Select<'a> {

@@ -204,6 +204,8 @@ pub struct QueryConfig {
     pub name: String,
     /// Where checkpoints are kept. Required.
     pub checkpoint_location: Option<PathBuf>,
+    /// How many committed checkpoints are kept. Default 3.
+    pub checkpoints_retained: usize,
     /// Must be [`OutputMode::Update`].
     pub output_mode: OutputMode,
     /// The real-time trigger; its batch duration is the checkpoint interval.
@@ -256,6 +258,7 @@ impl QueryConfig {
         Self {
             name: name.into(),
             checkpoint_location: None,
+            checkpoints_retained: 3,
             output_mode: OutputMode::Update,
             trigger: Trigger::default(),
             min_batch_duration: Duration::from_millis(5000),
@@ -275,6 +278,12 @@ impl QueryConfig {
     /// Sets the checkpoint location.
     pub fn checkpoint_location(mut self, path: impl Into<PathBuf>) -> Self {
         self.checkpoint_location = Some(path.into());
+        self
+    }
+
+    /// Sets how many committed checkpoints are kept.
+    pub fn checkpoints_retained(mut self, count: usize) -> Self {
+        self.checkpoints_retained = count;
         self
     }
 
@@ -358,7 +367,7 @@ impl QueryConfig {
 
     /// Checks the settings that do not depend on the dataflow, in the order Spark
     /// reports them, and returns the batch duration.
-    pub(crate) fn validate(&self) -> Result<Duration> {
+    pub fn validate(&self) -> Result<Duration> {
         if self.output_mode != OutputMode::Update {
             return Err(RtflowError::OutputModeNotSupported {
                 mode: self.output_mode.to_string(),
@@ -389,6 +398,7 @@ impl QueryConfig {
             ("max_records_per_message", self.max_records_per_message),
             ("default_parallelism", self.default_parallelism),
             ("max_key_groups", self.max_key_groups),
+            ("checkpoints_retained", self.checkpoints_retained),
         ] {
             if value == 0 {
                 return Err(RtflowError::InvalidConfiguration(format!(

@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use rtflow_checkpoint::Offsets;
+
 use crate::error::{Result, RtflowError};
 use crate::metrics::{LatencyRecorder, OperatorMetrics};
 use crate::operator::Emit;
@@ -18,6 +20,9 @@ pub struct SourceContext {
     pub parallelism: usize,
     /// The source partitions this reader owns.
     pub partitions: Vec<usize>,
+    /// Where to resume, as the source's [`SourceReader::offsets`] reported them
+    /// at the last committed checkpoint; empty on a first start.
+    pub start_offsets: Offsets,
 }
 
 /// A source of records (Kafka, memory, generator).
@@ -63,6 +68,11 @@ pub trait SourceReader<T>: Send {
     /// most `max_wait` when nothing is. Returning promptly keeps stop and
     /// checkpoints responsive.
     fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus>;
+
+    /// The next offset of every partition it owns, by a label of the source's
+    /// choosing: recorded at each checkpoint barrier and handed back through
+    /// [`SourceContext::start_offsets`] on recovery.
+    fn offsets(&self) -> Offsets;
 }
 
 /// The batch a reader fills in one poll.

@@ -1,6 +1,8 @@
 //! The coordinator: the control-plane actor of one query. It validates and plans
-//! the dataflow, starts one thread per actor, notices actors exit, and stops the
-//! query on `stop()` or on the first failure.
+//! the dataflow, starts one thread per actor, ends an epoch every batch duration
+//! (barriers from the sources, acknowledgements from every actor, then a durable
+//! manifest), publishes progress, and stops the query on `stop()` or on the first
+//! failure.
 //!
 //! It is an actix actor on a thread of its own with its own `System`, so queries
 //! behave the same inside or outside a user's async runtime. Only low-rate control
@@ -12,18 +14,23 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Message, System};
+use crossbeam_channel::Sender;
+use rtflow_checkpoint::{CheckpointStore, CheckpointTracker, Manifest, Offsets};
 
-use crate::actor::ActorEnv;
+use crate::actor::{ActorEnv, Report};
 use crate::config::QueryConfig;
 use crate::error::{Result, RtflowError};
 use crate::graph::Graph;
 use crate::plan::{validate, ActorSpec, Plan};
-use crate::progress::{timestamp, ProgressTracker, QueryStartedEvent, QueryTerminatedEvent};
+use crate::progress::{
+    timestamp, EpochOffsets, ProgressTracker, QueryStartedEvent, QueryTerminatedEvent,
+    SourceOffsets,
+};
 use crate::query::QueryShared;
-use crate::record::Epoch;
+use crate::record::{now_nanos, Epoch};
 
 /// An actor thread ended, with how.
 #[derive(Message)]
@@ -37,11 +44,30 @@ pub(crate) struct ActorExited {
 #[rtype(result = "()")]
 pub(crate) struct StopQuery;
 
+/// A checkpoint report from an actor.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct ActorReport(Report);
+
 /// What the coordinator needs to start a query, and where to say whether it did.
 pub(crate) struct Startup {
     pub(crate) graph: Graph,
     pub(crate) config: QueryConfig,
+    pub(crate) batch_duration: Duration,
+    pub(crate) store: CheckpointStore,
+    /// The manifest the query resumes from.
+    pub(crate) resume: Option<Manifest>,
     pub(crate) started: mpsc::Sender<Result<()>>,
+}
+
+/// The checkpoint side of a running query.
+struct Checkpoints {
+    store: CheckpointStore,
+    tracker: CheckpointTracker<Offsets>,
+    /// Per actor: for sources, the operator's name and its barrier channel.
+    sources: Vec<Option<(String, Sender<Epoch>)>>,
+    /// The offsets of the last committed epoch, per source operator.
+    committed: SourceOffsets,
 }
 
 pub(crate) struct Coordinator {
@@ -52,13 +78,17 @@ pub(crate) struct Coordinator {
     running: usize,
     failure: Option<RtflowError>,
     progress: Option<ProgressTracker>,
-    /// The current checkpoint epoch.
+    checkpoints: Option<Checkpoints>,
+    /// The latest committed epoch.
     epoch: Epoch,
 }
 
 impl Coordinator {
     pub(crate) fn new(shared: Arc<QueryShared>, startup: Startup) -> Self {
         let env = ActorEnv {
+            actor: 0,
+            report: Arc::new(|_| {}),
+            barriers: None,
             cancel: Arc::default(),
             stop: Arc::default(),
             max_records: startup.config.max_records_per_message,
@@ -72,26 +102,48 @@ impl Coordinator {
             running: 0,
             failure: None,
             progress: None,
+            checkpoints: None,
             epoch: 0,
         }
     }
 
-    fn start_actors(
-        &mut self,
-        graph: Graph,
-        config: &QueryConfig,
-        ctx: &Context<Self>,
-    ) -> Result<()> {
+    fn start_actors(&mut self, startup: Startup, ctx: &Context<Self>) -> Result<()> {
+        let Startup {
+            graph,
+            config,
+            store,
+            resume,
+            ..
+        } = startup;
         let _span = tracing::info_span!("start", query = %config.name).entered();
-        config.validate()?;
-        validate(&graph, config)?;
+        validate(&graph, &config)?;
         self.progress = Some(ProgressTracker::new(
             &self.shared,
             graph.source_descriptions(),
             graph.sink_descriptions(),
         ));
-        let plan = Plan::new(graph, config)?;
-        let actors = plan.wire(config, &self.shared.metrics, &self.env)?;
+        let plan = Plan::new(graph, &config)?;
+        let coordinator = ctx.address();
+        self.env.report = Arc::new(move |report| coordinator.do_send(ActorReport(report)));
+        let committed = resume
+            .as_ref()
+            .map(|m| m.sources.clone())
+            .unwrap_or_default();
+        if let Some(manifest) = &resume {
+            let _span = tracing::info_span!("recovery", epoch = manifest.epoch).entered();
+            tracing::info!(
+                sources = committed.len(),
+                "resuming from the last committed checkpoint"
+            );
+            self.epoch = manifest.epoch;
+        }
+        let mut actors = plan.wire(&config, &self.shared.metrics, &self.env, &committed)?;
+        self.checkpoints = Some(Checkpoints {
+            store,
+            tracker: CheckpointTracker::new(actors.len(), resume.map(|m| m.epoch)),
+            sources: actors.iter_mut().map(|a| a.source.take()).collect(),
+            committed,
+        });
         tracing::info!(actors = actors.len(), "starting actors");
         for (index, actor) in actors.into_iter().enumerate() {
             let coordinator = ctx.address();
@@ -125,10 +177,91 @@ impl Coordinator {
         }
     }
 
-    fn publish_progress(&mut self) {
+    fn publish_progress(&mut self, offsets: Option<EpochOffsets<'_>>) {
         if let Some(tracker) = &mut self.progress {
-            let progress = tracker.report(&self.shared.metrics, self.epoch);
+            let progress = tracker.report(&self.shared.metrics, self.epoch, offsets);
             self.shared.publish(progress);
+        }
+    }
+
+    /// Ends the next epoch at every source, unless one is still in flight.
+    fn trigger_checkpoint(&mut self) {
+        let Some(checkpoints) = &mut self.checkpoints else {
+            return;
+        };
+        let Some(epoch) = checkpoints.tracker.trigger() else {
+            return;
+        };
+        tracing::debug!(epoch, "ending epoch");
+        for (_, barriers) in checkpoints.sources.iter().flatten() {
+            // A source that already exited acknowledged through its final report.
+            let _ = barriers.send(epoch);
+        }
+    }
+
+    /// Every actor acknowledged `epoch`: write its manifest durably.
+    fn commit(&mut self, epoch: Epoch, reports: Vec<Offsets>) -> Result<()> {
+        let checkpoints = self.checkpoints.as_mut().expect("checkpoints run");
+        let _span = tracing::info_span!("checkpoint", epoch).entered();
+        let mut sources = SourceOffsets::new();
+        for (source, offsets) in checkpoints.sources.iter().zip(reports) {
+            if let Some((name, _)) = source {
+                sources.entry(name.clone()).or_default().extend(offsets);
+            }
+        }
+        let manifest = Manifest {
+            epoch,
+            query_id: self.shared.id.to_string(),
+            watermark: self.shared.metrics.snapshot().watermark(),
+            sources,
+            committed_at_ms: now_nanos() / 1_000_000,
+        };
+        checkpoints.store.commit(&manifest)?;
+        tracing::info!(epoch, "checkpoint committed");
+        let previous = std::mem::replace(&mut checkpoints.committed, manifest.sources);
+        self.epoch = epoch;
+        let committed = self
+            .checkpoints
+            .as_ref()
+            .expect("checkpoints run")
+            .committed
+            .clone();
+        self.publish_progress(Some(EpochOffsets {
+            start: &previous,
+            end: &committed,
+        }));
+        Ok(())
+    }
+
+    fn on_report(&mut self, report: Report) -> Result<()> {
+        let Some(checkpoints) = &mut self.checkpoints else {
+            return Ok(());
+        };
+        let complete = match report {
+            Report::Barrier {
+                actor,
+                epoch,
+                offsets,
+            } => checkpoints
+                .tracker
+                .ack(actor, epoch, offsets)
+                .map_err(|e| RtflowError::Checkpoint(e.to_string()))?,
+            Report::Finished { actor, offsets } => checkpoints.tracker.retire(actor, offsets),
+        };
+        match complete {
+            Some((epoch, reports)) => self.commit(epoch, reports),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&mut self, error: RtflowError) {
+        if self.failure.is_none() {
+            tracing::error!(%error, "stopping the query");
+            self.failure = Some(error);
+            self.env.cancel.store(true, Ordering::Relaxed);
+            if let Some(checkpoints) = &mut self.checkpoints {
+                checkpoints.tracker.abort();
+            }
         }
     }
 
@@ -152,6 +285,7 @@ fn run_actor(actor: ActorSpec) -> Result<()> {
         label,
         subtask,
         main,
+        ..
     } = actor;
     catch_unwind(AssertUnwindSafe(main)).unwrap_or_else(|panic| {
         Err(RtflowError::Operator {
@@ -174,12 +308,11 @@ impl Actor for Coordinator {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        let Startup {
-            graph,
-            config,
-            started,
-        } = self.startup.take().expect("started once");
-        match self.start_actors(graph, &config, ctx) {
+        let startup = self.startup.take().expect("started once");
+        let started = startup.started.clone();
+        let (progress_interval, batch_duration) =
+            (startup.config.progress_interval, startup.batch_duration);
+        match self.start_actors(startup, ctx) {
             Ok(()) => {
                 self.shared.activate();
                 let _ = started.send(Ok(()));
@@ -192,8 +325,11 @@ impl Actor for Coordinator {
                 for listener in &self.shared.listeners {
                     listener.on_query_started(&event);
                 }
-                ctx.run_interval(config.progress_interval, |coordinator, _| {
-                    coordinator.publish_progress()
+                ctx.run_interval(progress_interval, |coordinator, _| {
+                    coordinator.publish_progress(None)
+                });
+                ctx.run_interval(batch_duration, |coordinator, _| {
+                    coordinator.trigger_checkpoint()
                 });
             }
             Err(error) => {
@@ -216,20 +352,31 @@ impl Handler<ActorExited> for Coordinator {
         self.running -= 1;
         if let Err(error) = exited.result {
             // A cancelled actor is a consequence; keep the failure that caused it.
-            if error != RtflowError::Cancelled && self.failure.is_none() {
-                tracing::error!(%error, "actor failed; stopping the query");
-                self.failure = Some(error);
-                self.env.cancel.store(true, Ordering::Relaxed);
+            if error != RtflowError::Cancelled {
+                self.fail(error);
             }
         }
         if self.running == 0 {
             self.join_threads();
             let _span = tracing::info_span!("stop", query = %self.shared.name).entered();
             tracing::info!(failed = self.failure.is_some(), "query terminated");
-            self.publish_progress();
+            self.publish_progress(None);
             let failure = self.failure.take();
             self.terminate(failure);
             ctx.stop();
+        }
+    }
+}
+
+impl Handler<ActorReport> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, ActorReport(report): ActorReport, _ctx: &mut Context<Self>) {
+        if self.failure.is_some() {
+            return;
+        }
+        if let Err(error) = self.on_report(report) {
+            self.fail(error);
         }
     }
 }

@@ -111,6 +111,17 @@ pub enum RtflowError {
     #[error("static table '{table}' could not be loaded: {message}")]
     StaticTable { table: String, message: String },
 
+    /// The checkpoint location cannot be opened or written.
+    #[error(
+        "checkpoint location {path} is unusable: {reason}; choose a writable directory \
+         that no other running query uses (QueryConfig::checkpoint_location)"
+    )]
+    CheckpointLocationUnusable { path: String, reason: String },
+
+    /// A checkpoint could not be written, or none stored is intact.
+    #[error("checkpoint failed: {0}")]
+    Checkpoint(String),
+
     /// The actor stopped because the query is stopping after another failure.
     #[error("cancelled because the query is stopping")]
     Cancelled,
@@ -145,6 +156,8 @@ impl RtflowError {
             Self::Sink { .. } => "SINK_FAILED",
             Self::Operator { .. } => "OPERATOR_FAILED",
             Self::StaticTable { .. } => "STATIC_TABLE_INVALID",
+            Self::CheckpointLocationUnusable { .. } => "CHECKPOINT_LOCATION_UNUSABLE",
+            Self::Checkpoint(_) => "CHECKPOINT_FAILED",
             Self::Cancelled => "CANCELLED",
         }
     }
@@ -168,3 +181,17 @@ impl RtflowError {
 
 /// The error type user callbacks (foreach writers, fallible maps) may return.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+impl From<rtflow_checkpoint::StoreError> for RtflowError {
+    fn from(error: rtflow_checkpoint::StoreError) -> Self {
+        match error {
+            rtflow_checkpoint::StoreError::Unusable { path, reason } => {
+                Self::CheckpointLocationUnusable {
+                    path: path.display().to_string(),
+                    reason,
+                }
+            }
+            other => Self::Checkpoint(other.to_string()),
+        }
+    }
+}

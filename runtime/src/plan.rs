@@ -1,8 +1,11 @@
 //! From logical graph to running actors: validate the shape, resolve parallelism,
 //! fuse forward chains into actors, count slots, then wire lanes and operators.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+
+use crossbeam_channel::Sender;
+use rtflow_checkpoint::Offsets;
 
 use crate::actor::ActorEnv;
 use crate::config::QueryConfig;
@@ -12,6 +15,7 @@ use crate::error::{Result, RtflowError};
 use crate::graph::{Graph, NodeId, WITH_WATERMARK};
 use crate::metrics::{MailboxMetrics, QueryMetrics, Role};
 use crate::operator::OperatorContext;
+use crate::record::Epoch;
 use crate::wiring::{ActorMain, AnyBox, Body};
 
 /// Operator kinds a real-time query may use while the allowlist check is on.
@@ -144,6 +148,9 @@ pub(crate) struct ActorSpec {
     pub(crate) label: String,
     pub(crate) subtask: usize,
     pub(crate) main: ActorMain,
+    /// For a source actor: its operator's name, and where to send the epochs
+    /// the coordinator ends.
+    pub(crate) source: Option<(String, Sender<Epoch>)>,
 }
 
 /// A validated graph with parallelism resolved and actors decided.
@@ -303,6 +310,7 @@ impl Plan {
         config: &QueryConfig,
         metrics: &QueryMetrics,
         env: &ActorEnv,
+        recovered: &BTreeMap<String, Offsets>,
     ) -> Result<Vec<ActorSpec>> {
         let Lanes {
             mut outgoing,
@@ -348,7 +356,11 @@ impl Plan {
                 }
                 let emit = emit.expect("every actor ends in outputs or a sink");
                 let node = &self.graph.nodes[head];
-                let main = match &node.body {
+                let env = ActorEnv {
+                    actor: actors.len(),
+                    ..env.clone()
+                };
+                let (main, source) = match &node.body {
                     Body::Source(source, _) => {
                         let ctx = SourceContext {
                             subtask,
@@ -356,17 +368,23 @@ impl Plan {
                             partitions: (0..self.source_partitions[head])
                                 .filter(|p| p % self.parallelism[head] == subtask)
                                 .collect(),
+                            start_offsets: recovered.get(&node.name).cloned().unwrap_or_default(),
                         };
                         let reader = source.open(&ctx)?;
+                        let (barriers, epochs) = crossbeam_channel::unbounded();
                         let env = ActorEnv {
                             source_metrics: Some(metrics.operator(
                                 &node.name,
                                 subtask,
                                 Role::Source,
                             )),
-                            ..env.clone()
+                            barriers: Some(epochs),
+                            ..env
                         };
-                        source.actor(reader, emit, env)
+                        (
+                            source.actor(reader, emit, env),
+                            Some((node.name.clone(), barriers)),
+                        )
                     }
                     _ => {
                         let upstream = node.inputs[0].from;
@@ -375,13 +393,14 @@ impl Plan {
                             .port()
                             .expect("an input comes from a node with outputs");
                         let lanes = std::mem::take(&mut incoming[head][subtask]);
-                        port.inbox_actor(lanes, emit, env.clone())
+                        (port.inbox_actor(lanes, emit, env), None)
                     }
                 };
                 actors.push(ActorSpec {
                     label: label.clone(),
                     subtask,
                     main,
+                    source,
                 });
             }
         }

@@ -7,12 +7,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use rtflow_checkpoint::Offsets;
+
 use crate::metrics::{Percentiles, QueryMetrics};
 use crate::query::QueryShared;
 use crate::record::Epoch;
 
-/// One report of a query's progress: published at every checkpoint commit, and at
-/// least every `QueryConfig::progress_interval` while no epoch ends.
+/// One report of a query's progress: published at every checkpoint commit, at
+/// least every `QueryConfig::progress_interval` while no epoch ends, and when the
+/// query ends.
 ///
 /// ```
 /// use rtflow_runtime::progress::StreamingQueryProgress;
@@ -66,10 +69,11 @@ pub struct StateOperatorProgress {
 #[serde(rename_all = "camelCase")]
 pub struct SourceProgress {
     pub description: String,
-    /// Offsets at the start of the report, when the source tracks them.
-    pub start_offset: Option<String>,
-    /// Offsets at the end of the report, when the source tracks them.
-    pub end_offset: Option<String>,
+    /// Offsets at the start of the epoch (the previous checkpoint), in reports
+    /// made at a checkpoint commit.
+    pub start_offset: Option<Offsets>,
+    /// Offsets at the end of the epoch, in reports made at a checkpoint commit.
+    pub end_offset: Option<Offsets>,
     pub num_input_rows: u64,
     pub input_rows_per_second: f64,
     pub processed_rows_per_second: f64,
@@ -183,6 +187,16 @@ pub(crate) fn timestamp(at: std::time::SystemTime) -> String {
     humantime::format_rfc3339_millis(at).to_string()
 }
 
+/// Offsets per source operator.
+pub(crate) type SourceOffsets = BTreeMap<String, Offsets>;
+
+/// The sources' offsets before and after a committed epoch.
+#[derive(Clone, Copy)]
+pub(crate) struct EpochOffsets<'a> {
+    pub(crate) start: &'a SourceOffsets,
+    pub(crate) end: &'a SourceOffsets,
+}
+
 /// Builds each progress report from the counters' change since the previous one.
 pub(crate) struct ProgressTracker {
     id: String,
@@ -214,11 +228,13 @@ impl ProgressTracker {
         }
     }
 
-    /// The report for everything since the previous one, in `epoch`.
+    /// The report for everything since the previous one, in `epoch`; at a
+    /// checkpoint commit, with the sources' offsets before and after it.
     pub(crate) fn report(
         &mut self,
         metrics: &QueryMetrics,
         epoch: Epoch,
+        offsets: Option<EpochOffsets<'_>>,
     ) -> StreamingQueryProgress {
         let snapshot = metrics.snapshot();
         let latency = metrics.take_interval_latency();
@@ -232,10 +248,17 @@ impl ProgressTracker {
                 let read = snapshot.records_out(operator);
                 let before = self.last_read.insert(operator.clone(), read).unwrap_or(0);
                 let rows = read - before;
+                let (start_offset, end_offset) = match offsets {
+                    Some(EpochOffsets { start, end }) => (
+                        Some(start.get(operator).cloned().unwrap_or_default()),
+                        end.get(operator).cloned(),
+                    ),
+                    None => (None, None),
+                };
                 SourceProgress {
                     description: description.clone(),
-                    start_offset: None,
-                    end_offset: None,
+                    start_offset,
+                    end_offset,
                     num_input_rows: rows,
                     input_rows_per_second: per_second(rows),
                     processed_rows_per_second: per_second(rows),

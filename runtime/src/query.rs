@@ -7,6 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use actix::{Actor, Addr};
+use rtflow_checkpoint::CheckpointStore;
 use uuid::Uuid;
 
 use crate::config::QueryConfig;
@@ -96,8 +97,22 @@ pub struct StreamingQuery {
 
 impl StreamingQuery {
     pub(crate) fn launch(graph: Graph, config: QueryConfig) -> Result<Self> {
+        let batch_duration = config.validate()?;
+        let location = config
+            .checkpoint_location
+            .clone()
+            .expect("validated: a checkpoint location is given");
+        let store = CheckpointStore::open(&location, config.checkpoints_retained)?;
+        let recovery = store.recover()?;
+        for corrupt in &recovery.skipped {
+            tracing::warn!(%corrupt, "passing over a corrupt checkpoint");
+        }
+        let id = store.query_id(|| Uuid::new_v4().to_string())?;
+        let id = Uuid::parse_str(&id).map_err(|e| {
+            RtflowError::Checkpoint(format!("the stored query id '{id}' is not a UUID: {e}"))
+        })?;
         let shared = Arc::new(QueryShared {
-            id: Uuid::new_v4(),
+            id,
             run_id: Uuid::new_v4(),
             name: config.name.clone(),
             metrics: QueryMetrics::new(),
@@ -121,6 +136,9 @@ impl StreamingQuery {
                     let startup = Startup {
                         graph,
                         config,
+                        batch_duration,
+                        store,
+                        resume: recovery.manifest,
                         started: started_tx,
                     };
                     let address = Coordinator::new(coordinator_shared, startup).start();

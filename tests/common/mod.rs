@@ -3,6 +3,7 @@
 
 pub mod kafka;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use rtflow::prelude::*;
@@ -10,11 +11,14 @@ use rtflow::prelude::*;
 /// Long enough for any test query on a loaded 2-core machine.
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 
-/// A valid configuration with its own checkpoint directory.
+/// A valid configuration with a checkpoint directory of its own: a location
+/// holds one running query at a time.
 pub fn config(name: &str) -> QueryConfig {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir()
         .join("rtflow-tests")
-        .join(format!("{name}-{}", std::process::id()));
+        .join(std::process::id().to_string())
+        .join(format!("{name}-{}", NEXT.fetch_add(1, Ordering::Relaxed)));
     QueryConfig::new(name).checkpoint_location(dir)
 }
 

@@ -11,6 +11,7 @@ use rdkafka::message::{Headers, Message, Timestamp};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 use regex::Regex;
+use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::record::now_nanos;
 use rtflow_runtime::{
     Result, RtflowError, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
@@ -239,15 +240,43 @@ impl KafkaSource {
         Ok(found)
     }
 
-    fn start_offset(&self, topic: &str, partition: i32) -> Offset {
-        match &self.starting_offsets {
-            StartingOffsets::Earliest => Offset::Beginning,
-            StartingOffsets::Latest => Offset::End,
-            StartingOffsets::Offsets(offsets) => offsets
-                .get(&(topic.to_owned(), partition))
-                .map_or(Offset::Beginning, |offset| Offset::Offset(*offset)),
+    /// Where a reader starts in `(topic, partition)`: the checkpoint's offset, else
+    /// the configured starting offset, resolved to a number so the reader always
+    /// knows its position.
+    fn start_offset(
+        &self,
+        consumer: &BaseConsumer,
+        checkpoint: &Offsets,
+        topic: &str,
+        partition: i32,
+    ) -> Result<i64> {
+        if let Some(offset) = checkpoint.get(&partition_label(topic, partition)) {
+            return Ok(*offset);
         }
+        let explicit = match &self.starting_offsets {
+            StartingOffsets::Offsets(offsets) => offsets.get(&(topic.to_owned(), partition)),
+            _ => None,
+        };
+        if let Some(offset) = explicit {
+            return Ok(*offset);
+        }
+        let (low, high) = consumer
+            .fetch_watermarks(topic, partition, self.metadata_timeout)
+            .map_err(|e| {
+                self.error(format!(
+                    "could not read the offsets of {topic}-{partition}: {e}"
+                ))
+            })?;
+        Ok(match self.starting_offsets {
+            StartingOffsets::Latest => high,
+            _ => low,
+        })
     }
+}
+
+/// How a partition is named in checkpoints.
+fn partition_label(topic: &str, partition: i32) -> String {
+    format!("{topic}-{partition}")
 }
 
 fn dedup<T: Ord>(mut items: Vec<T>) -> Vec<T> {
@@ -293,10 +322,13 @@ impl Source<KafkaRecord> for KafkaSource {
             .collect();
         let consumer = self.consumer()?;
         let mut assignment = TopicPartitionList::new();
+        let mut positions = Vec::with_capacity(partitions.len());
         for (topic, partition) in &partitions {
+            let offset = self.start_offset(&consumer, &ctx.start_offsets, topic, *partition)?;
             assignment
-                .add_partition_offset(topic, *partition, self.start_offset(topic, *partition))
+                .add_partition_offset(topic, *partition, Offset::Offset(offset))
                 .map_err(|e| self.error(e))?;
+            positions.push(offset);
         }
         consumer
             .assign(&assignment)
@@ -305,6 +337,7 @@ impl Source<KafkaRecord> for KafkaSource {
             consumer,
             source: format!("kafka {}", self.bootstrap_servers),
             partitions,
+            positions,
         }))
     }
 }
@@ -313,6 +346,8 @@ struct KafkaReader {
     consumer: BaseConsumer,
     source: String,
     partitions: Vec<(String, i32)>,
+    /// The next offset to read, per partition.
+    positions: Vec<i64>,
 }
 
 impl KafkaReader {
@@ -367,6 +402,14 @@ fn record(message: &rdkafka::message::BorrowedMessage<'_>) -> (KafkaRecord, Opti
 }
 
 impl SourceReader<KafkaRecord> for KafkaReader {
+    fn offsets(&self) -> Offsets {
+        self.partitions
+            .iter()
+            .zip(&self.positions)
+            .map(|((topic, partition), offset)| (partition_label(topic, *partition), *offset))
+            .collect()
+    }
+
     fn poll(
         &mut self,
         out: &mut SourceOutput<KafkaRecord>,
@@ -377,6 +420,14 @@ impl SourceReader<KafkaRecord> for KafkaReader {
             match self.consumer.poll(wait) {
                 None => break,
                 Some(Ok(message)) => {
+                    let (topic, partition) = (message.topic(), message.partition());
+                    if let Some(i) = self
+                        .partitions
+                        .iter()
+                        .position(|(t, p)| *p == partition && t == topic)
+                    {
+                        self.positions[i] = message.offset() + 1;
+                    }
                     let (record, timestamp) = record(&message);
                     match timestamp {
                         Some(ms) => out.push_at(record, ms as u64 * 1_000_000, ms),

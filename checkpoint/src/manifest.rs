@@ -1,0 +1,105 @@
+//! The manifest of one committed epoch, and its checksummed encoding.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::Epoch;
+
+/// Next offset per partition label (as each source names its partitions).
+pub type Offsets = BTreeMap<String, i64>;
+
+/// Everything needed to resume after `epoch`. Written last, after everything it
+/// refers to, so a manifest that reads back intact describes a complete checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub epoch: Epoch,
+    /// The query's id, kept across restarts.
+    pub query_id: String,
+    /// The event-time watermark reached by the epoch, if any.
+    pub watermark: Option<i64>,
+    /// Per source operator, where its readers resume.
+    pub sources: BTreeMap<String, Offsets>,
+    /// When the manifest was written (ms since the Unix epoch).
+    pub committed_at_ms: u64,
+}
+
+/// A stored manifest whose checksum does not match its bytes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the manifest of epoch {epoch} is corrupt: {reason}")]
+pub struct Corrupt {
+    pub epoch: Epoch,
+    pub reason: String,
+}
+
+impl Manifest {
+    /// The manifest's bytes followed by their CRC-32.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut bytes = bincode::serde::encode_to_vec(self, bincode::config::standard())
+            .expect("a manifest always encodes");
+        let checksum = crc32fast::hash(&bytes);
+        bytes.extend_from_slice(&checksum.to_le_bytes());
+        bytes
+    }
+
+    /// Reads back what `encode` wrote, checking the checksum.
+    pub fn decode(epoch: Epoch, bytes: &[u8]) -> Result<Self, Corrupt> {
+        let corrupt = |reason: &str| Corrupt {
+            epoch,
+            reason: reason.to_owned(),
+        };
+        let split = bytes
+            .len()
+            .checked_sub(4)
+            .ok_or_else(|| corrupt("shorter than its checksum"))?;
+        let (body, checksum) = bytes.split_at(split);
+        let expected = u32::from_le_bytes(checksum.try_into().expect("four bytes"));
+        if crc32fast::hash(body) != expected {
+            return Err(corrupt("checksum mismatch"));
+        }
+        let (manifest, _): (Self, usize) =
+            bincode::serde::decode_from_slice(body, bincode::config::standard())
+                .map_err(|e| corrupt(&e.to_string()))?;
+        if manifest.epoch != epoch {
+            return Err(corrupt("stored under another epoch"));
+        }
+        Ok(manifest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest() -> Manifest {
+        Manifest {
+            epoch: 3,
+            query_id: "q".into(),
+            watermark: Some(42),
+            sources: BTreeMap::from([("kafka-0".into(), Offsets::from([("t-0".into(), 17)]))]),
+            committed_at_ms: 1,
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        assert_eq!(Manifest::decode(3, &manifest().encode()), Ok(manifest()));
+    }
+
+    #[test]
+    fn any_flipped_bit_or_truncation_is_detected() {
+        let bytes = manifest().encode();
+        for i in 0..bytes.len() {
+            let mut torn = bytes.clone();
+            torn[i] ^= 0x10;
+            assert!(Manifest::decode(3, &torn).is_err(), "flip at byte {i}");
+        }
+        for len in 0..bytes.len() {
+            assert!(
+                Manifest::decode(3, &bytes[..len]).is_err(),
+                "truncated to {len}"
+            );
+        }
+        assert!(Manifest::decode(4, &bytes).is_err(), "wrong epoch");
+    }
+}
