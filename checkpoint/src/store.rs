@@ -3,6 +3,7 @@
 //! `flush` before anyone is told the epoch committed.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::manifest::{Corrupt, Manifest};
 use crate::Epoch;
@@ -40,6 +41,25 @@ pub struct CheckpointStore {
 
 const QUERY_ID: &[u8] = b"query_id";
 
+/// How long opening waits for a previous user of the location to let go: sled's
+/// background flusher may hold the lock for a moment after a query stopped.
+const LOCK_WAIT: Duration = Duration::from_secs(2);
+
+fn open_db(path: &Path) -> sled::Result<sled::Db> {
+    let deadline = Instant::now() + LOCK_WAIT;
+    loop {
+        match sled::open(path) {
+            Err(sled::Error::Io(error))
+                if error.to_string().contains("could not acquire lock")
+                    && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            result => return result,
+        }
+    }
+}
+
 impl CheckpointStore {
     /// Opens (creating if needed) the store at `path`, keeping the latest `retain`
     /// manifests.
@@ -50,7 +70,7 @@ impl CheckpointStore {
             reason,
         };
         std::fs::create_dir_all(&path).map_err(|e| unusable(e.to_string()))?;
-        let db = sled::open(&path).map_err(|e| unusable(e.to_string()))?;
+        let db = open_db(&path).map_err(|e| unusable(e.to_string()))?;
         let manifests = db
             .open_tree("manifests")
             .map_err(|e| unusable(e.to_string()))?;
@@ -114,9 +134,12 @@ impl CheckpointStore {
     }
 
     /// Writes `manifest` durably, then drops manifests beyond the retained few.
-    pub fn commit(&self, manifest: &Manifest) -> Result<(), StoreError> {
+    /// Returns the manifest's size in bytes.
+    pub fn commit(&self, manifest: &Manifest) -> Result<usize, StoreError> {
+        let bytes = manifest.encode();
+        let size = bytes.len();
         let mut batch = sled::Batch::default();
-        batch.insert(&manifest.epoch.to_be_bytes(), manifest.encode());
+        batch.insert(&manifest.epoch.to_be_bytes(), bytes);
         for old in self
             .manifests
             .iter()
@@ -128,7 +151,7 @@ impl CheckpointStore {
         }
         self.manifests.apply_batch(batch).map_err(|e| self.io(e))?;
         self.db.flush().map_err(|e| self.io(e))?;
-        Ok(())
+        Ok(size)
     }
 
     /// The epochs of the manifests kept, oldest first.

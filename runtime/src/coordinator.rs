@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Message, System};
 use crossbeam_channel::Sender;
@@ -24,6 +24,7 @@ use crate::actor::{ActorEnv, Report};
 use crate::config::QueryConfig;
 use crate::error::{Result, RtflowError};
 use crate::graph::Graph;
+use crate::metrics::CheckpointStats;
 use crate::plan::{validate, ActorSpec, Plan};
 use crate::progress::{
     timestamp, EpochOffsets, ProgressTracker, QueryStartedEvent, QueryTerminatedEvent,
@@ -68,6 +69,8 @@ struct Checkpoints {
     sources: Vec<Option<(String, Sender<Epoch>)>>,
     /// The offsets of the last committed epoch, per source operator.
     committed: SourceOffsets,
+    /// When the epoch in flight was triggered.
+    triggered_at: Instant,
 }
 
 pub(crate) struct Coordinator {
@@ -143,6 +146,7 @@ impl Coordinator {
             tracker: CheckpointTracker::new(actors.len(), resume.map(|m| m.epoch)),
             sources: actors.iter_mut().map(|a| a.source.take()).collect(),
             committed,
+            triggered_at: Instant::now(),
         });
         tracing::info!(actors = actors.len(), "starting actors");
         for (index, actor) in actors.into_iter().enumerate() {
@@ -193,6 +197,7 @@ impl Coordinator {
             return;
         };
         tracing::debug!(epoch, "ending epoch");
+        checkpoints.triggered_at = Instant::now();
         for (_, barriers) in checkpoints.sources.iter().flatten() {
             // A source that already exited acknowledged through its final report.
             let _ = barriers.send(epoch);
@@ -216,8 +221,16 @@ impl Coordinator {
             sources,
             committed_at_ms: now_nanos() / 1_000_000,
         };
-        checkpoints.store.commit(&manifest)?;
-        tracing::info!(epoch, "checkpoint committed");
+        let writing = Instant::now();
+        let bytes = checkpoints.store.commit(&manifest)?;
+        let commit = writing.elapsed();
+        let duration = checkpoints.triggered_at.elapsed();
+        tracing::info!(epoch, bytes, ?duration, "checkpoint committed");
+        self.shared.metrics.record_checkpoint(CheckpointStats {
+            epoch,
+            duration,
+            bytes,
+        });
         let previous = std::mem::replace(&mut checkpoints.committed, manifest.sources);
         self.epoch = epoch;
         let committed = self
@@ -229,6 +242,8 @@ impl Coordinator {
         self.publish_progress(Some(EpochOffsets {
             start: &previous,
             end: &committed,
+            checkpoint: duration,
+            commit,
         }));
         Ok(())
     }

@@ -268,6 +268,26 @@ fn gather(queries: &[Arc<QueryShared>]) -> Vec<MetricFamily> {
                 mailbox.blocked.as_secs_f64(),
             );
         }
+        if let Some(checkpoint) = snapshot.checkpoint {
+            families.gauge(
+                "rtflow_checkpoint_epoch",
+                "The latest committed epoch",
+                &q,
+                checkpoint.epoch as f64,
+            );
+            families.gauge(
+                "rtflow_checkpoint_duration_ms",
+                "Barrier injection to durable manifest, for the latest checkpoint",
+                &q,
+                checkpoint.duration.as_secs_f64() * 1000.0,
+            );
+            families.gauge(
+                "rtflow_checkpoint_size_bytes",
+                "Bytes written by the latest checkpoint",
+                &q,
+                checkpoint.bytes as f64,
+            );
+        }
         if let Some(watermark) = snapshot.watermark() {
             let lag = (now_nanos() / 1_000_000) as f64 - watermark as f64;
             families.gauge(

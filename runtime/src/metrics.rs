@@ -219,12 +219,23 @@ struct Registered<T> {
     metrics: Arc<T>,
 }
 
+/// The latest committed checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CheckpointStats {
+    pub epoch: u64,
+    /// From the barrier's injection to the durable manifest.
+    pub duration: Duration,
+    /// Bytes written for the checkpoint.
+    pub bytes: usize,
+}
+
 /// Every counter of one query, shared by its actors and read by its handle, its
 /// progress reports and the Prometheus endpoint.
 pub struct QueryMetrics {
     operators: Mutex<Vec<(Role, Registered<OperatorMetrics>)>>,
     mailboxes: Mutex<Vec<Registered<MailboxMetrics>>>,
     latency: Arc<Mutex<Latencies>>,
+    checkpoint: Mutex<Option<CheckpointStats>>,
 }
 
 impl QueryMetrics {
@@ -236,7 +247,12 @@ impl QueryMetrics {
                 total: LatencyHistograms::new(),
                 interval: LatencyHistograms::new(),
             })),
+            checkpoint: Mutex::default(),
         }
+    }
+
+    pub(crate) fn record_checkpoint(&self, stats: CheckpointStats) {
+        *lock(&self.checkpoint) = Some(stats);
     }
 
     pub(crate) fn operator(&self, name: &str, subtask: usize, role: Role) -> Arc<OperatorMetrics> {
@@ -319,6 +335,7 @@ impl QueryMetrics {
             operators,
             mailboxes,
             latency: lock(&self.latency).total.report(),
+            checkpoint: *lock(&self.checkpoint),
         }
     }
 }
@@ -364,6 +381,8 @@ pub struct MetricsSnapshot {
     pub mailboxes: Vec<MailboxSnapshot>,
     /// Latencies since the query started.
     pub latency: LatencyReport,
+    /// The latest committed checkpoint, if any.
+    pub checkpoint: Option<CheckpointStats>,
 }
 
 impl MetricsSnapshot {

@@ -190,11 +190,16 @@ pub(crate) fn timestamp(at: std::time::SystemTime) -> String {
 /// Offsets per source operator.
 pub(crate) type SourceOffsets = BTreeMap<String, Offsets>;
 
-/// The sources' offsets before and after a committed epoch.
+/// A committed epoch: the sources' offsets before and after it, and how long
+/// its checkpoint took.
 #[derive(Clone, Copy)]
 pub(crate) struct EpochOffsets<'a> {
     pub(crate) start: &'a SourceOffsets,
     pub(crate) end: &'a SourceOffsets,
+    /// From the barrier's injection to the durable manifest.
+    pub(crate) checkpoint: Duration,
+    /// Writing and flushing the manifest.
+    pub(crate) commit: Duration,
 }
 
 /// Builds each progress report from the counters' change since the previous one.
@@ -249,7 +254,7 @@ impl ProgressTracker {
                 let before = self.last_read.insert(operator.clone(), read).unwrap_or(0);
                 let rows = read - before;
                 let (start_offset, end_offset) = match offsets {
-                    Some(EpochOffsets { start, end }) => (
+                    Some(EpochOffsets { start, end, .. }) => (
                         Some(start.get(operator).cloned().unwrap_or_default()),
                         end.get(operator).cloned(),
                     ),
@@ -275,6 +280,15 @@ impl ProgressTracker {
                 BTreeMap::from([("watermark".to_owned(), timestamp(at))])
             })
             .unwrap_or_default();
+        let mut duration_ms =
+            BTreeMap::from([("triggerExecution".to_owned(), elapsed.as_millis() as u64)]);
+        if let Some(commit) = offsets {
+            duration_ms.insert(
+                "checkpoint".to_owned(),
+                commit.checkpoint.as_millis() as u64,
+            );
+            duration_ms.insert("commitOffsets".to_owned(), commit.commit.as_millis() as u64);
+        }
         StreamingQueryProgress {
             id: self.id.clone(),
             run_id: self.run_id.clone(),
@@ -284,10 +298,7 @@ impl ProgressTracker {
             num_input_rows,
             input_rows_per_second: per_second(num_input_rows),
             processed_rows_per_second: per_second(num_input_rows),
-            duration_ms: BTreeMap::from([(
-                "triggerExecution".to_owned(),
-                elapsed.as_millis() as u64,
-            )]),
+            duration_ms,
             event_time,
             state_operators: Vec::new(),
             sources,

@@ -161,8 +161,11 @@ impl KafkaSource {
                     ("socket.nagle.disable", "true"),
                     ("fetch.wait.max.ms", "100"),
                     // librdkafka stops fetching a partition once this much is
-                    // prefetched, so a reader blocked on a full mailbox pauses it.
+                    // prefetched, so a reader blocked on a full mailbox pauses it;
+                    // it looks again after the backoff (1 s by default, which would
+                    // stall a partition that a single fetch filled).
                     ("queued.max.messages.kbytes", "1024"),
+                    ("fetch.queue.backoff.ms", "5"),
                 ],
             )?
             .create()

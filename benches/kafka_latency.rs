@@ -1,0 +1,367 @@
+//! Kafka -> rtflow -> Kafka end-to-end latency, in the shape of Databricks'
+//! real-time mode latency benchmark.
+//!
+//! A producer thread writes `--record-bytes` (default 1,200) byte records at a
+//! fixed `--rate` (default 10,000 records/s in total) round-robin over the
+//! `--partitions` (default 4) partitions of a fresh input topic for `--seconds`
+//! (default 30); each record carries its production wall-clock time in
+//! microseconds in the `produced-us` header. The query reads the input (one reader
+//! per partition), uppercases the payload and writes it with the header to the same
+//! partition of a fresh output topic. A consumer thread reads the output and
+//! records, for every record produced after a 2 s warm-up, the read time minus
+//! `produced-us`: the latency a downstream application sees.
+//!
+//! It runs twice: with the KafkaSource's own `fetch.wait.max.ms`, and with
+//! `kafka.fetch.wait.max.ms=5`. The plain producer and consumer use `linger.ms=0`
+//! and `fetch.wait.max.ms=5`. Each run prints one JSON line to stdout (latency in
+//! ms, and rtflow's own processing latency, read -> handed to the producer, from
+//! `query.metrics()`); the command and a summary table go to stderr.
+//!
+//! Every client here shares one broker, and the machine, with the others: with
+//! `linger.ms=0` a librdkafka producer sends one request per partition for each
+//! batch, and a consumer one fetch per response, so on a small machine the
+//! broker's request rate rather than rtflow bounds the latency; compare rtflow's
+//! own processing latency with the end-to-end figures.
+//!
+//! ```text
+//! scripts/kafka.sh start
+//! cargo bench --bench kafka_latency
+//! cargo bench --bench kafka_latency -- --bootstrap 127.0.0.1:9092 --rate 10000 \
+//!     --partitions 4 --seconds 30 --record-bytes 1200
+//! ```
+//!
+//! The broker is `--bootstrap`, else `$RTFLOW_KAFKA_BOOTSTRAP`, else 127.0.0.1:9092.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use rtflow::prelude::*;
+use rtflow::Percentiles;
+
+/// The header holding the production time, microseconds since the Unix epoch.
+const PRODUCED_US: &str = "produced-us";
+/// Records produced in the first seconds are not measured: connections, fetch
+/// sessions and caches are still warming up.
+const WARM_UP: Duration = Duration::from_secs(2);
+/// The producer's pacing interval.
+const TICK: Duration = Duration::from_millis(1);
+/// How long the consumer waits for the last records once the producer is done.
+const DRAIN: Duration = Duration::from_secs(10);
+/// The source's `fetch.wait.max.ms` per run: the connector's default, then 5 ms.
+const SOURCE_FETCH_WAITS: [Option<u64>; 2] = [None, Some(5)];
+
+type BenchResult<T> = std::result::Result<T, BoxError>;
+
+struct Args {
+    bootstrap: String,
+    /// Records per second over all partitions.
+    rate: u64,
+    partitions: u64,
+    seconds: u64,
+    record_bytes: u64,
+}
+
+impl Args {
+    /// Reads `--bootstrap HOST:PORT`, `--rate N`, `--partitions N`, `--seconds N`,
+    /// `--record-bytes N`; ignores anything else, such as the `--bench` that
+    /// `cargo bench` passes.
+    fn parse() -> Self {
+        let mut args = Self {
+            bootstrap: std::env::var("RTFLOW_KAFKA_BOOTSTRAP")
+                .unwrap_or_else(|_| "127.0.0.1:9092".to_owned()),
+            rate: 10_000,
+            partitions: 4,
+            seconds: 30,
+            record_bytes: 1_200,
+        };
+        let mut words = std::env::args().skip(1);
+        while let Some(flag) = words.next() {
+            let value = match flag.as_str() {
+                "--bootstrap" => {
+                    args.bootstrap = words.next().unwrap_or_else(|| usage(&flag, "an address"));
+                    continue;
+                }
+                "--rate" => &mut args.rate,
+                "--partitions" => &mut args.partitions,
+                "--seconds" => &mut args.seconds,
+                "--record-bytes" => &mut args.record_bytes,
+                _ => continue,
+            };
+            *value = words
+                .next()
+                .and_then(|v| v.parse().ok())
+                .filter(|v| *v > 0)
+                .unwrap_or_else(|| usage(&flag, "a positive integer"));
+        }
+        args
+    }
+}
+
+fn usage(flag: &str, takes: &str) -> ! {
+    eprintln!("{flag} takes {takes}");
+    std::process::exit(2);
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("the clock is after 1970")
+        .as_micros() as u64
+}
+
+/// Writes `args.rate` records/s round-robin over the partitions until `until`;
+/// returns how many it wrote.
+fn produce(args: &Args, topic: &str, until: Instant) -> BenchResult<u64> {
+    // Threaded: its own thread serves the delivery reports.
+    let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
+        .set("bootstrap.servers", &args.bootstrap)
+        .set("linger.ms", "0")
+        .set("socket.nagle.disable", "true")
+        .create()?;
+    let payload: String = (b'a'..=b'z')
+        .cycle()
+        .take(args.record_bytes as usize)
+        .map(char::from)
+        .collect();
+    let started = Instant::now();
+    let mut sent = 0;
+    loop {
+        let now = Instant::now();
+        if now >= until {
+            break;
+        }
+        // Every tick sends the records due by now, stamped with one clock read: a
+        // sleep and clock reads per record (system calls on this VM) would cost more
+        // CPU at 10,000 records/s than the rest of the producer.
+        let due = ((now - started).as_secs_f64() * args.rate as f64) as u64 + 1;
+        let stamp = now_us().to_string();
+        while sent < due {
+            let headers = OwnedHeaders::new().insert(Header {
+                key: PRODUCED_US,
+                value: Some(&stamp),
+            });
+            let record = BaseRecord::<(), _>::to(topic)
+                .partition((sent % args.partitions) as i32)
+                .payload(&payload)
+                .headers(headers);
+            producer
+                .send(record)
+                .map_err(|(error, _)| format!("could not produce: {error}"))?;
+            sent += 1;
+        }
+        std::thread::sleep(TICK);
+    }
+    producer.flush(Duration::from_secs(30))?;
+    Ok(sent)
+}
+
+/// Reads `topic` until `expected` records arrived (set once the producer is done)
+/// or `deadline`; returns how many arrived and the latencies in microseconds of
+/// those produced at or after `measure_from_us`.
+fn consume(
+    args: &Args,
+    topic: &str,
+    expected: &AtomicU64,
+    deadline: Instant,
+    measure_from_us: u64,
+) -> BenchResult<(u64, Vec<u64>)> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &args.bootstrap)
+        .set("group.id", "rtflow-bench")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .set("socket.nagle.disable", "true")
+        .set("fetch.wait.max.ms", "5")
+        .create()?;
+    let mut assignment = TopicPartitionList::new();
+    for partition in 0..args.partitions as i32 {
+        assignment.add_partition_offset(topic, partition, Offset::Beginning)?;
+    }
+    consumer.assign(&assignment)?;
+    let mut received = 0;
+    let mut latencies = Vec::with_capacity((args.rate * args.seconds) as usize);
+    while received < expected.load(Ordering::Acquire) && Instant::now() < deadline {
+        let Some(message) = consumer.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        let read_us = now_us();
+        let message = message?;
+        received += 1;
+        let produced_us = message
+            .headers()
+            .and_then(|headers| headers.iter().find(|h| h.key == PRODUCED_US))
+            .and_then(|h| std::str::from_utf8(h.value?).ok()?.parse::<u64>().ok())
+            .ok_or("an output record has no produced-us header")?;
+        if produced_us >= measure_from_us {
+            latencies.push(read_us.saturating_sub(produced_us));
+        }
+    }
+    Ok((received, latencies))
+}
+
+/// Starts input -> uppercase -> output.
+fn start(
+    args: &Args,
+    input: &str,
+    output: &str,
+    fetch_wait: Option<u64>,
+) -> Result<StreamingQuery> {
+    let mut source = KafkaSource::new(&args.bootstrap)
+        .subscribe([input])
+        .starting_offsets(StartingOffsets::Earliest);
+    if let Some(ms) = fetch_wait {
+        source = source.option("kafka.fetch.wait.max.ms", ms);
+    }
+    let flow = Dataflow::new("kafka-latency");
+    flow.source(source)
+        .map(|record: KafkaRecord| {
+            let value = record.value_str().to_ascii_uppercase();
+            (record.partition, value, record.header(PRODUCED_US).cloned())
+        })
+        .sink(KafkaSink::new(
+            &args.bootstrap,
+            output,
+            |(partition, value, produced): &(i32, String, Option<bytes::Bytes>)| {
+                let message = KafkaMessage::new(value.clone()).partition(*partition);
+                match produced {
+                    Some(stamp) => message.header(PRODUCED_US, stamp.clone()),
+                    None => message,
+                }
+            },
+        ));
+    flow.start(
+        QueryConfig::new("kafka-latency")
+            .checkpoint_location(std::env::temp_dir().join("rtflow-bench-kafka-latency"))
+            .trigger(Trigger::real_time("30 seconds")),
+    )
+}
+
+struct Run {
+    fetch_wait: Option<u64>,
+    produced: u64,
+    received: u64,
+    /// Sorted, microseconds; never empty.
+    latencies: Vec<u64>,
+    rtflow: Percentiles,
+}
+
+impl Run {
+    /// The `q` quantile (nearest rank) in milliseconds.
+    fn ms(&self, q: f64) -> f64 {
+        let rank = (q * self.latencies.len() as f64).ceil() as usize;
+        self.latencies[rank.clamp(1, self.latencies.len()) - 1] as f64 / 1000.0
+    }
+
+    fn percentiles(&self) -> [f64; 5] {
+        [0.50, 0.90, 0.95, 0.99, 1.0].map(|q| self.ms(q))
+    }
+}
+
+/// One run on fresh topics, deleted afterwards.
+fn run(args: &Args, fetch_wait: Option<u64>) -> BenchResult<Run> {
+    let admin = KafkaAdmin::new(&args.bootstrap)?;
+    let id = format!("{}-{}", std::process::id(), now_us());
+    let (input, output) = (
+        format!("rtflow-latency-in-{id}"),
+        format!("rtflow-latency-out-{id}"),
+    );
+    admin.create_topic(&input, args.partitions as i32)?;
+    admin.create_topic(&output, args.partitions as i32)?;
+
+    let query = start(args, &input, &output, fetch_wait)?;
+    let measure_from_us = now_us() + WARM_UP.as_micros() as u64;
+    let until = Instant::now() + Duration::from_secs(args.seconds);
+    let expected = AtomicU64::new(u64::MAX);
+    let (produced, (received, mut latencies)) = std::thread::scope(|scope| {
+        let consumer =
+            scope.spawn(|| consume(args, &output, &expected, until + DRAIN, measure_from_us));
+        let produced = produce(args, &input, until);
+        expected.store(*produced.as_ref().unwrap_or(&0), Ordering::Release);
+        let consumed = consumer.join().expect("the consumer thread does not panic");
+        Ok::<_, BoxError>((produced?, consumed?))
+    })?;
+    query.stop()?;
+    admin.delete_topic(&input)?;
+    admin.delete_topic(&output)?;
+    if latencies.is_empty() {
+        return Err(format!(
+            "no record produced after the warm-up came out within {DRAIN:?} of the end"
+        )
+        .into());
+    }
+    latencies.sort_unstable();
+    Ok(Run {
+        fetch_wait,
+        produced,
+        received,
+        latencies,
+        rtflow: query.metrics().latency.processing,
+    })
+}
+
+fn main() -> BenchResult<()> {
+    let args = Args::parse();
+    eprintln!(
+        "command: cargo bench --bench kafka_latency -- --bootstrap {} --rate {} --partitions {} \
+         --seconds {} --record-bytes {}",
+        args.bootstrap, args.rate, args.partitions, args.seconds, args.record_bytes
+    );
+    let mut runs = Vec::new();
+    for fetch_wait in SOURCE_FETCH_WAITS {
+        let run = run(&args, fetch_wait)?;
+        let [p50, p90, p95, p99, max] = run.percentiles();
+        let source_fetch_wait = fetch_wait.map_or("null".to_owned(), |ms| ms.to_string());
+        println!(
+            "{{\"bench\":\"kafka_latency\",\"source_fetch_wait_ms\":{source_fetch_wait},\
+             \"records\":{},\"produced\":{},\"received\":{},\"rate\":{},\"partitions\":{},\
+             \"record_bytes\":{},\"seconds\":{},\"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\
+             \"p95_ms\":{p95:.3},\"p99_ms\":{p99:.3},\"max_ms\":{max:.3},\
+             \"rtflow_processing_p50_ms\":{:.3},\"rtflow_processing_p99_ms\":{:.3}}}",
+            run.latencies.len(),
+            run.produced,
+            run.received,
+            args.rate,
+            args.partitions,
+            args.record_bytes,
+            args.seconds,
+            run.rtflow.p50,
+            run.rtflow.p99
+        );
+        runs.push(run);
+    }
+
+    eprintln!(
+        "\nKafka({} partitions) -> uppercase -> Kafka; {} records/s of {} bytes for {} s, \
+         the first {} s not measured; latency in ms",
+        args.partitions,
+        args.rate,
+        args.record_bytes,
+        args.seconds,
+        WARM_UP.as_secs()
+    );
+    eprintln!(
+        "{:<18}{:>9}{:>9}  {:>38}  {:>16}",
+        "source fetch wait",
+        "measured",
+        "missing",
+        "end-to-end p50/p90/p95/p99/max",
+        "rtflow p50/p99"
+    );
+    for run in &runs {
+        let row = run.percentiles().map(|ms| format!("{ms:.2}")).join(" / ");
+        eprintln!(
+            "{:<18}{:>9}{:>9}  {:>38}  {:>16}",
+            run.fetch_wait
+                .map_or("default".to_owned(), |ms| format!("{ms} ms")),
+            run.latencies.len(),
+            run.produced.saturating_sub(run.received),
+            row,
+            format!("{:.3} / {:.3}", run.rtflow.p50, run.rtflow.p99)
+        );
+    }
+    Ok(())
+}
