@@ -105,7 +105,9 @@ fn epochs_advance_while_records_keep_flowing() {
         .filter(|p| p.sources[0].end_offset.is_some())
         .collect();
     assert!(commits.len() >= 3);
-    assert!(commits.iter().all(|p| p.duration_ms.contains_key("checkpoint")));
+    assert!(commits
+        .iter()
+        .all(|p| p.duration_ms.contains_key("checkpoint")));
     let stats = query.metrics().checkpoint.expect("checkpoint statistics");
     assert_eq!(stats.epoch, commits.last().unwrap().batch_id);
     assert!(stats.bytes > 0);
