@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rtflow_runtime::connector::Offsets;
+use rtflow_runtime::connector::{numbered_offsets, Offsets};
 use rtflow_runtime::record::now_nanos;
 use rtflow_runtime::{
     Data, Result, RtflowError, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
@@ -82,16 +82,9 @@ impl<T: Data> Source<T> for GeneratorSource<T> {
         Ok(Box::new(GeneratorReader {
             make: self.make.clone(),
             offsets: ctx
-                .partitions
-                .iter()
-                .map(|p| {
-                    (
-                        *p,
-                        ctx.start_offsets
-                            .get(&p.to_string())
-                            .map_or(0, |o| *o as u64),
-                    )
-                })
+                .numbered_partitions()
+                .into_iter()
+                .map(|(partition, offset)| (partition, offset as u64))
                 .collect(),
             next: 0,
             limit: self.rows_per_partition.unwrap_or(u64::MAX),
@@ -130,10 +123,7 @@ impl<T: Data> GeneratorReader<T> {
 
 impl<T: Data> SourceReader<T> for GeneratorReader<T> {
     fn offsets(&self) -> Offsets {
-        self.offsets
-            .iter()
-            .map(|(partition, offset)| (partition.to_string(), *offset as i64))
-            .collect()
+        numbered_offsets(self.offsets.iter().map(|(p, offset)| (*p, *offset as i64)))
     }
 
     fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus> {

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use rtflow_runtime::connector::Offsets;
+use rtflow_runtime::connector::{numbered_offsets, Offsets};
 use rtflow_runtime::record::{nanos_to_event_time, now_nanos};
 use rtflow_runtime::{
     Data, EventTime, Nanos, Record, Result, RtflowError, Sink, SinkContext, SinkWriter, Source,
@@ -142,16 +142,9 @@ impl<T: Data> Source<T> for MemorySource<T> {
         Ok(Box::new(MemoryReader {
             shared: self.shared.clone(),
             offsets: ctx
-                .partitions
-                .iter()
-                .map(|p| {
-                    (
-                        *p,
-                        ctx.start_offsets
-                            .get(&p.to_string())
-                            .map_or(0, |o| *o as usize),
-                    )
-                })
+                .numbered_partitions()
+                .into_iter()
+                .map(|(partition, offset)| (partition, offset as usize))
                 .collect(),
         }))
     }
@@ -165,10 +158,7 @@ struct MemoryReader<T> {
 
 impl<T: Data> SourceReader<T> for MemoryReader<T> {
     fn offsets(&self) -> Offsets {
-        self.offsets
-            .iter()
-            .map(|(partition, offset)| (partition.to_string(), *offset as i64))
-            .collect()
+        numbered_offsets(self.offsets.iter().map(|(p, offset)| (*p, *offset as i64)))
     }
 
     fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus> {

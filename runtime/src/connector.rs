@@ -25,6 +25,32 @@ pub struct SourceContext {
     pub start_offsets: Offsets,
 }
 
+impl SourceContext {
+    /// For sources whose partitions are numbered: each of this reader's
+    /// partitions with the offset to start at, as [`numbered_offsets`] recorded it
+    /// (0 on a first start).
+    pub fn numbered_partitions(&self) -> Vec<(usize, i64)> {
+        self.partitions
+            .iter()
+            .map(|p| {
+                (
+                    *p,
+                    self.start_offsets.get(&p.to_string()).copied().unwrap_or(0),
+                )
+            })
+            .collect()
+    }
+}
+
+/// The offsets of numbered partitions, labelled by their number: what
+/// [`SourceContext::numbered_partitions`] reads back.
+pub fn numbered_offsets(positions: impl IntoIterator<Item = (usize, i64)>) -> Offsets {
+    positions
+        .into_iter()
+        .map(|(partition, offset)| (partition.to_string(), offset))
+        .collect()
+}
+
 /// A source of records (Kafka, memory, generator).
 pub trait Source<T>: Send + 'static {
     /// The connector kind: "kafka", "memory", "generator", ...
