@@ -17,11 +17,11 @@
 //! `scripts/kafka.sh produce rtflow-input` or the other Kafka examples.
 //! `--bootstrap HOST:PORT` points at another broker.
 
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
 
 use clap::Parser;
-use rdkafka::producer::{BaseProducer, BaseRecord};
-use rdkafka::ClientConfig;
 use rtflow::prelude::*;
 
 #[derive(Parser)]
@@ -50,34 +50,9 @@ struct Args {
     partitions: i32,
 }
 
-/// Writes `rate` records per second to `topic` from a background thread that
-/// lives as long as the program.
-fn spawn_producer(bootstrap: &str, topic: &str, rate: u64) -> std::result::Result<(), BoxError> {
-    let producer: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("linger.ms", "0")
-        .create()?;
-    let topic = topic.to_owned();
-    std::thread::spawn(move || {
-        let started = Instant::now();
-        for n in 0u64.. {
-            let due = started + Duration::from_secs_f64(n as f64 / rate as f64);
-            std::thread::sleep(due.saturating_duration_since(Instant::now()));
-            let (key, value) = (format!("k{}", n % 3), format!("message {n}"));
-            // Test input only: a record the full local queue refuses is skipped.
-            let _ = producer.send(BaseRecord::to(&topic).key(&key).payload(&value));
-            producer.poll(Duration::ZERO);
-        }
-    });
-    Ok(())
-}
-
 fn main() -> std::result::Result<(), BoxError> {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    common::init_tracing();
     KafkaAdmin::new(&args.bootstrap)?.create_topic(&args.topic, args.partitions)?;
 
     let starting_offsets = if args.from_beginning {
@@ -112,25 +87,13 @@ fn main() -> std::result::Result<(), BoxError> {
     )?;
     // Started after the query, whose readers begin at the latest offsets by default.
     if let Some(rate) = args.produce {
-        spawn_producer(&args.bootstrap, &args.topic, rate)?;
+        common::spawn_producer(&args.bootstrap, &args.topic, rate, |n| {
+            (format!("k{}", n % 3), format!("message {n}"))
+        })?;
     }
     query.await_with_status(Duration::from_secs(args.seconds), std::io::stderr())?;
     query.stop()?;
 
-    let metrics = query.metrics();
-    let latency = metrics.latency;
-    println!();
-    println!(
-        "records read: {}  shown: {}",
-        metrics.records_out("kafka"),
-        latency.processing.count
-    );
-    // End-to-end starts at the Kafka record timestamp, which has millisecond resolution.
-    for (name, p) in [
-        ("processing", latency.processing),
-        ("end-to-end", latency.end_to_end),
-    ] {
-        println!("{name:>10} latency ms: p50 {:.3}  p99 {:.3}", p.p50, p.p99);
-    }
+    common::print_summary(&query, "shown");
     Ok(())
 }

@@ -20,12 +20,12 @@
 //! `echo 3,click | scripts/kafka.sh produce rtflow-events`.
 //! `--bootstrap HOST:PORT` points at another broker.
 
+mod common;
+
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Parser;
-use rdkafka::producer::{BaseProducer, BaseRecord};
-use rdkafka::ClientConfig;
 use rtflow::prelude::*;
 use serde::Deserialize;
 
@@ -105,35 +105,9 @@ fn load_users(file: Option<&PathBuf>) -> Result<StaticTable<u32, User>> {
     StaticTable::from_csv(file, |user: &User| user.id)
 }
 
-/// Writes `rate` events per second to `topic` from a background thread that
-/// lives as long as the program; user 0 is in no table, to show the left join.
-fn spawn_producer(bootstrap: &str, topic: &str, rate: u64) -> std::result::Result<(), BoxError> {
-    let producer: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("linger.ms", "0")
-        .create()?;
-    let topic = topic.to_owned();
-    std::thread::spawn(move || {
-        let started = Instant::now();
-        for n in 0u64.. {
-            let due = started + Duration::from_secs_f64(n as f64 / rate as f64);
-            std::thread::sleep(due.saturating_duration_since(Instant::now()));
-            let user = (n % 4).to_string();
-            let event = format!("{user},{}", ["view", "click", "purchase"][n as usize % 3]);
-            // Test input only: a record the full local queue refuses is skipped.
-            let _ = producer.send(BaseRecord::to(&topic).key(&user).payload(&event));
-            producer.poll(Duration::ZERO);
-        }
-    });
-    Ok(())
-}
-
 fn main() -> std::result::Result<(), BoxError> {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    common::init_tracing();
     let users = load_users(args.users.as_ref())?;
     let admin = KafkaAdmin::new(&args.bootstrap)?;
     admin.create_topic(INPUT, args.partitions)?;
@@ -157,7 +131,12 @@ fn main() -> std::result::Result<(), BoxError> {
     )?;
     // Started after the query, whose readers begin at the latest offsets.
     if let Some(rate) = args.produce {
-        spawn_producer(&args.bootstrap, INPUT, rate)?;
+        // User 0 is in no table, to show the left join.
+        common::spawn_producer(&args.bootstrap, INPUT, rate, |n| {
+            let user = (n % 4).to_string();
+            let event = format!("{user},{}", ["view", "click", "purchase"][n as usize % 3]);
+            (user, event)
+        })?;
     }
     println!(
         "{INPUT} -> join {} users -> {OUTPUT} for {} s on {}",
@@ -168,19 +147,6 @@ fn main() -> std::result::Result<(), BoxError> {
     query.await_with_status(Duration::from_secs(args.seconds), std::io::stderr())?;
     query.stop()?;
 
-    let metrics = query.metrics();
-    let latency = metrics.latency;
-    println!(
-        "records read: {}  written: {}",
-        metrics.records_out("kafka"),
-        latency.processing.count
-    );
-    // End-to-end starts at the Kafka record timestamp, which has millisecond resolution.
-    for (name, p) in [
-        ("processing", latency.processing),
-        ("end-to-end", latency.end_to_end),
-    ] {
-        println!("{name:>10} latency ms: p50 {:.3}  p99 {:.3}", p.p50, p.p99);
-    }
+    common::print_summary(&query, "written");
     Ok(())
 }

@@ -18,11 +18,11 @@
 //! `scripts/kafka.sh produce rtflow-input --keyed` ("key<TAB>value" lines).
 //! `--bootstrap HOST:PORT` points at another broker.
 
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
 
 use clap::Parser;
-use rdkafka::producer::{BaseProducer, BaseRecord};
-use rdkafka::ClientConfig;
 use rtflow::prelude::*;
 
 const INPUT: &str = "rtflow-input";
@@ -45,34 +45,9 @@ struct Args {
     partitions: i32,
 }
 
-/// Writes `rate` records per second to `topic` from a background thread that
-/// lives as long as the program.
-fn spawn_producer(bootstrap: &str, topic: &str, rate: u64) -> std::result::Result<(), BoxError> {
-    let producer: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("linger.ms", "0")
-        .create()?;
-    let topic = topic.to_owned();
-    std::thread::spawn(move || {
-        let started = Instant::now();
-        for n in 0u64.. {
-            let due = started + Duration::from_secs_f64(n as f64 / rate as f64);
-            std::thread::sleep(due.saturating_duration_since(Instant::now()));
-            let (key, value) = (format!("user-{}", n % 10), format!("event {n}"));
-            // Test input only: a record the full local queue refuses is skipped.
-            let _ = producer.send(BaseRecord::to(&topic).key(&key).payload(&value));
-            producer.poll(Duration::ZERO);
-        }
-    });
-    Ok(())
-}
-
 fn main() -> std::result::Result<(), BoxError> {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    common::init_tracing();
     let admin = KafkaAdmin::new(&args.bootstrap)?;
     admin.create_topic(INPUT, args.partitions)?;
     admin.create_topic(OUTPUT, args.partitions)?;
@@ -105,7 +80,9 @@ fn main() -> std::result::Result<(), BoxError> {
     )?;
     // Started after the query, whose readers begin at the latest offsets.
     if let Some(rate) = args.produce {
-        spawn_producer(&args.bootstrap, INPUT, rate)?;
+        common::spawn_producer(&args.bootstrap, INPUT, rate, |n| {
+            (format!("user-{}", n % 10), format!("event {n}"))
+        })?;
     }
     println!(
         "{INPUT} -> uppercase -> {OUTPUT} for {} s on {}",
@@ -114,19 +91,6 @@ fn main() -> std::result::Result<(), BoxError> {
     query.await_with_status(Duration::from_secs(args.seconds), std::io::stderr())?;
     query.stop()?;
 
-    let metrics = query.metrics();
-    let latency = metrics.latency;
-    println!(
-        "records read: {}  written: {}",
-        metrics.records_out("kafka"),
-        latency.processing.count
-    );
-    // End-to-end starts at the Kafka record timestamp, which has millisecond resolution.
-    for (name, p) in [
-        ("processing", latency.processing),
-        ("end-to-end", latency.end_to_end),
-    ] {
-        println!("{name:>10} latency ms: p50 {:.3}  p99 {:.3}", p.p50, p.p99);
-    }
+    common::print_summary(&query, "written");
     Ok(())
 }

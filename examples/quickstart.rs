@@ -9,6 +9,8 @@
 //! RUST_LOG=rtflow_runtime=info cargo run --release --example quickstart   # with lifecycle logs
 //! ```
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -63,10 +65,7 @@ fn parse(line: String) -> Option<Click> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    common::init_tracing();
     let users = StaticTable::from_rows(
         "users",
         (0..50u32).map(|id| (id, COUNTRIES[id as usize % COUNTRIES.len()].to_owned())),

@@ -1,0 +1,62 @@
+//! What the examples share: logs, a test-input producer, the closing summary.
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+use rdkafka::producer::{BaseProducer, BaseRecord};
+use rdkafka::ClientConfig;
+use rtflow::prelude::*;
+
+/// Prints `RUST_LOG`-filtered logs to stderr.
+pub fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Writes `rate` records per second to `topic` from a background thread that
+/// lives as long as the program; `record(n)` makes the n-th (key, value).
+pub fn spawn_producer(
+    bootstrap: &str,
+    topic: &str,
+    rate: u64,
+    record: impl Fn(u64) -> (String, String) + Send + 'static,
+) -> std::result::Result<(), BoxError> {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("linger.ms", "0")
+        .create()?;
+    let topic = topic.to_owned();
+    std::thread::spawn(move || {
+        let started = Instant::now();
+        for n in 0u64.. {
+            let due = started + Duration::from_secs_f64(n as f64 / rate as f64);
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+            let (key, value) = record(n);
+            // Test input only: a record the full local queue refuses is skipped.
+            let _ = producer.send(BaseRecord::to(&topic).key(&key).payload(&value));
+            producer.poll(Duration::ZERO);
+        }
+    });
+    Ok(())
+}
+
+/// Prints how many records the stopped query read and wrote, and their latency.
+pub fn print_summary(query: &StreamingQuery, written: &str) {
+    let metrics = query.metrics();
+    let latency = metrics.latency;
+    println!();
+    println!(
+        "records read: {}  {written}: {}",
+        metrics.records_read(),
+        metrics.records_written()
+    );
+    // End-to-end starts at the Kafka record timestamp, which has millisecond resolution.
+    for (name, p) in [
+        ("processing", latency.processing),
+        ("end-to-end", latency.end_to_end),
+    ] {
+        println!("{name:>10} latency ms: p50 {:.3}  p99 {:.3}", p.p50, p.p99);
+    }
+}
