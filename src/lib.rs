@@ -56,7 +56,7 @@ pub mod prelude {
         ConsoleSink, CsvTable, ForeachSink, ForeachWriter, GeneratorSource, MemorySink,
         MemorySource,
     };
-    pub use rtflow_operators::StreamExt;
+    pub use rtflow_operators::{KeyedStreamExt, StreamExt};
     pub use rtflow_runtime::{
         BoxError, Collector, Data, Dataflow, KeyedStream, Operator, OperatorContext, OutputMode,
         QueryConfig, Record, Result, RtflowError, StaticTable, Stream, StreamingQuery, Trigger,

@@ -5,15 +5,20 @@
 //! - [`protocol`]: the commit decision as pure logic: epochs are triggered one at
 //!   a time, every actor acknowledges the barrier, then the epoch may commit.
 //! - [`manifest`]: what a committed epoch records (source offsets, watermark,
-//!   query id) and its checksummed encoding.
-//! - [`store`]: the sled-backed store at the checkpoint location: manifests are
-//!   written last and flushed before the commit is announced; recovery takes the
-//!   newest intact manifest and never a torn one.
+//!   query id, the snapshot chain of every state, the key-group count) and its
+//!   checksummed encoding.
+//! - [`snapshot`]: incremental state snapshots: the entries an actor changed in an
+//!   epoch, as checksummed blobs, and how a chain of them rebuilds a state.
+//! - [`store`]: the sled-backed store at the checkpoint location: blobs first,
+//!   then the manifest, flushed before the commit is announced; recovery takes the
+//!   newest checkpoint whose manifest and blobs are intact, never a torn one;
+//!   retention, garbage collection and compaction of snapshot chains.
 //!
 //! This crate knows nothing of the runtime: the runtime builds on it.
 
 pub mod manifest;
 pub mod protocol;
+pub mod snapshot;
 pub mod store;
 
 /// Checkpoint epoch number.
@@ -21,4 +26,5 @@ pub type Epoch = u64;
 
 pub use manifest::{Manifest, Offsets};
 pub use protocol::{ActorId, CheckpointTracker};
-pub use store::{CheckpointStore, Recovery, StoreError};
+pub use snapshot::{Delta, Entry, StateChain, StateId, StateMeta};
+pub use store::{CheckpointStore, CommitStats, Recovery, RestoredState, StoreError};

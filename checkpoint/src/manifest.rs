@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::snapshot::{StateChain, StateId};
 use crate::Epoch;
 
 /// Next offset per partition label (as each source names its partitions).
@@ -20,6 +21,10 @@ pub struct Manifest {
     pub watermark: Option<i64>,
     /// Per source operator, where its readers resume.
     pub sources: BTreeMap<String, Offsets>,
+    /// Per state, the snapshot blobs that rebuild it.
+    pub state: BTreeMap<StateId, StateChain>,
+    /// How many key groups keyed state is spread over; fixed for a checkpoint's life.
+    pub key_groups: u32,
     /// When the manifest was written (ms since the Unix epoch).
     pub committed_at_ms: u64,
 }
@@ -77,6 +82,8 @@ mod tests {
             query_id: "q".into(),
             watermark: Some(42),
             sources: BTreeMap::from([("kafka-0".into(), Offsets::from([("t-0".into(), 17)]))]),
+            state: BTreeMap::new(),
+            key_groups: 128,
             committed_at_ms: 1,
         }
     }

@@ -41,9 +41,12 @@ pub struct CheckpointTracker<A> {
     next_epoch: Epoch,
     in_flight: Option<InFlight<A>>,
     last_completed: Option<Epoch>,
-    /// The final report of every actor that finished: it stands for every later
-    /// epoch, since a finished actor acknowledges nothing more.
+    /// Per finished actor, the report that stands for every later epoch, since a
+    /// finished actor acknowledges nothing more.
     retired: Vec<Option<A>>,
+    /// Per finished actor, its last report while no epoch has taken it yet (its
+    /// final state changes must be committed exactly once).
+    last_words: Vec<Option<A>>,
 }
 
 impl<A: Clone> CheckpointTracker<A> {
@@ -56,7 +59,17 @@ impl<A: Clone> CheckpointTracker<A> {
             in_flight: None,
             last_completed: last_committed,
             retired: (0..actors).map(|_| None).collect(),
+            last_words: (0..actors).map(|_| None).collect(),
         }
+    }
+
+    /// The acknowledgements a new epoch starts with: finished actors' reports.
+    fn retired_acks(&mut self) -> Vec<Option<A>> {
+        self.retired
+            .iter()
+            .zip(&mut self.last_words)
+            .map(|(standing, last)| last.take().or_else(|| standing.clone()))
+            .collect()
     }
 
     /// Starts the next epoch, or `None` while one is still in flight or when no
@@ -68,28 +81,57 @@ impl<A: Clone> CheckpointTracker<A> {
         }
         let epoch = self.next_epoch;
         self.next_epoch += 1;
+        let acks = self.retired_acks();
         self.in_flight = Some(InFlight {
             epoch,
-            acks: self.retired.clone(),
+            acks,
             missing,
         });
         Some(epoch)
     }
 
-    /// `actor` finished with `report` as its last word. Returns the epoch in
+    /// `actor` finished: `last` is its last word (taken by exactly one epoch), and
+    /// `standing` stands in for it in every epoch after that. Returns the epoch in
     /// flight if that was the last acknowledgement it waited for.
-    pub fn retire(&mut self, actor: ActorId, report: A) -> Option<(Epoch, Vec<A>)> {
+    pub fn retire(&mut self, actor: ActorId, last: A, standing: A) -> Option<(Epoch, Vec<A>)> {
         if actor >= self.actors || self.retired[actor].is_some() {
             return None;
         }
-        self.retired[actor] = Some(report.clone());
+        self.retired[actor] = Some(standing);
         match &self.in_flight {
             Some(in_flight) if in_flight.acks[actor].is_none() => {
                 let epoch = in_flight.epoch;
-                self.ack(actor, epoch, report).ok().flatten()
+                self.ack(actor, epoch, last).ok().flatten()
             }
-            _ => None,
+            _ => {
+                self.last_words[actor] = Some(last);
+                None
+            }
         }
+    }
+
+    /// Once every actor finished and no epoch is in flight: the final epoch, if
+    /// some actor's last word is not committed yet. It completes at once.
+    pub fn finish(&mut self) -> Option<(Epoch, Vec<A>)> {
+        let all_retired = self.retired.iter().all(Option::is_some);
+        let unsaid = self.last_words.iter().any(Option::is_some);
+        if self.in_flight.is_some() || !all_retired || !unsaid {
+            return None;
+        }
+        let epoch = self.next_epoch;
+        self.next_epoch += 1;
+        self.last_completed = Some(epoch);
+        let reports = self
+            .retired_acks()
+            .into_iter()
+            .map(|a| a.expect("every actor retired"))
+            .collect();
+        Some((epoch, reports))
+    }
+
+    /// Whether every actor finished.
+    pub fn all_finished(&self) -> bool {
+        self.retired.iter().all(Option::is_some)
     }
 
     /// Records `actor`'s acknowledgement of `epoch`. Once every actor has
@@ -212,16 +254,33 @@ mod tests {
         assert_eq!(tracker.trigger(), Some(1));
         assert_eq!(tracker.ack(0, 1, "a1"), Ok(None));
         assert_eq!(
-            tracker.retire(1, "b-final"),
-            Some((1, vec!["a1", "b-final"]))
+            tracker.retire(1, "b-last", "b"),
+            Some((1, vec!["a1", "b-last"]))
         );
         assert_eq!(tracker.trigger(), Some(2));
-        assert_eq!(
-            tracker.ack(0, 2, "a2"),
-            Ok(Some((2, vec!["a2", "b-final"])))
-        );
-        assert_eq!(tracker.retire(0, "a-final"), None);
+        assert_eq!(tracker.ack(0, 2, "a2"), Ok(Some((2, vec!["a2", "b"]))));
+        assert_eq!(tracker.finish(), None, "actor 0 still runs");
+        assert_eq!(tracker.retire(0, "a-last", "a"), None);
         assert_eq!(tracker.trigger(), None, "nobody is left to acknowledge");
+        assert!(tracker.all_finished());
+        assert_eq!(
+            tracker.finish(),
+            Some((3, vec!["a-last", "b"])),
+            "the final epoch takes actor 0's last word"
+        );
+        assert_eq!(tracker.finish(), None, "everything was said");
+    }
+
+    #[test]
+    fn a_last_word_said_between_epochs_goes_into_the_next_one_only() {
+        let mut tracker = CheckpointTracker::new(2, None);
+        assert_eq!(tracker.retire(1, "b-last", "b"), None);
+        assert_eq!(tracker.trigger(), Some(1));
+        assert_eq!(tracker.ack(0, 1, "a1"), Ok(Some((1, vec!["a1", "b-last"]))));
+        assert_eq!(tracker.trigger(), Some(2));
+        assert_eq!(tracker.ack(0, 2, "a2"), Ok(Some((2, vec!["a2", "b"]))));
+        assert_eq!(tracker.retire(0, "a-last", "a"), None);
+        assert_eq!(tracker.finish(), Some((3, vec!["a-last", "b"])));
     }
 
     #[test]

@@ -1,11 +1,19 @@
-//! The checkpoint store: epoch manifests in sled at the query's checkpoint
-//! location. A manifest is written with `apply_batch` and made durable with
-//! `flush` before anyone is told the epoch committed.
+//! The checkpoint store at the query's checkpoint location, in sled: state
+//! snapshot blobs in one tree, epoch manifests in another. A commit writes the
+//! epoch's blobs, then its manifest, then flushes, before anyone is told the epoch
+//! committed: a manifest that reads back intact refers only to blobs already
+//! durable. Retention keeps the latest few manifests; blobs none of them refers to
+//! are deleted.
 
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::manifest::{Corrupt, Manifest};
+use crate::snapshot::{
+    blob_ref, decode_blob, encode_blob, merge, BlobRef, Delta, Entry, StateChain, StateId,
+    StateMeta, BASE_PART,
+};
 use crate::Epoch;
 
 /// Why the store cannot serve a query.
@@ -22,24 +30,49 @@ pub enum StoreError {
     Io { path: PathBuf, reason: String },
 }
 
-/// What a query resumes from.
+/// A state as the recovered checkpoint left it.
 #[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestoredState {
+    pub meta: StateMeta,
+    /// Every live entry (deletions applied), in no particular order.
+    pub entries: Vec<Entry>,
+}
+
+/// What a query resumes from.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Recovery {
-    /// The latest intact manifest, if any checkpoint was committed.
+    /// The latest intact checkpoint's manifest, if any checkpoint was committed.
     pub manifest: Option<Manifest>,
-    /// Newer manifests that failed their checksum and were passed over.
+    /// Its states, rebuilt from their snapshot blobs.
+    pub state: BTreeMap<StateId, RestoredState>,
+    /// Newer checkpoints that failed a checksum and were passed over.
     pub skipped: Vec<Corrupt>,
 }
 
-/// Manifests by epoch, plus the query's identity.
+/// What a commit wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CommitStats {
+    /// Bytes of the manifest and the new snapshot blobs.
+    pub bytes: usize,
+    /// Entries in the new snapshot blobs.
+    pub entries: usize,
+}
+
+/// Manifests by epoch, snapshot blobs, and the query's identity.
 pub struct CheckpointStore {
     path: PathBuf,
     db: sled::Db,
     manifests: sled::Tree,
+    blobs: sled::Tree,
     retain: usize,
+    /// The retained manifests, oldest first; the last is the latest commit.
+    kept: VecDeque<Manifest>,
 }
 
 const QUERY_ID: &[u8] = b"query_id";
+
+/// A chain longer than this is compacted into one base blob.
+const MAX_CHAIN: usize = 16;
 
 /// How long opening waits for a previous user of the location to let go: sled's
 /// background flusher may hold the lock for a moment after a query stopped.
@@ -60,9 +93,26 @@ fn open_db(path: &Path) -> sled::Result<sled::Db> {
     }
 }
 
+/// The sled key of a blob: state id, then epoch and part, so one state's blobs
+/// sort together.
+fn blob_key(state: &StateId, blob: &BlobRef) -> Vec<u8> {
+    let mut key = Vec::with_capacity(state.operator.len() + state.name.len() + 16);
+    for part in [&state.operator, &state.name] {
+        key.extend_from_slice(&(part.len() as u32).to_be_bytes());
+        key.extend_from_slice(part.as_bytes());
+    }
+    key.extend_from_slice(&blob.epoch.to_be_bytes());
+    key.extend_from_slice(&blob.part.to_be_bytes());
+    key
+}
+
+fn epoch_of(key: &[u8]) -> Option<Epoch> {
+    Some(Epoch::from_be_bytes(key.try_into().ok()?))
+}
+
 impl CheckpointStore {
     /// Opens (creating if needed) the store at `path`, keeping the latest `retain`
-    /// manifests.
+    /// checkpoints.
     pub fn open(path: impl AsRef<Path>, retain: usize) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         let unusable = |reason: String| StoreError::Unusable {
@@ -71,14 +121,19 @@ impl CheckpointStore {
         };
         std::fs::create_dir_all(&path).map_err(|e| unusable(e.to_string()))?;
         let db = open_db(&path).map_err(|e| unusable(e.to_string()))?;
-        let manifests = db
-            .open_tree("manifests")
+        let tree = |name: &str| db.open_tree(name).map_err(|e| unusable(e.to_string()));
+        let (manifests, blobs) = (tree("manifests")?, tree("snapshots")?);
+        // A location that cannot be written to fails now, not at the first commit.
+        db.insert(b"opened", &[1])
+            .and_then(|_| db.flush())
             .map_err(|e| unusable(e.to_string()))?;
         Ok(Self {
             path,
             db,
             manifests,
+            blobs,
             retain: retain.max(1),
+            kept: VecDeque::new(),
         })
     }
 
@@ -102,29 +157,99 @@ impl CheckpointStore {
         Ok(id)
     }
 
-    /// The latest intact manifest, passing over corrupt newer ones. Fails if
-    /// manifests exist but none is intact: restoring nothing would be wrong.
-    pub fn recover(&self) -> Result<Recovery, StoreError> {
+    /// Every stored manifest, newest first, each decoded or found corrupt.
+    fn stored_manifests(&self) -> Result<Vec<Result<Manifest, Corrupt>>, StoreError> {
+        self.manifests
+            .iter()
+            .rev()
+            .map(|entry| {
+                let (key, bytes) = entry.map_err(|e| self.io(e))?;
+                let epoch = epoch_of(&key).ok_or_else(|| self.io("bad manifest key"))?;
+                Ok(Manifest::decode(epoch, &bytes))
+            })
+            .collect()
+    }
+
+    /// Reads and checks one state's blobs, oldest first.
+    fn read_chain(&self, state: &StateId, chain: &StateChain) -> Result<Vec<Vec<Entry>>, Corrupt> {
+        chain
+            .blobs
+            .iter()
+            .map(|blob| {
+                let stored = self.blobs.get(blob_key(state, blob)).ok().flatten();
+                let bytes = stored.as_deref().unwrap_or_default();
+                decode_blob(state, *blob, bytes).map_err(|e| Corrupt {
+                    epoch: blob.epoch,
+                    reason: if stored.is_none() {
+                        format!("snapshot blob {blob:?} of {state} is missing")
+                    } else {
+                        e.to_string()
+                    },
+                })
+            })
+            .collect()
+    }
+
+    /// The latest checkpoint whose manifest and snapshots are intact, passing over
+    /// damaged newer ones. Fails if checkpoints exist but none is intact: restoring
+    /// nothing would be wrong.
+    pub fn recover(&mut self) -> Result<Recovery, StoreError> {
         let mut skipped = Vec::new();
-        for entry in self.manifests.iter().rev() {
-            let (key, bytes) = entry.map_err(|e| self.io(e))?;
-            let epoch =
-                Epoch::from_be_bytes(key.as_ref().try_into().map_err(|_| self.io("bad key"))?);
-            match Manifest::decode(epoch, &bytes) {
-                Ok(manifest) => {
+        let stored = self.stored_manifests()?;
+        let mut intact = Vec::new();
+        for manifest in stored {
+            let manifest = match manifest {
+                Ok(manifest) => manifest,
+                Err(corrupt) => {
+                    skipped.push(corrupt);
+                    continue;
+                }
+            };
+            let mut state = BTreeMap::new();
+            let mut damage = None;
+            for (id, chain) in &manifest.state {
+                match self.read_chain(id, chain) {
+                    Ok(blobs) => {
+                        state.insert(
+                            id.clone(),
+                            RestoredState {
+                                meta: chain.meta.clone(),
+                                entries: merge(blobs),
+                            },
+                        );
+                    }
+                    Err(corrupt) => {
+                        damage = Some(Corrupt {
+                            epoch: manifest.epoch,
+                            reason: corrupt.reason,
+                        });
+                        break;
+                    }
+                }
+            }
+            match damage {
+                Some(corrupt) => skipped.push(corrupt),
+                None => {
+                    intact.push(manifest.clone());
+                    // Older intact manifests stay retained; newer damaged ones
+                    // are replaced by the next commits.
+                    for older in self.stored_manifests()?.into_iter().flatten() {
+                        if older.epoch < manifest.epoch {
+                            intact.push(older);
+                        }
+                    }
+                    intact.reverse();
+                    self.kept = intact.into();
                     return Ok(Recovery {
                         manifest: Some(manifest),
+                        state,
                         skipped,
-                    })
+                    });
                 }
-                Err(corrupt) => skipped.push(corrupt),
             }
         }
         if skipped.is_empty() {
-            Ok(Recovery {
-                manifest: None,
-                skipped,
-            })
+            Ok(Recovery::default())
         } else {
             Err(StoreError::NoIntactCheckpoint {
                 path: self.path.clone(),
@@ -133,25 +258,125 @@ impl CheckpointStore {
         }
     }
 
-    /// Writes `manifest` durably, then drops manifests beyond the retained few.
-    /// Returns the manifest's size in bytes.
-    pub fn commit(&self, manifest: &Manifest) -> Result<usize, StoreError> {
+    /// Commits an epoch: writes `deltas` as snapshot blobs, then `manifest` with
+    /// every state's chain (the previous commit's, extended by the new blobs),
+    /// flushes, then drops what retention no longer needs. Manifests of later
+    /// epochs (damaged ones passed over at recovery) are replaced.
+    pub fn commit(
+        &mut self,
+        mut manifest: Manifest,
+        deltas: Vec<Delta>,
+    ) -> Result<(Manifest, CommitStats), StoreError> {
+        let mut stats = CommitStats::default();
+        manifest.state = self
+            .kept
+            .back()
+            .map(|last| last.state.clone())
+            .unwrap_or_default();
+        let mut blobs = sled::Batch::default();
+        for delta in deltas {
+            if delta.entries.is_empty() {
+                continue;
+            }
+            let bytes = encode_blob(&delta.entries);
+            let blob = blob_ref(manifest.epoch, delta.part, &bytes);
+            stats.bytes += bytes.len();
+            stats.entries += delta.entries.len();
+            blobs.insert(blob_key(&delta.state, &blob), bytes);
+            let chain = manifest
+                .state
+                .entry(delta.state)
+                .or_insert_with(|| StateChain {
+                    meta: delta.meta.clone(),
+                    blobs: Vec::new(),
+                });
+            chain.meta = delta.meta;
+            chain.blobs.push(blob);
+        }
+        self.blobs.apply_batch(blobs).map_err(|e| self.io(e))?;
+
         let bytes = manifest.encode();
-        let size = bytes.len();
+        stats.bytes += bytes.len();
         let mut batch = sled::Batch::default();
         batch.insert(&manifest.epoch.to_be_bytes(), bytes);
-        for old in self
+        for key in self
             .manifests
-            .iter()
+            .range((manifest.epoch + 1).to_be_bytes()..)
             .keys()
-            .rev()
-            .skip(self.retain.saturating_sub(1))
         {
-            batch.remove(old.map_err(|e| self.io(e))?);
+            batch.remove(key.map_err(|e| self.io(e))?);
+        }
+        self.kept.retain(|kept| kept.epoch < manifest.epoch);
+        self.kept.push_back(manifest.clone());
+        while self.kept.len() > self.retain {
+            let old = self.kept.pop_front().expect("more than retained");
+            batch.remove(&old.epoch.to_be_bytes());
+        }
+        for key in self
+            .manifests
+            .range(..self.kept[0].epoch.to_be_bytes())
+            .keys()
+        {
+            batch.remove(key.map_err(|e| self.io(e))?);
         }
         self.manifests.apply_batch(batch).map_err(|e| self.io(e))?;
         self.db.flush().map_err(|e| self.io(e))?;
-        Ok(size)
+        self.collect_garbage()?;
+        Ok((manifest, stats))
+    }
+
+    /// Deletes the blobs no retained manifest refers to.
+    fn collect_garbage(&self) -> Result<(), StoreError> {
+        let referenced: HashSet<Vec<u8>> = self
+            .kept
+            .iter()
+            .flat_map(|m| m.state.iter())
+            .flat_map(|(id, chain)| chain.blobs.iter().map(move |blob| blob_key(id, blob)))
+            .collect();
+        let mut batch = sled::Batch::default();
+        for key in self.blobs.iter().keys() {
+            let key = key.map_err(|e| self.io(e))?;
+            if !referenced.contains(key.as_ref()) {
+                batch.remove(key);
+            }
+        }
+        self.blobs.apply_batch(batch).map_err(|e| self.io(e))
+    }
+
+    /// Folds long or heavy snapshot chains of the latest checkpoint into one base
+    /// blob each, then points that checkpoint's manifest at the bases. The state
+    /// the manifest describes does not change, so this can run at any time between
+    /// commits. Returns how many states were compacted.
+    pub fn compact(&mut self) -> Result<usize, StoreError> {
+        let Some(latest) = self.kept.back().cloned() else {
+            return Ok(0);
+        };
+        let mut manifest = latest.clone();
+        let mut compacted = 0;
+        let mut blobs = sled::Batch::default();
+        for (id, chain) in &mut manifest.state {
+            if !chain.due_for_compaction(MAX_CHAIN) {
+                continue;
+            }
+            let entries = merge(self.read_chain(id, chain).map_err(|e| self.io(e))?);
+            let bytes = encode_blob(&entries);
+            let base = blob_ref(manifest.epoch, BASE_PART, &bytes);
+            blobs.insert(blob_key(id, &base), bytes);
+            chain.blobs = vec![base];
+            compacted += 1;
+        }
+        if compacted == 0 {
+            return Ok(0);
+        }
+        self.blobs.apply_batch(blobs).map_err(|e| self.io(e))?;
+        self.db.flush().map_err(|e| self.io(e))?;
+        self.manifests
+            .insert(manifest.epoch.to_be_bytes(), manifest.encode())
+            .map_err(|e| self.io(e))?;
+        self.db.flush().map_err(|e| self.io(e))?;
+        *self.kept.back_mut().expect("latest above") = manifest;
+        self.collect_garbage()?;
+        Ok(compacted)
     }
 
     /// The epochs of the manifests kept, oldest first.
@@ -161,11 +386,14 @@ impl CheckpointStore {
             .keys()
             .map(|key| {
                 let key = key.map_err(|e| self.io(e))?;
-                Ok(Epoch::from_be_bytes(
-                    key.as_ref().try_into().map_err(|_| self.io("bad key"))?,
-                ))
+                epoch_of(&key).ok_or_else(|| self.io("bad manifest key"))
             })
             .collect()
+    }
+
+    /// How many snapshot blobs are stored.
+    pub fn blob_count(&self) -> usize {
+        self.blobs.len()
     }
 
     /// Overwrites the stored bytes of `epoch`'s manifest (tests of corruption).
@@ -176,6 +404,30 @@ impl CheckpointStore {
             .map_err(|e| self.io(e))?;
         self.db.flush().map_err(|e| self.io(e))?;
         Ok(())
+    }
+
+    /// Truncates every snapshot blob `epoch`'s manifest added (tests of corruption).
+    #[doc(hidden)]
+    pub fn truncate_snapshots(&self, epoch: Epoch) -> Result<usize, StoreError> {
+        let mut truncated = 0;
+        for manifest in self.stored_manifests()?.into_iter().flatten() {
+            if manifest.epoch != epoch {
+                continue;
+            }
+            for (id, chain) in &manifest.state {
+                for blob in chain.blobs.iter().filter(|b| b.epoch == epoch) {
+                    let key = blob_key(id, blob);
+                    if let Some(bytes) = self.blobs.get(&key).map_err(|e| self.io(e))? {
+                        self.blobs
+                            .insert(key, &bytes[..bytes.len() / 2])
+                            .map_err(|e| self.io(e))?;
+                        truncated += 1;
+                    }
+                }
+            }
+        }
+        self.db.flush().map_err(|e| self.io(e))?;
+        Ok(truncated)
     }
 }
 
@@ -191,30 +443,162 @@ mod tests {
             query_id: "q".into(),
             watermark: None,
             sources: BTreeMap::new(),
+            state: BTreeMap::new(),
+            key_groups: 128,
             committed_at_ms: epoch,
         }
+    }
+
+    fn counts() -> StateId {
+        StateId::new("count-0", "counts")
+    }
+
+    /// A delta of subtask `part` setting `key` to `value` (deleting on `None`).
+    fn delta(part: u32, changes: &[(u8, Option<u8>)]) -> Delta {
+        Delta {
+            state: counts(),
+            meta: StateMeta {
+                kind: "count".into(),
+                signature: "(u8, u8)".into(),
+            },
+            part,
+            entries: changes
+                .iter()
+                .map(|(key, value)| Entry {
+                    group: u32::from(*key),
+                    key: vec![*key],
+                    value: value.map(|v| vec![v]),
+                })
+                .collect(),
+        }
+    }
+
+    fn restored(recovery: &Recovery) -> Vec<(u8, u8)> {
+        let mut entries: Vec<(u8, u8)> = recovery.state[&counts()]
+            .entries
+            .iter()
+            .map(|e| (e.key[0], e.value.as_ref().unwrap()[0]))
+            .collect();
+        entries.sort_unstable();
+        entries
     }
 
     #[test]
     fn keeps_the_latest_few_and_recovers_the_newest() {
         let dir = tempfile::tempdir().unwrap();
-        let store = CheckpointStore::open(dir.path(), 3).unwrap();
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
         assert_eq!(store.recover().unwrap().manifest, None);
         for epoch in 1..=5 {
-            store.commit(&manifest(epoch)).unwrap();
+            store.commit(manifest(epoch), Vec::new()).unwrap();
         }
         assert_eq!(store.epochs().unwrap(), vec![3, 4, 5]);
         drop(store);
-        let store = CheckpointStore::open(dir.path(), 3).unwrap();
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
         assert_eq!(store.recover().unwrap().manifest, Some(manifest(5)));
+    }
+
+    #[test]
+    fn state_is_rebuilt_from_incremental_snapshots() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = CheckpointStore::open(dir.path(), 2).unwrap();
+        store.recover().unwrap();
+        store
+            .commit(
+                manifest(1),
+                vec![
+                    delta(0, &[(1, Some(1)), (2, Some(1))]),
+                    delta(1, &[(3, Some(1))]),
+                ],
+            )
+            .unwrap();
+        let (committed, stats) = store
+            .commit(manifest(2), vec![delta(0, &[(1, Some(2)), (2, None)])])
+            .unwrap();
+        assert_eq!(stats.entries, 2, "only what changed is written");
+        assert_eq!(committed.state[&counts()].blobs.len(), 3);
+        store.commit(manifest(3), Vec::new()).unwrap();
+        drop(store);
+
+        let mut store = CheckpointStore::open(dir.path(), 2).unwrap();
+        let recovery = store.recover().unwrap();
+        assert_eq!(recovery.manifest.as_ref().unwrap().epoch, 3);
+        assert_eq!(restored(&recovery), vec![(1, 2), (3, 1)]);
+    }
+
+    #[test]
+    fn compaction_keeps_the_state_and_garbage_collection_drops_old_blobs() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = CheckpointStore::open(dir.path(), 2).unwrap();
+        store.recover().unwrap();
+        for epoch in 1..=40u8 {
+            let key = epoch % 5;
+            store
+                .commit(
+                    manifest(epoch.into()),
+                    vec![delta(0, &[(key, Some(epoch))])],
+                )
+                .unwrap();
+            store.compact().unwrap();
+        }
+        assert!(
+            store.blob_count() <= 2 * (MAX_CHAIN + 1),
+            "{} blobs",
+            store.blob_count()
+        );
+        drop(store);
+        let mut store = CheckpointStore::open(dir.path(), 2).unwrap();
+        let recovery = store.recover().unwrap();
+        assert_eq!(
+            restored(&recovery),
+            vec![(0, 40), (1, 36), (2, 37), (3, 38), (4, 39)]
+        );
+    }
+
+    #[test]
+    fn a_truncated_snapshot_falls_back_to_the_previous_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
+        store.recover().unwrap();
+        store
+            .commit(manifest(1), vec![delta(0, &[(1, Some(1))])])
+            .unwrap();
+        store
+            .commit(manifest(2), vec![delta(0, &[(1, Some(2))])])
+            .unwrap();
+        assert_eq!(store.truncate_snapshots(2).unwrap(), 1);
+        drop(store);
+
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
+        let recovery = store.recover().unwrap();
+        assert_eq!(recovery.manifest.as_ref().unwrap().epoch, 1);
+        assert_eq!(restored(&recovery), vec![(1, 1)]);
+        assert!(
+            recovery.skipped[0].reason.contains("truncated"),
+            "{:?}",
+            recovery.skipped
+        );
+
+        // The next commit replaces the damaged epoch 2.
+        store
+            .commit(manifest(2), vec![delta(0, &[(1, Some(5))])])
+            .unwrap();
+        let recovery = store.recover().unwrap();
+        assert_eq!(restored(&recovery), vec![(1, 5)]);
+
+        store.truncate_snapshots(1).unwrap();
+        store.truncate_snapshots(2).unwrap();
+        assert!(matches!(
+            store.recover(),
+            Err(StoreError::NoIntactCheckpoint { .. })
+        ));
     }
 
     #[test]
     fn a_corrupt_manifest_is_passed_over_for_the_previous_one() {
         let dir = tempfile::tempdir().unwrap();
-        let store = CheckpointStore::open(dir.path(), 3).unwrap();
-        store.commit(&manifest(1)).unwrap();
-        store.commit(&manifest(2)).unwrap();
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
+        store.commit(manifest(1), Vec::new()).unwrap();
+        store.commit(manifest(2), Vec::new()).unwrap();
         let mut torn = manifest(2).encode();
         torn.truncate(torn.len() / 2);
         store.overwrite_manifest(2, &torn).unwrap();

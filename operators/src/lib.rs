@@ -18,19 +18,22 @@
 //!     .sink(MemorySink::new());
 //! ```
 
+mod aggregate;
 mod filter;
 mod flat_map;
 mod join;
 mod map;
 
 use std::hash::Hash;
+use std::ops::AddAssign;
 use std::sync::Arc;
 
+pub use aggregate::{AddFn, Aggregation, RunningAggregate, StateKey, StateValue};
 pub use filter::Filter;
 pub use flat_map::FlatMap;
 pub use join::{BroadcastJoin, BroadcastLeftJoin};
 pub use map::Map;
-use rtflow_runtime::{Data, StaticTable, Stream};
+use rtflow_runtime::{Data, KeyedStream, StaticTable, Stream};
 
 /// The stateless operators as builder methods on any stream.
 pub trait StreamExt<T: Data>: AsRef<Stream<T>> {
@@ -108,3 +111,147 @@ pub trait StreamExt<T: Data>: AsRef<Stream<T>> {
 }
 
 impl<T: Data, S: AsRef<Stream<T>>> StreamExt<T> for S {}
+
+/// Running aggregates per key as builder methods on a keyed stream: every record
+/// emits its key's updated aggregate (update output mode).
+///
+/// ```
+/// use rtflow_operators::{KeyedStreamExt, StreamExt};
+/// use rtflow_runtime::Dataflow;
+/// # use rtflow_connectors::{MemorySink, MemorySource};
+/// let flow = Dataflow::new("spend");
+/// let purchases = flow.source(MemorySource::<(String, f64)>::new(1));
+/// let by_user = purchases.key_by(|(user, _)| user.clone());
+/// by_user.count().sink(MemorySink::new());
+/// by_user.sum(|(_, amount)| *amount).sink(MemorySink::new());
+/// by_user.avg(|(_, amount)| *amount).sink(MemorySink::new());
+/// ```
+pub trait KeyedStreamExt<K: StateKey, T: Data> {
+    /// A running aggregate of operator family `kind` (its name on the allowlist and
+    /// in checkpoints).
+    fn aggregate<Acc: StateValue, Out: Data>(
+        &self,
+        kind: &str,
+        aggregation: Aggregation<T, Acc, Out>,
+    ) -> Stream<(K, Out)>;
+
+    /// Records per key so far.
+    fn count(&self) -> Stream<(K, u64)> {
+        self.aggregate(
+            "count",
+            Aggregation {
+                first: Arc::new(|_| 1u64),
+                add: Arc::new(|count, _| *count += 1),
+                result: Arc::new(|count| *count),
+            },
+        )
+    }
+
+    /// The sum of `value` per key so far.
+    fn sum<N>(&self, value: impl Fn(&T) -> N + Send + Sync + 'static) -> Stream<(K, N)>
+    where
+        N: StateValue + Data + Copy + AddAssign,
+    {
+        let value = Arc::new(value);
+        let add = value.clone();
+        self.aggregate(
+            "sum",
+            Aggregation {
+                first: Arc::new(move |record| value(record)),
+                add: Arc::new(move |sum, record| *sum += add(record)),
+                result: Arc::new(|sum| *sum),
+            },
+        )
+    }
+
+    /// The least `value` per key so far.
+    fn min<N>(&self, value: impl Fn(&T) -> N + Send + Sync + 'static) -> Stream<(K, N)>
+    where
+        N: StateValue + Data + Copy + PartialOrd,
+    {
+        extreme(self, "min", value, |new, old| new < old)
+    }
+
+    /// The greatest `value` per key so far.
+    fn max<N>(&self, value: impl Fn(&T) -> N + Send + Sync + 'static) -> Stream<(K, N)>
+    where
+        N: StateValue + Data + Copy + PartialOrd,
+    {
+        extreme(self, "max", value, |new, old| new > old)
+    }
+
+    /// The mean of `value` per key so far.
+    fn avg(&self, value: impl Fn(&T) -> f64 + Send + Sync + 'static) -> Stream<(K, f64)> {
+        let value = Arc::new(value);
+        let add = value.clone();
+        self.aggregate(
+            "avg",
+            Aggregation {
+                first: Arc::new(move |record| (value(record), 1u64)),
+                add: Arc::new(move |(sum, count), record| {
+                    *sum += add(record);
+                    *count += 1;
+                }),
+                result: Arc::new(|(sum, count)| sum / *count as f64),
+            },
+        )
+    }
+
+    /// Folds each key's records with `f`, starting from its first record.
+    fn reduce(&self, f: impl Fn(&T, &T) -> T + Send + Sync + 'static) -> Stream<(K, T)>
+    where
+        T: StateValue + Clone,
+    {
+        self.aggregate(
+            "reduce",
+            Aggregation {
+                first: Arc::new(T::clone),
+                add: Arc::new(move |acc, record| *acc = f(acc, record)),
+                result: Arc::new(T::clone),
+            },
+        )
+    }
+}
+
+/// `min` or `max`: keeps the value for which `replaces(new, old)` holds.
+fn extreme<K, T, N, S>(
+    stream: &S,
+    kind: &str,
+    value: impl Fn(&T) -> N + Send + Sync + 'static,
+    replaces: fn(&N, &N) -> bool,
+) -> Stream<(K, N)>
+where
+    K: StateKey,
+    T: Data,
+    N: StateValue + Data + Copy + PartialOrd,
+    S: KeyedStreamExt<K, T> + ?Sized,
+{
+    let value = Arc::new(value);
+    let add = value.clone();
+    stream.aggregate(
+        kind,
+        Aggregation {
+            first: Arc::new(move |record| value(record)),
+            add: Arc::new(move |current, record| {
+                let candidate = add(record);
+                if replaces(&candidate, current) {
+                    *current = candidate;
+                }
+            }),
+            result: Arc::new(|current| *current),
+        },
+    )
+}
+
+impl<K: StateKey, T: Data> KeyedStreamExt<K, T> for KeyedStream<K, T> {
+    fn aggregate<Acc: StateValue, Out: Data>(
+        &self,
+        kind: &str,
+        aggregation: Aggregation<T, Acc, Out>,
+    ) -> Stream<(K, Out)> {
+        let key = self.key_fn();
+        self.as_ref().transform(kind, move |_| {
+            RunningAggregate::new(key.clone(), aggregation.clone())
+        })
+    }
+}

@@ -7,13 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Select, TryRecvError};
-use rtflow_checkpoint::{ActorId, Offsets};
+use rtflow_checkpoint::{ActorId, Delta, Offsets};
 
 use crate::connector::{SourceOutput, SourceReader, SourceStatus};
 use crate::error::{Result, RtflowError};
 use crate::inputs::{Alignment, Inputs};
 use crate::metrics::OperatorMetrics;
-use crate::operator::Emit;
+use crate::operator::{Emit, SnapshotBuffer};
 use crate::record::{Data, Epoch, Message};
 
 /// How long an idle actor waits before looking at its stop and cancel flags again.
@@ -24,14 +24,21 @@ const DRAIN_BUDGET: usize = 64;
 
 /// What an actor tells the coordinator about checkpoints.
 pub(crate) enum Report {
-    /// The actor passed the barrier of `epoch` on; a source adds its offsets.
+    /// The actor passed the barrier of `epoch` on, with its state changes; a source
+    /// adds its offsets.
     Barrier {
         actor: ActorId,
         epoch: Epoch,
         offsets: Offsets,
+        deltas: Vec<Delta>,
     },
-    /// A source read all its input; these offsets stand for every later epoch.
-    Finished { actor: ActorId, offsets: Offsets },
+    /// The actor's input ended (or the query stopped); a source's offsets stand
+    /// for every later epoch, its state changes go into the next one.
+    Finished {
+        actor: ActorId,
+        offsets: Offsets,
+        deltas: Vec<Delta>,
+    },
 }
 
 /// Delivers reports to the coordinator.
@@ -54,6 +61,8 @@ pub(crate) struct ActorEnv {
     pub(crate) max_records: usize,
     /// The source's record counter (source actors only).
     pub(crate) source_metrics: Option<Arc<OperatorMetrics>>,
+    /// Where this actor's stateful operators and sinks put their snapshots.
+    pub(crate) snapshots: SnapshotBuffer,
 }
 
 impl ActorEnv {
@@ -63,6 +72,36 @@ impl ActorEnv {
         } else {
             Ok(())
         }
+    }
+
+    fn take_deltas(&self) -> Vec<Delta> {
+        let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
+        std::mem::take(&mut snapshot.deltas)
+    }
+
+    /// Passes the barrier of `epoch` on, then acknowledges it with the state the
+    /// actor's operators snapshotted on the way.
+    fn barrier<T>(&self, epoch: Epoch, offsets: Offsets, emit: &mut dyn Emit<T>) -> Result<()> {
+        emit.barrier(epoch)?;
+        (self.report)(Report::Barrier {
+            actor: self.actor,
+            epoch,
+            offsets,
+            deltas: self.take_deltas(),
+        });
+        Ok(())
+    }
+
+    /// Ends the actor's output (its last snapshot included), reports it finished,
+    /// then lets its sink wait for the final commit.
+    fn end<T>(&self, offsets: impl FnOnce() -> Offsets, emit: &mut dyn Emit<T>) -> Result<()> {
+        emit.end()?;
+        (self.report)(Report::Finished {
+            actor: self.actor,
+            offsets: offsets(),
+            deltas: self.take_deltas(),
+        });
+        emit.finish()
     }
 }
 
@@ -88,17 +127,12 @@ fn source_loop<T: Data>(
     loop {
         env.check_cancel()?;
         if env.stop.load(Ordering::Relaxed) {
-            return emit.end();
+            return env.end(|| reader.offsets(), emit);
         }
         // Between two polls every record read so far has been emitted, so the
         // reader's offsets are exactly where the epoch ends.
         for epoch in env.barriers.iter().flat_map(|b| b.try_iter()) {
-            emit.barrier(epoch)?;
-            (env.report)(Report::Barrier {
-                actor: env.actor,
-                epoch,
-                offsets: reader.offsets(),
-            });
+            env.barrier(epoch, reader.offsets(), emit)?;
         }
         let status = reader.poll(&mut out, IDLE_WAIT)?;
         if !out.is_empty() {
@@ -110,12 +144,7 @@ fn source_loop<T: Data>(
         // Also when idle: a sink learns of asynchronous failures when flushed.
         emit.flush()?;
         if status == SourceStatus::Finished {
-            emit.end()?;
-            (env.report)(Report::Finished {
-                actor: env.actor,
-                offsets: reader.offsets(),
-            });
-            return Ok(());
+            return env.end(|| reader.offsets(), emit);
         }
     }
 }
@@ -167,7 +196,7 @@ fn inbox_loop<T: Data>(
             budget -= 1;
             match handle(0, message, &mut inputs, emit, env)? {
                 Step::Continue | Step::LanesChanged => {}
-                Step::Finished => return emit.end(),
+                Step::Finished => return env.end(Offsets::new, emit),
             }
         } else if select.ready_timeout(IDLE_WAIT).is_err() {
             emit.flush()?;
@@ -190,7 +219,7 @@ fn inbox_loop<T: Data>(
                 match handle(lane, message, &mut inputs, emit, env)? {
                     Step::Continue => {}
                     Step::LanesChanged => lanes_changed = true,
-                    Step::Finished => return emit.end(),
+                    Step::Finished => return env.end(Offsets::new, emit),
                 }
             }
             if !received {
@@ -226,7 +255,7 @@ fn handle<T>(
         }
         Message::Barrier(epoch) => {
             if let Alignment::Aligned(epoch) = inputs.on_barrier(lane, epoch) {
-                pass_barrier(epoch, emit, env)?;
+                env.barrier(epoch, Offsets::new(), emit)?;
             }
             Ok(Step::LanesChanged)
         }
@@ -236,7 +265,7 @@ fn handle<T>(
                 return Ok(Step::Finished);
             }
             if let Some(epoch) = aligned {
-                pass_barrier(epoch, emit, env)?;
+                env.barrier(epoch, Offsets::new(), emit)?;
             }
             if let Some(watermark) = watermark {
                 emit.watermark(watermark)?;
@@ -244,17 +273,6 @@ fn handle<T>(
             Ok(Step::LanesChanged)
         }
     }
-}
-
-/// Every input delivered the barrier: pass it on, then acknowledge it.
-fn pass_barrier<T>(epoch: Epoch, emit: &mut dyn Emit<T>, env: &ActorEnv) -> Result<()> {
-    emit.barrier(epoch)?;
-    (env.report)(Report::Barrier {
-        actor: env.actor,
-        epoch,
-        offsets: Offsets::new(),
-    });
-    Ok(())
 }
 
 fn readable_lanes<'a, T>(lanes: &'a [Receiver<Message<T>>], inputs: &Inputs) -> Select<'a> {

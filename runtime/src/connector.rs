@@ -1,15 +1,18 @@
 //! The traits connectors implement: a [`Source`] hands out one [`SourceReader`] per
 //! source actor, a [`Sink`] one [`SinkWriter`] per sink actor.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 pub use rtflow_checkpoint::Offsets;
 
 use crate::error::{Result, RtflowError};
 use crate::metrics::{LatencyRecorder, OperatorMetrics};
-use crate::operator::Emit;
+use crate::operator::{Emit, SnapshotBuffer};
 use crate::record::{nanos_to_event_time, now_nanos, Epoch, EventTime, Nanos, Record, RecordMeta};
+use crate::state::{StateContext, StateSnapshot};
 
 /// Which part of a source one reader reads.
 #[derive(Debug, Clone)]
@@ -157,14 +160,20 @@ impl<T> SourceOutput<T> {
 }
 
 /// Which part of a sink one writer writes.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct SinkContext {
     /// The query's name.
     pub query: String,
+    /// The query's id, kept across restarts.
+    pub query_id: String,
+    /// The sink's stable id in the dataflow.
+    pub uid: String,
     /// This writer's index, `0..parallelism` (Spark's partition id).
     pub subtask: usize,
     /// How many writers the sink runs.
     pub parallelism: usize,
+    /// The writer's state, as the last committed checkpoint left it.
+    pub state: StateContext,
 }
 
 /// A sink of records (Kafka, foreach, console, memory).
@@ -196,9 +205,23 @@ pub trait SinkWriter<T>: Send {
         Ok(())
     }
 
-    /// Epoch `epoch` ended: make everything written so far durable.
+    /// Epoch `epoch` ended: make everything written so far durable (at-least-once)
+    /// or ready to commit (exactly-once).
     fn on_barrier(&mut self, _epoch: Epoch) -> Result<()> {
         self.flush()
+    }
+
+    /// Called after every `on_barrier`, and once more at the end of the input: hand
+    /// what the writer must find again after a crash to `out` (a transactional
+    /// writer's pending output).
+    fn snapshot(&mut self, _out: &mut StateSnapshot) -> Result<()> {
+        Ok(())
+    }
+
+    /// The checkpoint of `epoch` is durable: output held back for it may be
+    /// published now.
+    fn on_commit(&mut self, _epoch: Epoch) -> Result<()> {
+        Ok(())
     }
 
     /// The input ended (`None`) or the query is failing (`Some(error)`).
@@ -215,20 +238,47 @@ pub(crate) struct SinkEmit<T> {
     metrics: Arc<OperatorMetrics>,
     /// Timestamps of the records written since the last flush.
     unflushed: Vec<RecordMeta>,
+    snapshots: SnapshotBuffer,
+    /// Epochs the coordinator committed; closed once the query committed its last.
+    commits: Receiver<Epoch>,
+    cancel: Arc<AtomicBool>,
 }
+
+/// How long a finished sink waits between looks at the cancel flag while it waits
+/// for the final commit.
+const COMMIT_WAIT: Duration = Duration::from_millis(20);
 
 impl<T> SinkEmit<T> {
     pub(crate) fn new(
         writer: Box<dyn SinkWriter<T>>,
         latency: LatencyRecorder,
         metrics: Arc<OperatorMetrics>,
+        snapshots: SnapshotBuffer,
+        commits: Receiver<Epoch>,
+        cancel: Arc<AtomicBool>,
     ) -> Self {
         Self {
             writer,
             latency,
             metrics,
             unflushed: Vec::new(),
+            snapshots,
+            commits,
+            cancel,
         }
+    }
+
+    /// Tells the writer of the epochs committed since it last looked.
+    fn take_commits(&mut self) -> Result<()> {
+        while let Ok(epoch) = self.commits.try_recv() {
+            self.writer.on_commit(epoch)?;
+        }
+        Ok(())
+    }
+
+    fn snapshot(&mut self) -> Result<()> {
+        let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
+        self.writer.snapshot(&mut snapshot)
     }
 
     /// The unflushed records are now fully processed.
@@ -260,22 +310,41 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
     }
 
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {
-        self.writer.on_barrier(epoch)
+        // Commits always precede the next barrier in time: take them first.
+        self.take_commits()?;
+        self.writer.on_barrier(epoch)?;
+        self.snapshot()
     }
 
     fn flush(&mut self) -> Result<()> {
         self.writer.flush()?;
         self.settle();
+        self.take_commits()?;
         self.latency.publish_if_due();
         Ok(())
     }
 
     fn end(&mut self) -> Result<()> {
+        self.take_commits()?;
         self.writer.flush()?;
         self.settle();
-        self.writer.close(None)?;
+        self.snapshot()?;
         self.latency.publish();
         Ok(())
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        loop {
+            if self.cancel.load(Ordering::Relaxed) {
+                return Err(RtflowError::Cancelled);
+            }
+            match self.commits.recv_timeout(COMMIT_WAIT) {
+                Ok(epoch) => self.writer.on_commit(epoch)?,
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        self.writer.close(None)
     }
 
     fn abort(&mut self, error: &RtflowError) {

@@ -18,20 +18,21 @@ use std::time::{Duration, Instant, SystemTime};
 
 use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Message, System};
 use crossbeam_channel::Sender;
-use rtflow_checkpoint::{CheckpointStore, CheckpointTracker, Manifest, Offsets};
+use rtflow_checkpoint::{CheckpointStore, CheckpointTracker, Delta, Manifest, Offsets, Recovery};
 
 use crate::actor::{ActorEnv, Report};
 use crate::config::QueryConfig;
 use crate::error::{Result, RtflowError};
 use crate::graph::Graph;
 use crate::metrics::CheckpointStats;
-use crate::plan::{validate, ActorSpec, Plan};
+use crate::plan::{validate, ActorSpec, Plan, Resume};
 use crate::progress::{
     timestamp, EpochOffsets, ProgressTracker, QueryStartedEvent, QueryTerminatedEvent,
     SourceOffsets,
 };
 use crate::query::QueryShared;
 use crate::record::{now_nanos, Epoch};
+use crate::state::Restored;
 
 /// An actor thread ended, with how.
 #[derive(Message)]
@@ -56,17 +57,28 @@ pub(crate) struct Startup {
     pub(crate) config: QueryConfig,
     pub(crate) batch_duration: Duration,
     pub(crate) store: CheckpointStore,
-    /// The manifest the query resumes from.
-    pub(crate) resume: Option<Manifest>,
+    /// The checkpoint the query resumes from.
+    pub(crate) recovery: Recovery,
     pub(crate) started: mpsc::Sender<Result<()>>,
+}
+
+/// What an actor acknowledges an epoch with.
+#[derive(Clone, Default)]
+struct Ack {
+    offsets: Offsets,
+    deltas: Vec<Delta>,
 }
 
 /// The checkpoint side of a running query.
 struct Checkpoints {
     store: CheckpointStore,
-    tracker: CheckpointTracker<Offsets>,
+    tracker: CheckpointTracker<Ack>,
     /// Per actor: for sources, the operator's name and its barrier channel.
     sources: Vec<Option<(String, Sender<Epoch>)>>,
+    /// Per sink actor: where to say an epoch committed. Dropped after the final
+    /// commit, which lets finished sinks close.
+    commits: Vec<Sender<Epoch>>,
+    key_groups: u32,
     /// The offsets of the last committed epoch, per source operator.
     committed: SourceOffsets,
     /// When the epoch in flight was triggered.
@@ -96,6 +108,7 @@ impl Coordinator {
             stop: Arc::default(),
             max_records: startup.config.max_records_per_message,
             source_metrics: None,
+            snapshots: Default::default(),
         };
         Self {
             shared,
@@ -115,9 +128,14 @@ impl Coordinator {
             graph,
             config,
             store,
-            resume,
+            recovery,
             ..
         } = startup;
+        let Recovery {
+            manifest: resume,
+            state,
+            ..
+        } = recovery;
         let _span = tracing::info_span!("start", query = %config.name).entered();
         validate(&graph, &config)?;
         self.progress = Some(ProgressTracker::new(
@@ -140,11 +158,36 @@ impl Coordinator {
             );
             self.epoch = manifest.epoch;
         }
-        let mut actors = plan.wire(&config, &self.shared.metrics, &self.env, &committed)?;
+        if let Some(manifest) = &resume {
+            check_compatible(manifest, &plan, &config)?;
+        }
+        let restored = Arc::new(Restored::new(
+            state,
+            resume.as_ref().map(|m| m.epoch),
+            config.max_key_groups,
+        ));
+        let query_id = self.shared.id.to_string();
+        let resume_from = Resume {
+            query_id: &query_id,
+            offsets: &committed,
+            state: restored.clone(),
+        };
+        let mut actors = plan.wire(&config, &self.shared.metrics, &self.env, &resume_from)?;
+        if let Some((id, state)) = restored.unclaimed() {
+            return Err(RtflowError::IncompatibleCheckpoint {
+                difference: format!(
+                    "the checkpoint holds {id} (a '{}' operator), which the dataflow no \
+                     longer has; restore the operator or give it back its .uid(...)",
+                    state.meta.kind
+                ),
+            });
+        }
         self.checkpoints = Some(Checkpoints {
             store,
             tracker: CheckpointTracker::new(actors.len(), resume.map(|m| m.epoch)),
             sources: actors.iter_mut().map(|a| a.source.take()).collect(),
+            commits: actors.iter_mut().filter_map(|a| a.commits.take()).collect(),
+            key_groups: config.max_key_groups as u32,
             committed,
             triggered_at: Instant::now(),
         });
@@ -204,34 +247,54 @@ impl Coordinator {
         }
     }
 
-    /// Every actor acknowledged `epoch`: write its manifest durably.
-    fn commit(&mut self, epoch: Epoch, reports: Vec<Offsets>) -> Result<()> {
+    /// Every actor acknowledged `epoch`: write its snapshots and manifest durably,
+    /// then tell the sinks it committed.
+    fn commit(&mut self, epoch: Epoch, acks: Vec<Ack>) -> Result<()> {
         let checkpoints = self.checkpoints.as_mut().expect("checkpoints run");
         let _span = tracing::info_span!("checkpoint", epoch).entered();
         let mut sources = SourceOffsets::new();
-        for (source, offsets) in checkpoints.sources.iter().zip(reports) {
+        let mut deltas = Vec::new();
+        for (source, ack) in checkpoints.sources.iter().zip(acks) {
             if let Some((name, _)) = source {
-                sources.entry(name.clone()).or_default().extend(offsets);
+                sources.entry(name.clone()).or_default().extend(ack.offsets);
             }
+            deltas.extend(ack.deltas);
         }
         let manifest = Manifest {
             epoch,
             query_id: self.shared.id.to_string(),
             watermark: self.shared.metrics.snapshot().watermark(),
             sources,
+            state: Default::default(),
+            key_groups: checkpoints.key_groups,
             committed_at_ms: now_nanos() / 1_000_000,
         };
         let writing = Instant::now();
-        let bytes = checkpoints.store.commit(&manifest)?;
+        let (manifest, stats) = checkpoints.store.commit(manifest, deltas)?;
         let commit = writing.elapsed();
         let duration = checkpoints.triggered_at.elapsed();
-        tracing::info!(epoch, bytes, ?duration, "checkpoint committed");
+        tracing::info!(
+            epoch,
+            bytes = stats.bytes,
+            entries = stats.entries,
+            ?duration,
+            "checkpoint committed"
+        );
+        for sink in &checkpoints.commits {
+            // A sink that already exited has nothing left to commit.
+            let _ = sink.send(epoch);
+        }
         self.shared.metrics.record_checkpoint(CheckpointStats {
             epoch,
             duration,
-            bytes,
+            bytes: stats.bytes,
         });
         let previous = std::mem::replace(&mut checkpoints.committed, manifest.sources);
+        let compacting = Instant::now();
+        let compacted = checkpoints.store.compact()?;
+        if compacted > 0 {
+            tracing::info!(epoch, states = compacted, took = ?compacting.elapsed(), "snapshot chains compacted");
+        }
         self.epoch = epoch;
         let committed = self
             .checkpoints
@@ -257,16 +320,42 @@ impl Coordinator {
                 actor,
                 epoch,
                 offsets,
+                deltas,
             } => checkpoints
                 .tracker
-                .ack(actor, epoch, offsets)
+                .ack(actor, epoch, Ack { offsets, deltas })
                 .map_err(|e| RtflowError::Checkpoint(e.to_string()))?,
-            Report::Finished { actor, offsets } => checkpoints.tracker.retire(actor, offsets),
+            Report::Finished {
+                actor,
+                offsets,
+                deltas,
+            } => {
+                let standing = Ack {
+                    offsets: offsets.clone(),
+                    deltas: Vec::new(),
+                };
+                checkpoints
+                    .tracker
+                    .retire(actor, Ack { offsets, deltas }, standing)
+            }
         };
-        match complete {
-            Some((epoch, reports)) => self.commit(epoch, reports),
-            None => Ok(()),
+        if let Some((epoch, acks)) = complete {
+            self.commit(epoch, acks)?;
         }
+        let checkpoints = self.checkpoints.as_mut().expect("checkpoints run");
+        if checkpoints.tracker.all_finished() && checkpoints.tracker.in_flight().is_none() {
+            // Every actor ended: commit what they said last, then let the sinks
+            // that wait for that final commit close.
+            if let Some((epoch, acks)) = checkpoints.tracker.finish() {
+                self.commit(epoch, acks)?;
+            }
+            self.checkpoints
+                .as_mut()
+                .expect("checkpoints run")
+                .commits
+                .clear();
+        }
+        Ok(())
     }
 
     fn fail(&mut self, error: RtflowError) {
@@ -292,6 +381,36 @@ impl Coordinator {
             listener.on_query_terminated(&event);
         }
     }
+}
+
+/// Checks that the dataflow can restore `manifest`: same key groups, and every
+/// source it has offsets for still present. States are checked as operators
+/// claim them, and after wiring for any left unclaimed.
+fn check_compatible(manifest: &Manifest, plan: &Plan, config: &QueryConfig) -> Result<()> {
+    let key_groups = config.max_key_groups as u32;
+    if !manifest.state.is_empty() && manifest.key_groups != key_groups {
+        return Err(RtflowError::IncompatibleCheckpoint {
+            difference: format!(
+                "its keyed state is spread over {} key groups, but the query is configured \
+                 with {key_groups} (QueryConfig::max_key_groups)",
+                manifest.key_groups
+            ),
+        });
+    }
+    let sources = plan.source_names();
+    if let Some(missing) = manifest
+        .sources
+        .keys()
+        .find(|s| !sources.contains(s.as_str()))
+    {
+        return Err(RtflowError::IncompatibleCheckpoint {
+            difference: format!(
+                "it holds offsets of source '{missing}', which the dataflow no longer has \
+                 (sources are matched by name)"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Runs one actor body; a panic becomes the actor's error, message included.

@@ -122,6 +122,14 @@ pub enum RtflowError {
     #[error("checkpoint failed: {0}")]
     Checkpoint(String),
 
+    /// The dataflow cannot restore the state of its checkpoint: a stateful operator
+    /// was removed, its state type changed, or the key-group count changed.
+    #[error(
+        "the checkpoint does not match the dataflow: {difference}; undo the change, \
+         or start on a new checkpoint location"
+    )]
+    IncompatibleCheckpoint { difference: String },
+
     /// The actor stopped because the query is stopping after another failure.
     #[error("cancelled because the query is stopping")]
     Cancelled,
@@ -158,6 +166,9 @@ impl RtflowError {
             Self::StaticTable { .. } => "STATIC_TABLE_INVALID",
             Self::CheckpointLocationUnusable { .. } => "CHECKPOINT_LOCATION_UNUSABLE",
             Self::Checkpoint(_) => "CHECKPOINT_FAILED",
+            Self::IncompatibleCheckpoint { .. } => {
+                "STREAMING_STATEFUL_OPERATOR_NOT_MATCH_IN_STATE_METADATA"
+            }
             Self::Cancelled => "CANCELLED",
         }
     }

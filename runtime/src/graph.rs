@@ -32,6 +32,11 @@ pub(crate) struct Edge {
 /// One operator, source or sink of the logical graph.
 pub(crate) struct Node {
     pub(crate) name: String,
+    /// The stable id the node's checkpointed state is stored under: set by the
+    /// user, or `{kind}-{n}` (`{kind}-sink-{n}`) for the n-th source or operator
+    /// (sink) of its kind, which adding or removing nodes of other kinds leaves
+    /// unchanged.
+    pub(crate) uid: String,
     pub(crate) kind: String,
     pub(crate) body: Body,
     pub(crate) inputs: Vec<Edge>,
@@ -76,8 +81,19 @@ impl Graph {
 
     fn add(&mut self, kind: &str, body: Body, inputs: Vec<Edge>) -> NodeId {
         let id = self.nodes.len();
+        let is_sink = matches!(body, Body::Sink(_));
+        let same_kind = self
+            .nodes
+            .iter()
+            .filter(|n| n.kind == kind && matches!(n.body, Body::Sink(_)) == is_sink)
+            .count();
         self.nodes.push(Node {
             name: format!("{kind}-{id}"),
+            uid: if is_sink {
+                format!("{kind}-sink-{same_kind}")
+            } else {
+                format!("{kind}-{same_kind}")
+            },
             kind: kind.to_owned(),
             body,
             inputs,
@@ -218,6 +234,16 @@ impl<T: Data> Stream<T> {
     pub fn name(self, name: impl Into<String>) -> Self {
         let name = name.into();
         self.with_producer("name", |node| node.name = name);
+        self
+    }
+
+    /// Sets the stable id the operator producing this stream keeps its checkpointed
+    /// state under (Flink's `uid`), so a restart after the dataflow changed finds
+    /// it. Without one, the id is the operator's kind and its rank among operators
+    /// of that kind.
+    pub fn uid(self, uid: impl Into<String>) -> Self {
+        let uid = uid.into();
+        self.with_producer("uid", |node| node.uid = uid);
         self
     }
 

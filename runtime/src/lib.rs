@@ -12,6 +12,8 @@
 //! - [`graph`]: the builder ([`Dataflow`], [`Stream`], [`KeyedStream`]).
 //! - [`operator`]: the [`Operator`] trait operator authors implement, and the
 //!   [`Emit`] chain an actor pushes records through.
+//! - [`state`]: checkpointed keyed and per-instance state for operators and sinks,
+//!   snapshotted incrementally at each barrier and restored on start.
 //! - [`connector`]: the [`Source`] and [`Sink`] traits connectors implement.
 //! - [`plan`]: start-time validation (with Spark's error classes), parallelism,
 //!   chaining, slots, and wiring of lanes to operators.
@@ -39,6 +41,7 @@ pub mod plan;
 pub mod progress;
 pub mod query;
 pub mod record;
+pub mod state;
 pub mod table;
 mod wiring;
 
@@ -53,4 +56,5 @@ pub use operator::{Collector, Emit, Operator, OperatorContext};
 pub use progress::{StreamingQueryListener, StreamingQueryProgress, StreamingQueryStatus};
 pub use query::StreamingQuery;
 pub use record::{Data, Epoch, EventTime, Nanos, Record, RecordMeta};
+pub use state::{KeyedState, StateContext, StateSnapshot, SubtaskState};
 pub use table::StaticTable;

@@ -2,11 +2,16 @@
 //! hooks it needs. The runtime calls the hooks from the actor's one loop.
 
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
 use crate::metrics::OperatorMetrics;
 use crate::record::{now_nanos, Epoch, EventTime, Record, RecordMeta};
+use crate::state::{StateContext, StateSnapshot};
+
+/// Where the stateful operators of one actor put their snapshots at a barrier; the
+/// actor sends them to the coordinator with its acknowledgement.
+pub(crate) type SnapshotBuffer = Arc<Mutex<StateSnapshot>>;
 
 /// Where an actor pushes what it produces: the next operator in the same actor
 /// (chaining), the dispatcher to the next actors' mailboxes, or a sink.
@@ -22,14 +27,20 @@ pub trait Emit<T>: Send {
     /// The actor drained what its mailbox held: push buffered records on now, so
     /// batching never waits for a batch to fill.
     fn flush(&mut self) -> Result<()>;
-    /// Every input ended: finish, flush and pass the end on.
+    /// Every input ended: finish, snapshot, flush and pass the end on. The end is
+    /// the last barrier: what follows it is committed by the query's final epoch.
     fn end(&mut self) -> Result<()>;
+    /// The actor reported its end to the coordinator: wait for what must follow
+    /// (a sink's final commit) and release resources.
+    fn finish(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// The actor is failing with `error`: release what is held, without output.
     fn abort(&mut self, error: &crate::RtflowError);
 }
 
-/// Who an operator instance is, for its hooks.
-#[derive(Debug, Clone)]
+/// Who an operator instance is, and where it gets its checkpointed state.
+#[derive(Clone)]
 pub struct OperatorContext {
     /// The operator's name in the dataflow.
     pub operator: String,
@@ -37,6 +48,21 @@ pub struct OperatorContext {
     pub subtask: usize,
     /// How many instances the operator runs.
     pub parallelism: usize,
+    /// The instance's state, as the last committed checkpoint left it.
+    pub state: StateContext,
+}
+
+impl OperatorContext {
+    /// The context of instance `subtask` of an operator run outside a query
+    /// (operator tests and benchmarks): no state to restore.
+    pub fn detached(kind: &str, subtask: usize, parallelism: usize) -> Self {
+        Self {
+            operator: format!("{kind}-0"),
+            subtask,
+            parallelism,
+            state: StateContext::detached(kind, subtask, parallelism, 128),
+        }
+    }
 }
 
 /// The output handle an operator writes to; records emitted while processing a
@@ -102,6 +128,12 @@ pub trait Operator<In, Out>: Send + 'static {
         Ok(())
     }
 
+    /// Called at every barrier, and once more after `on_close`: hand what state
+    /// changed since the last call to `out` (see [`crate::state`]).
+    fn snapshot(&mut self, _out: &mut StateSnapshot) -> Result<()> {
+        Ok(())
+    }
+
     /// Called once when every input has ended, before the end is passed downstream.
     fn on_close(&mut self, _out: &mut Collector<'_, Out>) -> Result<()> {
         Ok(())
@@ -113,6 +145,7 @@ pub(crate) struct Chained<O, In, Out> {
     operator: O,
     next: Box<dyn Emit<Out>>,
     metrics: Arc<OperatorMetrics>,
+    snapshots: SnapshotBuffer,
     records_in: u64,
     records_out: u64,
     _input: PhantomData<fn(In)>,
@@ -124,12 +157,14 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
         ctx: &OperatorContext,
         next: Box<dyn Emit<Out>>,
         metrics: Arc<OperatorMetrics>,
+        snapshots: SnapshotBuffer,
     ) -> Result<Self> {
         operator.on_start(ctx)?;
         Ok(Self {
             operator,
             next,
             metrics,
+            snapshots,
             records_in: 0,
             records_out: 0,
             _input: PhantomData,
@@ -153,6 +188,11 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
             emitted: &mut self.records_out,
         };
         hook(&mut self.operator, &mut out)
+    }
+
+    fn snapshot(&mut self) -> Result<()> {
+        let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
+        self.operator.snapshot(&mut snapshot)
     }
 
     fn publish_counts(&mut self) {
@@ -180,6 +220,7 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
     }
 
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {
+        self.snapshot()?;
         self.next.barrier(epoch)
     }
 
@@ -190,8 +231,13 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
 
     fn end(&mut self) -> Result<()> {
         self.out_of_band(EventTime::MAX, |op, out| op.on_close(out))?;
+        self.snapshot()?;
         self.publish_counts();
         self.next.end()
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.next.finish()
     }
 
     fn abort(&mut self, error: &crate::RtflowError) {

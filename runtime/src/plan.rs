@@ -16,7 +16,8 @@ use crate::graph::{Graph, NodeId, WITH_WATERMARK};
 use crate::metrics::{MailboxMetrics, QueryMetrics, Role};
 use crate::operator::OperatorContext;
 use crate::record::Epoch;
-use crate::wiring::{ActorMain, AnyBox, Body};
+use crate::state::{Restored, StateContext};
+use crate::wiring::{ActorMain, AnyBox, Body, SinkWiring};
 
 /// Operator kinds a real-time query may use while the allowlist check is on.
 pub const OPERATOR_ALLOWLIST: &[&str] = &[
@@ -25,6 +26,12 @@ pub const OPERATOR_ALLOWLIST: &[&str] = &[
     "flat_map",
     "broadcast_join",
     WITH_WATERMARK,
+    "count",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "reduce",
 ];
 
 /// Sink kinds a real-time query may use while the allowlist check is on.
@@ -78,6 +85,13 @@ pub(crate) fn validate(graph: &Graph, config: &QueryConfig) -> Result<()> {
                 });
             }
         }
+    }
+    let mut uids = BTreeSet::new();
+    if let Some(node) = graph.nodes.iter().find(|n| !uids.insert(&n.uid)) {
+        return Err(RtflowError::InvalidDataflow(format!(
+            "two operators have the uid '{}'; give each a distinct .uid(...)",
+            node.uid
+        )));
     }
     let sources = upstream_sources(graph);
     for inputs in &graph.unions {
@@ -151,6 +165,16 @@ pub(crate) struct ActorSpec {
     /// For a source actor: its operator's name, and where to send the epochs
     /// the coordinator ends.
     pub(crate) source: Option<(String, Sender<Epoch>)>,
+    /// For an actor ending in a sink: where to send the epochs committed.
+    pub(crate) commits: Option<Sender<Epoch>>,
+}
+
+/// Where a starting query resumes: the last committed checkpoint's source offsets
+/// and state.
+pub(crate) struct Resume<'a> {
+    pub(crate) query_id: &'a str,
+    pub(crate) offsets: &'a BTreeMap<String, Offsets>,
+    pub(crate) state: Arc<Restored>,
 }
 
 /// A validated graph with parallelism resolved and actors decided.
@@ -240,6 +264,16 @@ impl Plan {
         Ok(plan)
     }
 
+    /// The names of the dataflow's sources.
+    pub(crate) fn source_names(&self) -> BTreeSet<&str> {
+        self.graph
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.body, Body::Source(..)))
+            .map(|n| n.name.as_str())
+            .collect()
+    }
+
     fn heads(&self) -> impl Iterator<Item = NodeId> + '_ {
         (0..self.graph.nodes.len()).filter(|id| self.chained_prev[*id].is_none())
     }
@@ -310,7 +344,7 @@ impl Plan {
         config: &QueryConfig,
         metrics: &QueryMetrics,
         env: &ActorEnv,
-        recovered: &BTreeMap<String, Offsets>,
+        resume: &Resume<'_>,
     ) -> Result<Vec<ActorSpec>> {
         let Lanes {
             mut outgoing,
@@ -327,28 +361,49 @@ impl Plan {
                 .join(" -> ");
             for subtask in (0..self.parallelism[head]).rev() {
                 let mut emit = self.outputs(tail, outgoing[tail].pop(), config, env);
+                let snapshots = crate::operator::SnapshotBuffer::default();
+                let mut commits = None;
                 for &id in chain.iter().rev() {
                     let node = &self.graph.nodes[id];
                     let parallelism = self.parallelism[id];
+                    let state = StateContext {
+                        uid: node.uid.clone(),
+                        kind: node.kind.clone(),
+                        subtask,
+                        parallelism,
+                        restored: resume.state.clone(),
+                    };
                     emit = Some(match &node.body {
                         Body::Sink(sink) => {
                             let ctx = SinkContext {
                                 query: config.name.clone(),
+                                query_id: resume.query_id.to_owned(),
+                                uid: node.uid.clone(),
                                 subtask,
                                 parallelism,
+                                state,
                             };
-                            sink.chain(&ctx, &node.name, metrics)?
+                            let (sender, receiver) = crossbeam_channel::unbounded();
+                            commits = Some(sender);
+                            let wiring = SinkWiring {
+                                snapshots: snapshots.clone(),
+                                commits: receiver,
+                                cancel: env.cancel.clone(),
+                            };
+                            sink.chain(&ctx, &node.name, metrics, wiring)?
                         }
                         Body::Operator(operator, _) => {
                             let ctx = OperatorContext {
                                 operator: node.name.clone(),
                                 subtask,
                                 parallelism,
+                                state,
                             };
                             operator.chain(
                                 &ctx,
                                 emit.expect("an operator has an output"),
                                 metrics,
+                                snapshots.clone(),
                             )?
                         }
                         Body::Source(..) => break,
@@ -358,6 +413,7 @@ impl Plan {
                 let node = &self.graph.nodes[head];
                 let env = ActorEnv {
                     actor: actors.len(),
+                    snapshots,
                     ..env.clone()
                 };
                 let (main, source) = match &node.body {
@@ -368,7 +424,11 @@ impl Plan {
                             partitions: (0..self.source_partitions[head])
                                 .filter(|p| p % self.parallelism[head] == subtask)
                                 .collect(),
-                            start_offsets: recovered.get(&node.name).cloned().unwrap_or_default(),
+                            start_offsets: resume
+                                .offsets
+                                .get(&node.name)
+                                .cloned()
+                                .unwrap_or_default(),
                         };
                         let reader = source.open(&ctx)?;
                         let (barriers, epochs) = crossbeam_channel::unbounded();
@@ -401,6 +461,7 @@ impl Plan {
                     subtask,
                     main,
                     source,
+                    commits,
                 });
             }
         }

@@ -102,7 +102,7 @@ impl StreamingQuery {
             .checkpoint_location
             .clone()
             .expect("validated: a checkpoint location is given");
-        let store = CheckpointStore::open(&location, config.checkpoints_retained)?;
+        let mut store = CheckpointStore::open(&location, config.checkpoints_retained)?;
         let recovery = store.recover()?;
         for corrupt in &recovery.skipped {
             tracing::warn!(%corrupt, "passing over a corrupt checkpoint");
@@ -138,7 +138,7 @@ impl StreamingQuery {
                         config,
                         batch_duration,
                         store,
-                        resume: recovery.manifest,
+                        recovery,
                         started: started_tx,
                     };
                     let address = Coordinator::new(coordinator_shared, startup).start();

@@ -17,8 +17,8 @@ use crate::connector::{Sink, SinkContext, SinkEmit, Source, SourceContext, Sourc
 use crate::dispatch::{Fanout, Output, Partitioning};
 use crate::error::Result;
 use crate::metrics::{MailboxMetrics, QueryMetrics, Role};
-use crate::operator::{Chained, Emit, Operator, OperatorContext};
-use crate::record::{Data, Message};
+use crate::operator::{Chained, Emit, Operator, OperatorContext, SnapshotBuffer};
+use crate::record::{Data, Epoch, Message};
 
 /// A typed value on its way between two typed closures.
 pub(crate) type AnyBox = Box<dyn Any + Send>;
@@ -98,7 +98,13 @@ impl<T: Data> ErasedSource for SourceNode<T> {
 }
 
 pub(crate) trait ErasedOperator: Send {
-    fn chain(&self, ctx: &OperatorContext, next: AnyBox, metrics: &QueryMetrics) -> Result<AnyBox>;
+    fn chain(
+        &self,
+        ctx: &OperatorContext,
+        next: AnyBox,
+        metrics: &QueryMetrics,
+        snapshots: SnapshotBuffer,
+    ) -> Result<AnyBox>;
 }
 
 pub(crate) struct OperatorNode<In, Out, O, F> {
@@ -122,7 +128,13 @@ where
     O: Operator<In, Out>,
     F: Fn(&OperatorContext) -> O + Send + Sync + 'static,
 {
-    fn chain(&self, ctx: &OperatorContext, next: AnyBox, metrics: &QueryMetrics) -> Result<AnyBox> {
+    fn chain(
+        &self,
+        ctx: &OperatorContext,
+        next: AnyBox,
+        metrics: &QueryMetrics,
+        snapshots: SnapshotBuffer,
+    ) -> Result<AnyBox> {
         let next: Box<dyn Emit<Out>> = unbox(next);
         let operator = (self.factory)(ctx);
         let chained = Chained::start(
@@ -130,16 +142,30 @@ where
             ctx,
             next,
             metrics.operator(&ctx.operator, ctx.subtask, Role::Operator),
+            snapshots,
         )?;
         let emit: Box<dyn Emit<In>> = Box::new(chained);
         Ok(Box::new(emit))
     }
 }
 
+/// What a sink actor needs from the runtime besides its context.
+pub(crate) struct SinkWiring {
+    pub(crate) snapshots: SnapshotBuffer,
+    pub(crate) commits: Receiver<Epoch>,
+    pub(crate) cancel: Arc<AtomicBool>,
+}
+
 pub(crate) trait ErasedSink: Send {
     fn description(&self) -> String;
     fn supports_real_time(&self) -> bool;
-    fn chain(&self, ctx: &SinkContext, name: &str, metrics: &QueryMetrics) -> Result<AnyBox>;
+    fn chain(
+        &self,
+        ctx: &SinkContext,
+        name: &str,
+        metrics: &QueryMetrics,
+        wiring: SinkWiring,
+    ) -> Result<AnyBox>;
 }
 
 pub(crate) struct SinkNode<T> {
@@ -163,11 +189,20 @@ impl<T: Data> ErasedSink for SinkNode<T> {
         self.sink.supports_real_time()
     }
 
-    fn chain(&self, ctx: &SinkContext, name: &str, metrics: &QueryMetrics) -> Result<AnyBox> {
+    fn chain(
+        &self,
+        ctx: &SinkContext,
+        name: &str,
+        metrics: &QueryMetrics,
+        wiring: SinkWiring,
+    ) -> Result<AnyBox> {
         let emit: Box<dyn Emit<T>> = Box::new(SinkEmit::new(
             self.sink.writer(ctx)?,
             metrics.latency_recorder(),
             metrics.operator(name, ctx.subtask, Role::Sink),
+            wiring.snapshots,
+            wiring.commits,
+            wiring.cancel,
         ));
         Ok(Box::new(emit))
     }

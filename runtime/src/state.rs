@@ -1,0 +1,459 @@
+//! Checkpointed state for operator and sink authors.
+//!
+//! State lives in memory, in the actor that owns it, so reading and updating it
+//! costs a hash-map lookup. Each state remembers which keys changed since the last
+//! barrier; the operator's `snapshot` hook hands only those to the checkpoint
+//! ([`StateSnapshot`]), which stores them as one incremental blob. On start, a
+//! [`StateContext`] gives each instance back what the last committed checkpoint
+//! held for the key groups it owns.
+//!
+//! ```
+//! use rtflow_runtime::state::{KeyedState, StateSnapshot};
+//! use rtflow_runtime::{Collector, Operator, OperatorContext, Record, Result};
+//!
+//! /// Counts records per word and emits the running count.
+//! struct WordCount(Option<KeyedState<String, u64>>);
+//!
+//! impl Operator<String, (String, u64)> for WordCount {
+//!     fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
+//!         self.0 = Some(ctx.state.keyed("counts")?);
+//!         Ok(())
+//!     }
+//!
+//!     fn process(&mut self, record: Record<String>, out: &mut Collector<'_, (String, u64)>) -> Result<()> {
+//!         let counts = self.0.as_mut().expect("started");
+//!         let count = counts.get_or_insert_with(record.value.clone(), || 0);
+//!         *count += 1;
+//!         let count = *count;
+//!         out.emit((record.value, count))
+//!     }
+//!
+//!     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+//!         self.0.as_mut().expect("started").snapshot(out)
+//!     }
+//! }
+//! ```
+
+use std::any::type_name;
+use std::collections::hash_map::{Entry as MapEntry, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+use std::hash::Hash;
+use std::sync::{Arc, Mutex};
+
+use rtflow_checkpoint::{Delta, Entry, RestoredState, StateId, StateMeta};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::dispatch::{key_group, stable_hash, subtask_for_key_group};
+use crate::error::{Result, RtflowError};
+use crate::record::Epoch;
+
+/// What every stateful instance of a query restores from: the recovered
+/// checkpoint's states, and which of them the dataflow claimed.
+#[derive(Default)]
+pub(crate) struct Restored {
+    pub(crate) states: BTreeMap<StateId, RestoredState>,
+    /// The epoch of the checkpoint restored from.
+    pub(crate) epoch: Option<Epoch>,
+    pub(crate) key_groups: usize,
+    claimed: Mutex<BTreeSet<StateId>>,
+}
+
+impl Restored {
+    pub(crate) fn new(
+        states: BTreeMap<StateId, RestoredState>,
+        epoch: Option<Epoch>,
+        key_groups: usize,
+    ) -> Self {
+        Self {
+            states,
+            epoch,
+            key_groups,
+            claimed: Mutex::default(),
+        }
+    }
+
+    /// The first state of the checkpoint that no instance claimed at start: the
+    /// dataflow lost the operator that owned it.
+    pub(crate) fn unclaimed(&self) -> Option<(&StateId, &RestoredState)> {
+        let claimed = self.claimed.lock().expect("claims are never poisoned");
+        self.states.iter().find(|(id, _)| !claimed.contains(id))
+    }
+}
+
+/// Where an operator or sink instance gets its state. Every state has a name,
+/// unique within its operator.
+#[derive(Clone)]
+pub struct StateContext {
+    /// The operator's stable id: what its state is stored under.
+    pub(crate) uid: String,
+    pub(crate) kind: String,
+    pub(crate) subtask: usize,
+    pub(crate) parallelism: usize,
+    pub(crate) restored: Arc<Restored>,
+}
+
+impl StateContext {
+    /// An empty context, for operators run outside a query (tests, benchmarks).
+    pub fn detached(kind: &str, subtask: usize, parallelism: usize, key_groups: usize) -> Self {
+        Self {
+            uid: format!("{kind}-0"),
+            kind: kind.to_owned(),
+            subtask,
+            parallelism,
+            restored: Arc::new(Restored::new(BTreeMap::new(), None, key_groups)),
+        }
+    }
+
+    /// The epoch of the checkpoint this start restored from, if any.
+    pub fn restored_epoch(&self) -> Option<Epoch> {
+        self.restored.epoch
+    }
+
+    /// Claims state `name`, checking that the checkpoint holds it with the same
+    /// types, and returns its restored entries.
+    fn claim(&self, name: &str, signature: &str) -> Result<(StateId, StateMeta, Vec<&Entry>)> {
+        let id = StateId::new(&self.uid, name);
+        let meta = StateMeta {
+            kind: self.kind.clone(),
+            signature: signature.to_owned(),
+        };
+        self.restored
+            .claimed
+            .lock()
+            .expect("claims are never poisoned")
+            .insert(id.clone());
+        let Some(restored) = self.restored.states.get(&id) else {
+            return Ok((id, meta, Vec::new()));
+        };
+        if restored.meta != meta {
+            return Err(RtflowError::IncompatibleCheckpoint {
+                difference: format!(
+                    "{id} was written by a '{}' operator holding {}, but is now read by a '{}' \
+                     operator holding {}",
+                    restored.meta.kind, restored.meta.signature, meta.kind, meta.signature
+                ),
+            });
+        }
+        let entries = restored.entries.iter().collect();
+        Ok((id, meta, entries))
+    }
+
+    /// Value state per key, restored with the keys whose key groups this instance
+    /// owns.
+    pub fn keyed<K, V>(&self, name: &str) -> Result<KeyedState<K, V>>
+    where
+        K: Hash + Eq + Clone + Serialize + DeserializeOwned,
+        V: Serialize + DeserializeOwned,
+    {
+        let key_groups = self.restored.key_groups;
+        let (id, meta, entries) = self.claim(name, type_name::<(K, V)>())?;
+        let mut state = KeyedState {
+            id,
+            meta,
+            part: self.subtask as u32,
+            key_groups,
+            entries: HashMap::new(),
+            changed: Vec::new(),
+            live: 0,
+        };
+        for entry in entries {
+            let group = entry.group as usize;
+            if subtask_for_key_group(group, key_groups, self.parallelism) != self.subtask {
+                continue;
+            }
+            let key = decode(&state.id, &entry.key)?;
+            let value = match &entry.value {
+                Some(bytes) => Some(decode(&state.id, bytes)?),
+                None => None,
+            };
+            state.live += usize::from(value.is_some());
+            state.entries.insert(
+                key,
+                Slot {
+                    value,
+                    changed: false,
+                },
+            );
+        }
+        Ok(state)
+    }
+
+    /// One value per instance (a sink's pending transaction, a reader's position).
+    /// When parallelism changed, an instance also restores the values of the old
+    /// instances that map to it.
+    pub fn per_subtask<V>(&self, name: &str) -> Result<SubtaskState<V>>
+    where
+        V: Serialize + DeserializeOwned,
+    {
+        let (id, meta, entries) = self.claim(name, type_name::<V>())?;
+        let mut restored = Vec::new();
+        for entry in entries {
+            if entry.group as usize % self.parallelism == self.subtask {
+                if let Some(bytes) = &entry.value {
+                    restored.push((entry.group, decode(&id, bytes)?));
+                }
+            }
+        }
+        restored.sort_by_key(|(subtask, _)| *subtask);
+        Ok(SubtaskState {
+            id,
+            meta,
+            subtask: self.subtask as u32,
+            inherited: restored.iter().map(|(s, _)| *s).collect(),
+            restored,
+            value: None,
+            changed: false,
+        })
+    }
+}
+
+fn encode<T: Serialize>(id: &StateId, value: &T) -> Result<Vec<u8>> {
+    bincode::serde::encode_to_vec(value, bincode::config::standard())
+        .map_err(|e| RtflowError::Checkpoint(format!("cannot encode {id}: {e}")))
+}
+
+fn decode<T: DeserializeOwned>(id: &StateId, bytes: &[u8]) -> Result<T> {
+    bincode::serde::decode_from_slice(bytes, bincode::config::standard())
+        .map(|(value, _)| value)
+        .map_err(|e| RtflowError::IncompatibleCheckpoint {
+            difference: format!("{id} cannot be read as its declared type: {e}"),
+        })
+}
+
+/// What an actor's stateful operators changed in an epoch; the runtime stores it
+/// with the epoch's checkpoint.
+#[derive(Default)]
+pub struct StateSnapshot {
+    pub(crate) deltas: Vec<Delta>,
+}
+
+impl StateSnapshot {
+    fn push(&mut self, delta: Delta) {
+        if !delta.entries.is_empty() {
+            self.deltas.push(delta);
+        }
+    }
+
+    /// Entries written so far (benchmarks and tests).
+    pub fn entries(&self) -> usize {
+        self.deltas.iter().map(|d| d.entries.len()).sum()
+    }
+}
+
+struct Slot<V> {
+    /// `None`: deleted since the last snapshot.
+    value: Option<V>,
+    changed: bool,
+}
+
+/// A value per key, held in memory and checkpointed incrementally: a snapshot
+/// writes only the keys changed since the previous one.
+pub struct KeyedState<K, V> {
+    id: StateId,
+    meta: StateMeta,
+    part: u32,
+    key_groups: usize,
+    entries: HashMap<K, Slot<V>>,
+    /// Keys changed since the last snapshot, each once.
+    changed: Vec<K>,
+    /// Keys with a value.
+    live: usize,
+}
+
+impl<K, V> KeyedState<K, V>
+where
+    K: Hash + Eq + Clone + Serialize,
+    V: Serialize,
+{
+    /// The value of `key`.
+    #[inline]
+    pub fn get(&self, key: &K) -> Option<&V> {
+        self.entries.get(key).and_then(|slot| slot.value.as_ref())
+    }
+
+    /// The value of `key`, to change in place; the key counts as changed.
+    #[inline]
+    pub fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+        let slot = self.entries.get_mut(key)?;
+        slot.value.as_ref()?;
+        if !slot.changed {
+            slot.changed = true;
+            self.changed.push(key.clone());
+        }
+        slot.value.as_mut()
+    }
+
+    /// The value of `key`, inserting `default()` first if there is none. The key
+    /// counts as changed.
+    #[inline]
+    pub fn get_or_insert_with(&mut self, key: K, default: impl FnOnce() -> V) -> &mut V {
+        let (slot, live) = self.mark(key);
+        if slot.value.is_none() {
+            *live += 1;
+        }
+        slot.value.get_or_insert_with(default)
+    }
+
+    /// Sets the value of `key`, returning the previous one.
+    pub fn insert(&mut self, key: K, value: V) -> Option<V> {
+        let (slot, live) = self.mark(key);
+        let previous = slot.value.replace(value);
+        if previous.is_none() {
+            *live += 1;
+        }
+        previous
+    }
+
+    /// Deletes `key`, returning its value.
+    pub fn remove(&mut self, key: &K) -> Option<V> {
+        self.get(key)?;
+        let (slot, live) = self.mark(key.clone());
+        *live -= 1;
+        slot.value.take()
+    }
+
+    /// The number of keys with a value.
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    /// Whether no key has a value.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every key with its value, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
+        self.entries
+            .iter()
+            .filter_map(|(key, slot)| slot.value.as_ref().map(|value| (key, value)))
+    }
+
+    /// Hands the keys changed since the last snapshot to `out`.
+    pub fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+        let mut entries = Vec::with_capacity(self.changed.len());
+        for key in std::mem::take(&mut self.changed) {
+            let group = key_group(stable_hash(&key), self.key_groups) as u32;
+            let slot = self
+                .entries
+                .get_mut(&key)
+                .expect("changed keys stay until snapshot");
+            slot.changed = false;
+            let value = slot
+                .value
+                .as_ref()
+                .map(|v| encode(&self.id, v))
+                .transpose()?;
+            if value.is_none() {
+                self.entries.remove(&key);
+            }
+            entries.push(Entry {
+                group,
+                key: encode(&self.id, &key)?,
+                value,
+            });
+        }
+        out.push(Delta {
+            state: self.id.clone(),
+            meta: self.meta.clone(),
+            part: self.part,
+            entries,
+        });
+        Ok(())
+    }
+
+    /// Marks `key` changed; returns its slot and the live-key count to adjust.
+    #[inline]
+    fn mark(&mut self, key: K) -> (&mut Slot<V>, &mut usize) {
+        let slot = match self.entries.entry(key) {
+            MapEntry::Occupied(occupied) => {
+                if !occupied.get().changed {
+                    self.changed.push(occupied.key().clone());
+                }
+                let slot = occupied.into_mut();
+                slot.changed = true;
+                slot
+            }
+            MapEntry::Vacant(vacant) => {
+                self.changed.push(vacant.key().clone());
+                vacant.insert(Slot {
+                    value: None,
+                    changed: true,
+                })
+            }
+        };
+        (slot, &mut self.live)
+    }
+}
+
+/// One value per operator instance, checkpointed whenever it changed.
+pub struct SubtaskState<V> {
+    id: StateId,
+    meta: StateMeta,
+    subtask: u32,
+    /// What the checkpoint held for this instance (and for old instances that map
+    /// to it after a parallelism change), by old subtask.
+    restored: Vec<(u32, V)>,
+    /// Old instances whose values this one took over: cleared at the first
+    /// snapshot, so they are restored only once.
+    inherited: Vec<u32>,
+    value: Option<V>,
+    changed: bool,
+}
+
+impl<V: Serialize> SubtaskState<V> {
+    /// What the checkpoint held, by the subtask that wrote it.
+    pub fn restored(&self) -> &[(u32, V)] {
+        &self.restored
+    }
+
+    /// The value set since the start, if any.
+    pub fn get(&self) -> Option<&V> {
+        self.value.as_ref()
+    }
+
+    /// Sets the value the next snapshot stores.
+    pub fn set(&mut self, value: V) {
+        self.value = Some(value);
+        self.changed = true;
+    }
+
+    /// Clears the value; the next snapshot stores its deletion.
+    pub fn clear(&mut self) {
+        self.value = None;
+        self.changed = true;
+    }
+
+    /// Hands the value to `out` if it changed since the last snapshot.
+    pub fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+        let mut entries = Vec::new();
+        for old in std::mem::take(&mut self.inherited) {
+            if old != self.subtask {
+                entries.push(Entry {
+                    group: old,
+                    key: Vec::new(),
+                    value: None,
+                });
+            }
+        }
+        if std::mem::take(&mut self.changed) {
+            entries.push(Entry {
+                group: self.subtask,
+                key: Vec::new(),
+                value: self
+                    .value
+                    .as_ref()
+                    .map(|v| encode(&self.id, v))
+                    .transpose()?,
+            });
+        }
+        out.push(Delta {
+            state: self.id.clone(),
+            meta: self.meta.clone(),
+            part: self.subtask,
+            entries,
+        });
+        Ok(())
+    }
+}
