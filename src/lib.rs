@@ -50,7 +50,8 @@ pub use rtflow_runtime::{
 /// Everything a dataflow program needs, in one import.
 pub mod prelude {
     pub use rtflow_connectors::kafka::{
-        KafkaAdmin, KafkaMessage, KafkaRecord, KafkaSink, KafkaSource, StartingOffsets,
+        DeliveryGuarantee, KafkaAdmin, KafkaMessage, KafkaRecord, KafkaSink, KafkaSource,
+        StartingOffsets,
     };
     pub use rtflow_connectors::{
         ConsoleSink, CsvTable, ForeachSink, ForeachWriter, GeneratorSource, MemorySink,

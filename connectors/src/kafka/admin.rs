@@ -40,7 +40,20 @@ impl KafkaAdmin {
     /// Creates `topic` with `partitions` partitions (replication 1); an existing
     /// topic is left as it is.
     pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<()> {
-        let new_topic = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+        self.create(topic, partitions, &[])
+    }
+
+    /// Creates a one-partition compacted topic (for the latest value per key),
+    /// unless it exists.
+    pub(crate) fn create_compacted_topic(&self, topic: &str) -> Result<()> {
+        self.create(topic, 1, &[("cleanup.policy", "compact")])
+    }
+
+    fn create(&self, topic: &str, partitions: i32, config: &[(&str, &str)]) -> Result<()> {
+        let mut new_topic = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+        for (key, value) in config {
+            new_topic = new_topic.set(key, value);
+        }
         let results = block_on(self.client.create_topics([&new_topic], &self.options))
             .map_err(admin_error)?;
         for result in results {

@@ -5,13 +5,16 @@
 //!   assigned manually and offsets are tracked by rtflow: there is no consumer
 //!   group and no rebalancing.
 //! - [`KafkaSink`] writes records to a fixed topic or to the topic each record
-//!   names, with `linger.ms=0` and idempotence on by default.
+//!   names, with `linger.ms=0` and idempotence on by default; at-least-once, or
+//!   exactly-once through Kafka transactions committed with each checkpoint
+//!   (`exactly_once`).
 //! - [`KafkaAdmin`] creates and deletes topics, for examples and tests.
 //!
 //! Both connectors take librdkafka settings as `.option("kafka.<key>", value)`;
 //! they override rtflow's low-latency defaults.
 
 mod admin;
+mod exactly_once;
 mod sink;
 mod source;
 
@@ -23,7 +26,7 @@ use rdkafka::ClientConfig;
 use rtflow_runtime::{Result, RtflowError};
 
 pub use admin::KafkaAdmin;
-pub use sink::{KafkaMessage, KafkaSink};
+pub use sink::{DeliveryGuarantee, KafkaMessage, KafkaSink, DEFAULT_COMMIT_TOPIC};
 pub use source::{KafkaSource, StartingOffsets};
 
 /// How long start-up waits for the broker's metadata before failing.

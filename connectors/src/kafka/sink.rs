@@ -1,5 +1,7 @@
-//! [`KafkaSink`]: one idempotent producer per sink actor; any delivery failure
-//! fails the query with the broker's error.
+//! [`KafkaSink`]: one producer per sink actor; any delivery failure fails the
+//! query with the broker's error. At-least-once by default (an idempotent
+//! producer flushed at every barrier); exactly-once with Kafka transactions (see
+//! `exactly_once`).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,6 +16,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientContext, Message};
 use rtflow_runtime::{Data, Epoch, Record, Result, RtflowError, Sink, SinkContext, SinkWriter};
 
+use super::exactly_once::TransactionalWriter;
 use super::{Options, DEFAULT_METADATA_TIMEOUT};
 
 /// What the sink writes for one record.
@@ -22,7 +25,7 @@ use super::{Options, DEFAULT_METADATA_TIMEOUT};
 /// use rtflow_connectors::kafka::KafkaMessage;
 /// let message = KafkaMessage::new("payload").key("user-1").header("source", "web");
 /// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KafkaMessage {
     /// The topic; required with [`KafkaSink::per_record_topic`], ignored otherwise.
     pub topic: Option<String>,
@@ -67,7 +70,25 @@ impl KafkaMessage {
     }
 }
 
-type Serialize<T> = Arc<dyn Fn(&T) -> KafkaMessage + Send + Sync>;
+pub(crate) type Serialize<T> = Arc<dyn Fn(&T) -> KafkaMessage + Send + Sync>;
+
+/// What a [`KafkaSink`] promises about each record's delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeliveryGuarantee {
+    /// Every record is written at least once: the producer is flushed before each
+    /// barrier is acknowledged, and a restart may write the records of the
+    /// unfinished epoch again.
+    #[default]
+    AtLeastOnce,
+    /// `read_committed` consumers see every record exactly once: each epoch's
+    /// records are written in a Kafka transaction that commits only after the
+    /// epoch's checkpoint is durable.
+    ExactlyOnce,
+}
+
+/// The default topic where exactly-once writers record which epochs they
+/// committed.
+pub const DEFAULT_COMMIT_TOPIC: &str = "rtflow-sink-commits";
 
 /// Writes records to Kafka, flushing at every checkpoint barrier and on stop.
 ///
@@ -78,11 +99,13 @@ type Serialize<T> = Arc<dyn Fn(&T) -> KafkaMessage + Send + Sync>;
 /// });
 /// ```
 pub struct KafkaSink<T> {
-    bootstrap_servers: String,
-    topic: Option<String>,
-    serialize: Serialize<T>,
+    pub(crate) bootstrap_servers: String,
+    pub(crate) topic: Option<String>,
+    pub(crate) serialize: Serialize<T>,
     options: Options,
-    flush_timeout: Duration,
+    pub(crate) flush_timeout: Duration,
+    guarantee: DeliveryGuarantee,
+    pub(crate) commit_topic: String,
 }
 
 impl<T: Data> KafkaSink<T> {
@@ -109,7 +132,25 @@ impl<T: Data> KafkaSink<T> {
             serialize: Arc::new(serialize),
             options: Options::default(),
             flush_timeout: Duration::from_secs(30),
+            guarantee: DeliveryGuarantee::default(),
+            commit_topic: DEFAULT_COMMIT_TOPIC.to_owned(),
         }
+    }
+
+    /// Sets the delivery guarantee (default at-least-once).
+    ///
+    /// Exactly-once output becomes visible to `read_committed` consumers when its
+    /// epoch commits, so once per batch duration rather than record by record.
+    pub fn delivery(mut self, guarantee: DeliveryGuarantee) -> Self {
+        self.guarantee = guarantee;
+        self
+    }
+
+    /// The compacted topic where exactly-once writers record the epochs they
+    /// committed (created if missing). Default [`DEFAULT_COMMIT_TOPIC`].
+    pub fn commit_topic(mut self, topic: impl Into<String>) -> Self {
+        self.commit_topic = topic.into();
+        self
     }
 
     /// Sets a librdkafka producer setting: `.option("kafka.<key>", value)`.
@@ -125,11 +166,15 @@ impl<T: Data> KafkaSink<T> {
         self
     }
 
-    fn error(&self, message: impl std::fmt::Display) -> RtflowError {
-        RtflowError::sink(format!("kafka {}", self.bootstrap_servers), message)
+    pub(crate) fn error(&self, message: impl std::fmt::Display) -> RtflowError {
+        RtflowError::sink(self.name(), message)
     }
 
-    fn config(&self) -> Result<rdkafka::ClientConfig> {
+    pub(crate) fn name(&self) -> String {
+        format!("kafka {}", self.bootstrap_servers)
+    }
+
+    pub(crate) fn config(&self) -> Result<rdkafka::ClientConfig> {
         self.options.client_config(
             "KafkaSink",
             &[
@@ -182,9 +227,12 @@ impl<T: Data> Sink<T> for KafkaSink<T> {
         }
     }
 
-    fn writer(&self, _ctx: &SinkContext) -> Result<Box<dyn SinkWriter<T>>> {
+    fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<T>>> {
         if let Some(topic) = &self.topic {
             self.check_topic(topic)?;
+        }
+        if self.guarantee == DeliveryGuarantee::ExactlyOnce {
+            return Ok(Box::new(TransactionalWriter::open(self, ctx)?));
         }
         let deliveries = Deliveries::default();
         let producer = ThreadedProducer::from_config_and_context(&self.config()?, deliveries)
@@ -201,8 +249,72 @@ impl<T: Data> Sink<T> for KafkaSink<T> {
 
 /// Keeps the first delivery failure the producer reports, for the writer to raise.
 #[derive(Default)]
-struct Deliveries {
+pub(crate) struct Deliveries {
     failure: Mutex<Option<String>>,
+}
+
+impl Deliveries {
+    /// The first failure reported, as the sink's error.
+    pub(crate) fn check(&self, sink: &str) -> Result<()> {
+        let failure = self
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        match failure {
+            Some(failure) => Err(RtflowError::sink(sink, failure)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Hands `message` to the producer, waiting while its local queue is full
+/// (backpressure). Fails on a message without a topic.
+pub(crate) fn send(
+    producer: &ThreadedProducer<Deliveries>,
+    message: &KafkaMessage,
+    topic: Option<&str>,
+    sink: &str,
+) -> Result<()> {
+    let Some(topic) = message.topic.as_deref().or(topic) else {
+        return Err(RtflowError::sink(
+            sink,
+            "a KafkaSink::per_record_topic message names no topic; set KafkaMessage::topic",
+        ));
+    };
+    let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
+    for (name, value) in &message.headers {
+        headers = headers.insert(Header {
+            key: name,
+            value: Some(value.as_ref()),
+        });
+    }
+    let mut base = BaseRecord::to(topic).headers(headers);
+    if let Some(key) = &message.key {
+        base = base.key(key.as_ref());
+    }
+    if let Some(value) = &message.value {
+        base = base.payload(value.as_ref());
+    }
+    if let Some(partition) = message.partition {
+        base = base.partition(partition);
+    }
+    loop {
+        match producer.send(base) {
+            Ok(()) => return Ok(()),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                producer.context().check(sink)?;
+                std::thread::sleep(Duration::from_millis(1));
+                base = back;
+            }
+            Err((error, _)) => {
+                return Err(RtflowError::sink(
+                    sink,
+                    format!("could not produce to '{topic}': {error}"),
+                ))
+            }
+        }
+    }
 }
 
 impl ClientContext for Deliveries {}
@@ -234,17 +346,7 @@ struct KafkaWriter<T> {
 
 impl<T> KafkaWriter<T> {
     fn check_deliveries(&self) -> Result<()> {
-        let failure = self
-            .producer
-            .context()
-            .failure
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        match failure {
-            Some(failure) => Err(RtflowError::sink(&self.sink, failure)),
-            None => Ok(()),
-        }
+        self.producer.context().check(&self.sink)
     }
 
     fn flush_producer(&self) -> Result<()> {
@@ -264,46 +366,7 @@ impl<T> KafkaWriter<T> {
 impl<T: Data> SinkWriter<T> for KafkaWriter<T> {
     fn write(&mut self, record: Record<T>) -> Result<()> {
         let message = (self.serialize)(&record.value);
-        let Some(topic) = message.topic.as_deref().or(self.topic.as_deref()) else {
-            return Err(RtflowError::sink(
-                &self.sink,
-                "a KafkaSink::per_record_topic message names no topic; set KafkaMessage::topic",
-            ));
-        };
-        let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
-        for (name, value) in &message.headers {
-            headers = headers.insert(Header {
-                key: name,
-                value: Some(value.as_ref()),
-            });
-        }
-        let mut base = BaseRecord::to(topic).headers(headers);
-        if let Some(key) = &message.key {
-            base = base.key(key.as_ref());
-        }
-        if let Some(value) = &message.value {
-            base = base.payload(value.as_ref());
-        }
-        if let Some(partition) = message.partition {
-            base = base.partition(partition);
-        }
-        loop {
-            match self.producer.send(base) {
-                Ok(()) => return Ok(()),
-                // The local queue is full: wait for acknowledgements (backpressure).
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                    self.check_deliveries()?;
-                    std::thread::sleep(Duration::from_millis(1));
-                    base = back;
-                }
-                Err((error, _)) => {
-                    return Err(RtflowError::sink(
-                        &self.sink,
-                        format!("could not produce to '{topic}': {error}"),
-                    ))
-                }
-            }
-        }
+        send(&self.producer, &message, self.topic.as_deref(), &self.sink)
     }
 
     fn flush(&mut self) -> Result<()> {
