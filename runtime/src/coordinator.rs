@@ -271,6 +271,9 @@ impl Coordinator {
         };
         let writing = Instant::now();
         let (manifest, stats) = checkpoints.store.commit(manifest, deltas)?;
+        // The window exactly-once sinks must survive: the checkpoint is durable, its
+        // transactions are not committed yet.
+        fail::fail_point!("after-manifest", |_| std::process::abort());
         let commit = writing.elapsed();
         let duration = checkpoints.triggered_at.elapsed();
         tracing::info!(

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use rtflow::prelude::KafkaAdmin;
@@ -83,15 +83,8 @@ pub struct Read {
     pub headers: Vec<(String, Vec<u8>)>,
 }
 
-/// Reads `topic` from the beginning (read_committed) until `count` records arrived
-/// or `timeout` passed.
-pub fn consume(
-    bootstrap: &str,
-    topic: &str,
-    partitions: i32,
-    count: usize,
-    timeout: Duration,
-) -> Vec<Read> {
+/// A read_committed consumer assigned to `topic`'s partitions from the beginning.
+fn reader(bootstrap: &str, topic: &str, partitions: i32) -> BaseConsumer {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", "rtflow-tests")
@@ -106,27 +99,67 @@ pub fn consume(
             .unwrap();
     }
     consumer.assign(&assignment).unwrap();
+    consumer
+}
+
+fn to_read(message: &BorrowedMessage<'_>) -> Read {
+    Read {
+        partition: message.partition(),
+        offset: message.offset(),
+        key: String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned(),
+        value: message.payload().unwrap_or_default().to_vec(),
+        headers: message
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
+}
+
+/// Reads `topic` from the beginning (read_committed) until `count` records arrived
+/// or `timeout` passed.
+pub fn consume(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    count: usize,
+    timeout: Duration,
+) -> Vec<Read> {
+    let consumer = reader(bootstrap, topic, partitions);
     let deadline = Instant::now() + timeout;
     let mut read = Vec::new();
     while read.len() < count && Instant::now() < deadline {
-        let Some(message) = consumer.poll(Duration::from_millis(100)) else {
-            continue;
-        };
-        let message = message.unwrap();
-        read.push(Read {
-            partition: message.partition(),
-            offset: message.offset(),
-            key: String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned(),
-            value: message.payload().unwrap_or_default().to_vec(),
-            headers: message
-                .headers()
-                .map(|h| {
-                    h.iter()
-                        .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
-                        .collect()
-                })
-                .unwrap_or_default(),
-        });
+        if let Some(message) = consumer.poll(Duration::from_millis(100)) {
+            read.push(to_read(&message.unwrap()));
+        }
     }
     read
+}
+
+/// Reads the one partition of `topic` (read_committed) up to the end it had when
+/// called: every committed record, and nothing left waiting.
+pub fn consume_to_end(bootstrap: &str, topic: &str, timeout: Duration) -> Vec<Read> {
+    let consumer = reader(bootstrap, topic, 1);
+    let (_, end) = consumer.fetch_watermarks(topic, 0, timeout).unwrap();
+    let deadline = Instant::now() + timeout;
+    let mut read = Vec::new();
+    loop {
+        if let Some(message) = consumer.poll(Duration::from_millis(50)) {
+            read.push(to_read(&message.unwrap()));
+        }
+        let position = consumer.position().unwrap();
+        let position = position
+            .find_partition(topic, 0)
+            .and_then(|p| p.offset().to_raw());
+        if position.is_some_and(|p| p >= end) {
+            return read;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{topic} not read to offset {end} in {timeout:?}"
+        );
+    }
 }

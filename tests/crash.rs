@@ -1,0 +1,359 @@
+//! Crash tests: a dataflow runs in a child process (this test binary, running its
+//! ignored `crash_child` test) that is killed with SIGKILL at random moments and
+//! restarted from its checkpoint each time. Afterwards:
+//!
+//! - the exactly-once sink's output, read with read_committed, holds every
+//!   `key:count` of a correct run exactly once: each record was counted once
+//!   (exactly-once processing) and each count was delivered once;
+//! - the at-least-once sink's output holds every one of them at least once.
+//!
+//! The seed of the kill schedule is printed; `RTFLOW_CRASH_SEED` replays it.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::kafka::{bootstrap, consume, consume_to_end, produce, topic};
+use rtflow::prelude::*;
+
+/// How many times each test kills its child.
+const KILLS: usize = 20;
+
+/// What the child runs, from `RTFLOW_CRASH_CHILD`: `mode bootstrap input eos alo dir`.
+const CHILD_SPEC: &str = "RTFLOW_CRASH_CHILD";
+
+/// Generator mode: partitions and rows per partition.
+const GENERATOR_PARTITIONS: usize = 2;
+const GENERATOR_ROWS: u64 = 20_000;
+
+fn generator_key(partition: usize, offset: u64) -> String {
+    format!("g{}", (offset * 7 + partition as u64) % 13)
+}
+
+fn kafka_key(index: usize) -> String {
+    format!("k{}", index % 17)
+}
+
+/// The dataflow under test: source -> key -> count per key -> both Kafka sinks.
+#[test]
+#[ignore = "the child process of the crash tests, which start it themselves"]
+fn crash_child() {
+    let Ok(spec) = std::env::var(CHILD_SPEC) else {
+        return;
+    };
+    let _failpoints = fail::FailScenario::setup();
+    tracing_subscriber::fmt()
+        .with_env_filter("info")
+        .with_writer(std::io::stderr)
+        .init();
+    let [mode, bootstrap, input, eos, alo, dir]: [&str; 6] = spec
+        .split(' ')
+        .collect::<Vec<_>>()
+        .try_into()
+        .expect("six fields");
+    let flow = Dataflow::new("crash");
+    let keys = match mode {
+        "kafka" => flow
+            .source(
+                KafkaSource::new(bootstrap)
+                    .subscribe([input])
+                    .starting_offsets(StartingOffsets::Earliest),
+            )
+            .map(|record: KafkaRecord| record.key_str().into_owned()),
+        _ => flow.source(
+            GeneratorSource::new(generator_key)
+                .partitions(GENERATOR_PARTITIONS)
+                .rows_per_partition(GENERATOR_ROWS)
+                .rows_per_second(2_000),
+        ),
+    };
+    let counts = keys.key_by(|key: &String| key.clone()).count();
+    let message =
+        |(key, count): &(String, u64)| KafkaMessage::new(format!("{key}:{count}")).key(key.clone());
+    counts.sink(KafkaSink::new(bootstrap, eos, message).delivery(DeliveryGuarantee::ExactlyOnce));
+    counts.sink(KafkaSink::new(bootstrap, alo, message));
+    let config = QueryConfig::new("crash")
+        .checkpoint_location(dir)
+        .trigger(Trigger::real_time("200 milliseconds"))
+        .min_batch_duration(Duration::from_millis(200));
+    let query = flow.start(config).expect("the child's query starts");
+    // A Kafka query runs until killed; a generator query ends with its input.
+    query.await_termination(None).expect("terminates");
+    assert_eq!(query.exception(), None);
+}
+
+/// A tiny deterministic generator for the kill schedule.
+struct Schedule(u64);
+
+impl Schedule {
+    fn new() -> Self {
+        let seed = std::env::var("RTFLOW_CRASH_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
+        println!("kill schedule seed: {seed} (RTFLOW_CRASH_SEED={seed} replays it)");
+        Self(seed)
+    }
+
+    /// The next pause, in `min..max` ms.
+    fn pause(&mut self, min: u64, max: u64) -> Duration {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        Duration::from_millis(min + (self.0 >> 33) % (max - min))
+    }
+}
+
+/// One crash test's topics, checkpoint location and child logs.
+struct Run {
+    mode: &'static str,
+    bootstrap: String,
+    input: String,
+    eos: String,
+    alo: String,
+    dir: PathBuf,
+    round: usize,
+}
+
+impl Run {
+    fn new(mode: &'static str, bootstrap: &str) -> Self {
+        let dir = std::env::temp_dir()
+            .join("rtflow-tests")
+            .join(std::process::id().to_string())
+            .join(format!("crash-{mode}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self {
+            mode,
+            bootstrap: bootstrap.to_owned(),
+            input: topic(bootstrap, "rtflow-crash-in", 3),
+            eos: topic(bootstrap, "rtflow-crash-eos", 1),
+            alo: topic(bootstrap, "rtflow-crash-alo", 1),
+            dir,
+            round: 0,
+        }
+    }
+
+    fn log(&self, round: usize) -> PathBuf {
+        self.dir.join(format!("child-{round}.log"))
+    }
+
+    /// Starts the child, with fail points from `failpoints` if given.
+    fn spawn(&mut self, failpoints: Option<&str>) -> Child {
+        self.round += 1;
+        let spec = format!(
+            "{} {} {} {} {} {}",
+            self.mode,
+            self.bootstrap,
+            self.input,
+            self.eos,
+            self.alo,
+            self.dir.join("checkpoint").display()
+        );
+        let log = std::fs::File::create(self.log(self.round)).unwrap();
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command
+            .args(["--ignored", "--exact", "crash_child", "--nocapture"])
+            .env(CHILD_SPEC, spec)
+            .stdout(Stdio::null())
+            .stderr(log);
+        command.env_remove("FAILPOINTS");
+        if let Some(failpoints) = failpoints {
+            command.env("FAILPOINTS", failpoints);
+        }
+        command.spawn().expect("the child starts")
+    }
+
+    fn kill(&self, mut child: Child) {
+        // SIGKILL: no destructor, flush or goodbye runs.
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    /// Waits for the child to exit by itself; returns whether it succeeded.
+    fn wait(&self, mut child: Child, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status.success();
+            }
+            if Instant::now() > deadline {
+                self.kill(child);
+                panic!(
+                    "child round {} did not exit; see {}",
+                    self.round,
+                    self.log(self.round).display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log_contains(&self, round: usize, text: &str) -> bool {
+        std::fs::read_to_string(self.log(round)).is_ok_and(|log| log.contains(text))
+    }
+
+    /// Checks both sinks against `expected` (`key:count` once each).
+    fn check(&self, expected: &BTreeMap<String, usize>) {
+        let total = expected.len();
+        let exactly_once = values(&self.bootstrap, &self.eos);
+        let missing: Vec<_> = expected
+            .keys()
+            .filter(|v| !exactly_once.contains_key(*v))
+            .take(5)
+            .collect();
+        let doubled: Vec<_> = exactly_once
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .take(5)
+            .collect();
+        let unexpected: Vec<_> = exactly_once
+            .keys()
+            .filter(|v| !expected.contains_key(*v))
+            .take(5)
+            .collect();
+        assert!(
+            missing.is_empty() && doubled.is_empty() && unexpected.is_empty(),
+            "exactly-once output: missing {missing:?}, doubled {doubled:?}, unexpected {unexpected:?}"
+        );
+        let at_least_once: BTreeSet<String> =
+            values(&self.bootstrap, &self.alo).into_keys().collect();
+        let expected_values: BTreeSet<String> = expected.keys().cloned().collect();
+        assert_eq!(
+            at_least_once, expected_values,
+            "at-least-once output holds every count, and nothing else"
+        );
+        println!(
+            "{}: {} counts committed exactly once after {} rounds",
+            self.mode, total, self.round
+        );
+    }
+}
+
+/// Each value of `topic` (read_committed) with how often it appears.
+fn values(bootstrap: &str, topic: &str) -> BTreeMap<String, usize> {
+    let mut seen = BTreeMap::new();
+    for record in consume_to_end(bootstrap, topic, Duration::from_secs(60)) {
+        *seen
+            .entry(String::from_utf8_lossy(&record.value).into_owned())
+            .or_insert(0) += 1;
+    }
+    seen
+}
+
+/// Every `key:count` a correct run emits, given how many records each key had.
+fn expected_counts(per_key: &BTreeMap<String, usize>) -> BTreeMap<String, usize> {
+    per_key
+        .iter()
+        .flat_map(|(key, n)| (1..=*n).map(move |c| (format!("{key}:{c}"), 1)))
+        .collect()
+}
+
+/// Waits until read_committed output reaches `count` records.
+fn wait_for_output(bootstrap: &str, topic: &str, count: usize, round: &Path) {
+    let read = consume(bootstrap, topic, 1, count, Duration::from_secs(90));
+    assert!(
+        read.len() >= count,
+        "only {} of {count} outputs committed; see {}",
+        read.len(),
+        round.display()
+    );
+}
+
+#[test]
+fn kafka_count_survives_repeated_sigkill() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut run = Run::new("kafka", &bootstrap);
+    let mut schedule = Schedule::new();
+
+    // Input keeps arriving while the child is killed and restarted.
+    let produced = Arc::new(AtomicUsize::new(0));
+    let producing = Arc::new(AtomicBool::new(true));
+    let producer = {
+        let (bootstrap, input) = (bootstrap.clone(), run.input.clone());
+        let (produced, producing) = (produced.clone(), producing.clone());
+        std::thread::spawn(move || {
+            while producing.load(Ordering::Relaxed) {
+                let from = produced.load(Ordering::Relaxed);
+                let batch = (from..from + 20).map(|i| ((i % 3) as i32, kafka_key(i), Vec::new()));
+                produce(&bootstrap, &input, batch);
+                produced.store(from + 20, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        })
+    };
+
+    for kill in 0..KILLS {
+        if kill == KILLS / 2 {
+            // Once, deterministically, crash in the window exactly-once must
+            // survive: the 4th checkpoint is durable, its transactions are not
+            // committed.
+            let child = run.spawn(Some("after-manifest=3*off->return"));
+            assert!(
+                !run.wait(child, Duration::from_secs(60)),
+                "the fail point aborts the child"
+            );
+            assert!(run.log_contains(run.round, "checkpoint committed"));
+            continue;
+        }
+        let child = run.spawn(None);
+        std::thread::sleep(schedule.pause(300, 1500));
+        run.kill(child);
+    }
+    producing.store(false, Ordering::Relaxed);
+    producer.join().unwrap();
+    let total = produced.load(Ordering::Relaxed);
+    let mut per_key = BTreeMap::new();
+    for i in 0..total {
+        *per_key.entry(kafka_key(i)).or_insert(0) += 1;
+    }
+    let expected = expected_counts(&per_key);
+
+    let child = run.spawn(None);
+    wait_for_output(&bootstrap, &run.eos, expected.len(), &run.log(run.round));
+    run.kill(child);
+    let resolved =
+        (1..=run.round).any(|round| run.log_contains(round, "whose transaction did not commit"));
+    assert!(
+        resolved,
+        "the restart after the fail point wrote the uncommitted epoch's output again"
+    );
+    run.check(&expected);
+}
+
+#[test]
+fn generator_count_survives_repeated_sigkill() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut run = Run::new("generator", &bootstrap);
+    let mut schedule = Schedule::new();
+    for _ in 0..KILLS {
+        let child = run.spawn(None);
+        std::thread::sleep(schedule.pause(300, 1500));
+        run.kill(child);
+    }
+    // The last run reads the rest of the generator's input and ends by itself.
+    let child = run.spawn(None);
+    assert!(
+        run.wait(child, Duration::from_secs(120)),
+        "the final run succeeds; see {}",
+        run.log(run.round).display()
+    );
+    let mut per_key = BTreeMap::new();
+    for partition in 0..GENERATOR_PARTITIONS {
+        for offset in 0..GENERATOR_ROWS {
+            *per_key.entry(generator_key(partition, offset)).or_insert(0) += 1;
+        }
+    }
+    run.check(&expected_counts(&per_key));
+}
