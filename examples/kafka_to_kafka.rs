@@ -16,7 +16,9 @@
 //! `--produce RATE` writes RATE test records per second to `rtflow-input` from a
 //! background thread; without it, feed the topic yourself, e.g. with
 //! `scripts/kafka.sh produce rtflow-input --keyed` ("key<TAB>value" lines).
-//! `--bootstrap HOST:PORT` points at another broker.
+//! `--bootstrap HOST:PORT` points at another broker. `--exactly-once` writes
+//! each epoch in one Kafka transaction (read the output with
+//! `--isolation-level read_committed` to see it at each checkpoint).
 
 mod common;
 
@@ -43,6 +45,9 @@ struct Args {
     /// Partitions of the topics, when this creates them (one reader each).
     #[arg(long, default_value_t = 2)]
     partitions: i32,
+    /// Write through Kafka transactions committed with each checkpoint.
+    #[arg(long)]
+    exactly_once: bool,
 }
 
 fn main() -> std::result::Result<(), BoxError> {
@@ -60,17 +65,24 @@ fn main() -> std::result::Result<(), BoxError> {
             let key = record.key.is_some().then(|| record.key_str().into_owned());
             (key, record.value_str().to_uppercase())
         })
-        .sink(KafkaSink::new(
-            &args.bootstrap,
-            OUTPUT,
-            |(key, value): &(Option<String>, String)| {
-                let message = KafkaMessage::new(value.clone());
-                match key {
-                    Some(key) => message.key(key.clone()),
-                    None => message,
-                }
-            },
-        ));
+        .sink(
+            KafkaSink::new(
+                &args.bootstrap,
+                OUTPUT,
+                |(key, value): &(Option<String>, String)| {
+                    let message = KafkaMessage::new(value.clone());
+                    match key {
+                        Some(key) => message.key(key.clone()),
+                        None => message,
+                    }
+                },
+            )
+            .delivery(if args.exactly_once {
+                DeliveryGuarantee::ExactlyOnce
+            } else {
+                DeliveryGuarantee::AtLeastOnce
+            }),
+        );
 
     let checkpoints = std::env::temp_dir().join("rtflow-kafka-to-kafka");
     let query = flow.start(
