@@ -19,6 +19,8 @@ fn kafka_script(args: &[&str], port: &str) {
         .arg(script)
         .args(args)
         .env("RTFLOW_KAFKA_PORT", port)
+        // A loaded machine can take a while to reload the broker's logs.
+        .env("RTFLOW_KAFKA_START_TIMEOUT", "180")
         .status()
         .expect("scripts/kafka.sh runs");
     assert!(status.success(), "scripts/kafka.sh {args:?} failed");
