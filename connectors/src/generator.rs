@@ -151,6 +151,7 @@ impl<T: Data> SourceReader<T> for GeneratorReader<T> {
             if *offset >= self.limit {
                 continue;
             }
+            out.set_partition(*partition);
             out.push((self.make)(*partition, *offset), created);
             *offset += 1;
             self.emitted += 1;

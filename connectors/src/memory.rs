@@ -166,6 +166,7 @@ impl<T: Data> SourceReader<T> for MemoryReader<T> {
         let mut log = self.shared.log();
         loop {
             for (partition, offset) in &mut self.offsets {
+                out.set_partition(*partition);
                 let entries = &log.partitions[*partition];
                 let take = out.remaining().min(entries.len() - *offset);
                 for entry in &entries[*offset..*offset + take] {

@@ -108,6 +108,7 @@ pub trait SourceReader<T>: Send {
 pub struct SourceOutput<T> {
     records: Vec<Record<T>>,
     capacity: usize,
+    partition: u32,
 }
 
 impl<T> SourceOutput<T> {
@@ -115,7 +116,16 @@ impl<T> SourceOutput<T> {
         Self {
             records: Vec::with_capacity(capacity),
             capacity,
+            partition: 0,
         }
+    }
+
+    /// Records pushed from now on come from source partition `partition` (as
+    /// numbered in [`SourceContext::partitions`]); watermarks track each
+    /// partition's event time.
+    #[inline]
+    pub fn set_partition(&mut self, partition: usize) {
+        self.partition = partition as u32;
     }
 
     /// Adds a record produced at `source_time`; its event time is the source time.
@@ -133,6 +143,7 @@ impl<T> SourceOutput<T> {
                 event_time,
                 source_time,
                 ingest_time: 0,
+                partition: self.partition,
             },
         });
     }

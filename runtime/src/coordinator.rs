@@ -46,6 +46,18 @@ pub(crate) struct ActorExited {
 #[rtype(result = "()")]
 pub(crate) struct StopQuery;
 
+/// `StreamingQuery::checkpoint_now()`: end an epoch that starts after this
+/// request, and send its number once it committed.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct CheckpointNow(pub(crate) mpsc::Sender<Epoch>);
+
+/// `StreamingQuery::crash()`: cancel every actor at once, as a killed process
+/// would stop, with no final checkpoint.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Crash;
+
 /// A checkpoint report from an actor.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -83,6 +95,9 @@ struct Checkpoints {
     committed: SourceOffsets,
     /// When the epoch in flight was triggered.
     triggered_at: Instant,
+    /// `checkpoint_now` requests: the epoch that answers each, once one was
+    /// triggered after the request.
+    requests: Vec<(Option<Epoch>, mpsc::Sender<Epoch>)>,
 }
 
 pub(crate) struct Coordinator {
@@ -164,6 +179,7 @@ impl Coordinator {
         let restored = Arc::new(Restored::new(
             state,
             resume.as_ref().map(|m| m.epoch),
+            resume.as_ref().and_then(|m| m.watermark),
             config.max_key_groups,
         ));
         let query_id = self.shared.id.to_string();
@@ -190,6 +206,7 @@ impl Coordinator {
             key_groups: config.max_key_groups as u32,
             committed,
             triggered_at: Instant::now(),
+            requests: Vec::new(),
         });
         tracing::info!(actors = actors.len(), "starting actors");
         for (index, actor) in actors.into_iter().enumerate() {
@@ -241,6 +258,9 @@ impl Coordinator {
         };
         tracing::debug!(epoch, "ending epoch");
         checkpoints.triggered_at = Instant::now();
+        for (answer, _) in &mut checkpoints.requests {
+            answer.get_or_insert(epoch);
+        }
         for (_, barriers) in checkpoints.sources.iter().flatten() {
             // A source that already exited acknowledged through its final report.
             let _ = barriers.send(epoch);
@@ -358,7 +378,42 @@ impl Coordinator {
                 .commits
                 .clear();
         }
+        self.serve_requests();
         Ok(())
+    }
+
+    /// Answers the `checkpoint_now` requests whose epoch committed, and ends a new
+    /// epoch for those still waiting for one.
+    fn serve_requests(&mut self) {
+        let Some(checkpoints) = &mut self.checkpoints else {
+            return;
+        };
+        let committed = checkpoints.tracker.last_completed();
+        checkpoints.requests.retain(|(answer, reply)| match answer {
+            Some(epoch) if Some(*epoch) <= committed => {
+                let _ = reply.send(*epoch);
+                false
+            }
+            _ => true,
+        });
+        if checkpoints
+            .requests
+            .iter()
+            .all(|(answer, _)| answer.is_some())
+        {
+            return;
+        }
+        let tracker = &checkpoints.tracker;
+        if tracker.all_finished() && tracker.in_flight().is_none() {
+            // Every actor ended and the final epoch committed all they said.
+            if let Some(last) = committed {
+                for (_, reply) in checkpoints.requests.drain(..) {
+                    let _ = reply.send(last);
+                }
+            }
+        } else {
+            self.trigger_checkpoint();
+        }
     }
 
     fn fail(&mut self, error: RtflowError) {
@@ -515,6 +570,27 @@ impl Handler<ActorReport> for Coordinator {
         if let Err(error) = self.on_report(report) {
             self.fail(error);
         }
+    }
+}
+
+impl Handler<CheckpointNow> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, CheckpointNow(reply): CheckpointNow, _ctx: &mut Context<Self>) {
+        // A failing query drops the request: the caller learns of the failure.
+        if let (None, Some(checkpoints)) = (&self.failure, &mut self.checkpoints) {
+            checkpoints.requests.push((None, reply));
+            self.serve_requests();
+        }
+    }
+}
+
+impl Handler<Crash> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, _: Crash, _ctx: &mut Context<Self>) {
+        tracing::warn!(query = %self.shared.name, "crashing on request: no final checkpoint");
+        self.fail(RtflowError::Cancelled);
     }
 }
 

@@ -12,9 +12,10 @@ use crate::config::QueryConfig;
 use crate::connector::{Sink, Source};
 use crate::dispatch::{stable_hash, KeyHash, Partitioning};
 use crate::error::Result;
-use crate::operator::{Collector, Operator, OperatorContext};
+use crate::operator::{Operator, OperatorContext};
 use crate::query::StreamingQuery;
-use crate::record::{Data, EventTime, Record};
+use crate::record::{Data, EventTime};
+use crate::watermark::AssignWatermarks;
 use crate::wiring::{Body, OperatorNode, PortOf, SinkNode, SourceNode};
 
 pub(crate) type NodeId = usize;
@@ -295,14 +296,43 @@ impl<T: Data> Stream<T> {
         self.with_partitioning(Partitioning::Broadcast)
     }
 
-    /// Declares event time: `event_time` reads it from each record (ms), and the
-    /// watermark trails the largest event time seen by `delay`.
+    /// Declares event time: `event_time` reads it from each record (ms). The
+    /// watermark is the minimum over the source's partitions of the largest event
+    /// time each delivered, minus `delay`; it travels with the records, in real
+    /// time. It must come before any shuffle.
     pub fn with_watermark<F>(&self, event_time: F, delay: Duration) -> Stream<T>
     where
         F: Fn(&T) -> EventTime + Send + Sync + 'static,
     {
-        let event_time = Arc::new(event_time);
-        let stream = self.transform(WITH_WATERMARK, move |_| AssignEventTime(event_time.clone()));
+        self.watermark(Arc::new(event_time), delay, None)
+    }
+
+    /// Like [`with_watermark`](Self::with_watermark), but a partition that
+    /// delivered nothing for `idle_timeout` stops holding the watermark back.
+    pub fn with_watermark_idle<F>(
+        &self,
+        event_time: F,
+        delay: Duration,
+        idle_timeout: Duration,
+    ) -> Stream<T>
+    where
+        F: Fn(&T) -> EventTime + Send + Sync + 'static,
+    {
+        self.watermark(Arc::new(event_time), delay, Some(idle_timeout))
+    }
+
+    fn watermark(
+        &self,
+        event_time: Arc<dyn Fn(&T) -> EventTime + Send + Sync>,
+        delay: Duration,
+        idle_timeout: Option<Duration>,
+    ) -> Stream<T> {
+        let stream = self.transform(WITH_WATERMARK, move |_| AssignWatermarks {
+            event_time: event_time.clone(),
+            delay,
+            idle_timeout,
+            tracker: None,
+        });
         stream.with_producer(WITH_WATERMARK, |node| node.watermark_delay = Some(delay));
         stream
     }
@@ -342,16 +372,5 @@ impl<K, T: Data> KeyedStream<K, T> {
 impl<K, T> AsRef<Stream<T>> for KeyedStream<K, T> {
     fn as_ref(&self) -> &Stream<T> {
         &self.stream
-    }
-}
-
-/// Sets each record's event time from its value.
-struct AssignEventTime<T>(Arc<dyn Fn(&T) -> EventTime + Send + Sync>);
-
-impl<T: Data> Operator<T, T> for AssignEventTime<T> {
-    #[inline]
-    fn process(&mut self, mut record: Record<T>, out: &mut Collector<'_, T>) -> Result<()> {
-        record.meta.event_time = (self.0)(&record.value);
-        out.emit_record(record)
     }
 }

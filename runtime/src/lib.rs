@@ -43,6 +43,7 @@ pub mod query;
 pub mod record;
 pub mod state;
 pub mod table;
+pub mod watermark;
 mod wiring;
 
 pub use config::{OutputMode, QueryConfig, Trigger};

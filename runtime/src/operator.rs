@@ -48,6 +48,9 @@ pub struct OperatorContext {
     pub subtask: usize,
     /// How many instances the operator runs.
     pub parallelism: usize,
+    /// The source partitions whose records reach this instance before any shuffle
+    /// (what `with_watermark` waits for).
+    pub source_partitions: Vec<u32>,
     /// The instance's state, as the last committed checkpoint left it.
     pub state: StateContext,
 }
@@ -60,6 +63,7 @@ impl OperatorContext {
             operator: format!("{kind}-0"),
             subtask,
             parallelism,
+            source_partitions: vec![subtask as u32],
             state: StateContext::detached(kind, subtask, parallelism, 128),
         }
     }
@@ -95,6 +99,12 @@ impl<'a, T> Collector<'a, T> {
     pub fn meta(&self) -> RecordMeta {
         self.meta
     }
+
+    /// Emits a watermark: no record with an earlier event time follows. For
+    /// operators that generate watermarks, as `with_watermark` does.
+    pub fn watermark(&mut self, watermark: EventTime) -> Result<()> {
+        self.next.watermark(watermark)
+    }
 }
 
 /// A dataflow operator with one input: map, filter, join against a static table, ...
@@ -125,6 +135,13 @@ pub trait Operator<In, Out>: Send + 'static {
 
     /// Called when the input watermark advances, before it is passed downstream.
     fn on_watermark(&mut self, _watermark: EventTime, _out: &mut Collector<'_, Out>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Called when the actor drained its input, and every few milliseconds while it
+    /// is idle: for work driven by time (processing-time timers, idle partitions,
+    /// watermarks emitted once per batch rather than per record).
+    fn on_flush(&mut self, _out: &mut Collector<'_, Out>) -> Result<()> {
         Ok(())
     }
 
@@ -184,6 +201,7 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
                 event_time,
                 source_time: now,
                 ingest_time: now,
+                partition: 0,
             },
             emitted: &mut self.records_out,
         };
@@ -225,6 +243,7 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
     }
 
     fn flush(&mut self) -> Result<()> {
+        self.out_of_band(EventTime::MIN, |op, out| op.on_flush(out))?;
         self.publish_counts();
         self.next.flush()
     }

@@ -274,6 +274,28 @@ impl Plan {
             .collect()
     }
 
+    /// The source partitions whose records reach `subtask` of node `id` without a
+    /// shuffle in between: its own source subtask's on forward edges, all of the
+    /// source's otherwise.
+    fn partitions_reaching(&self, id: NodeId, subtask: usize) -> Vec<u32> {
+        let (mut node, mut subtask) = (id, Some(subtask));
+        loop {
+            if matches!(self.graph.nodes[node].body, Body::Source(..)) {
+                let parallelism = self.parallelism[node];
+                return (0..self.source_partitions[node] as u32)
+                    .filter(|p| subtask.map_or(true, |s| *p as usize % parallelism == s))
+                    .collect();
+            }
+            let Some(edge) = self.graph.nodes[node].inputs.first() else {
+                return Vec::new();
+            };
+            if !matches!(edge.partitioning, Partitioning::Forward) {
+                subtask = None;
+            }
+            node = edge.from;
+        }
+    }
+
     fn heads(&self) -> impl Iterator<Item = NodeId> + '_ {
         (0..self.graph.nodes.len()).filter(|id| self.chained_prev[*id].is_none())
     }
@@ -397,6 +419,7 @@ impl Plan {
                                 operator: node.name.clone(),
                                 subtask,
                                 parallelism,
+                                source_partitions: self.partitions_reaching(id, subtask),
                                 state,
                             };
                             operator.chain(

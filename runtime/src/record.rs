@@ -27,6 +27,9 @@ pub struct RecordMeta {
     pub source_time: Nanos,
     /// When rtflow read the record from its source.
     pub ingest_time: Nanos,
+    /// The source partition the record was read from (watermarks are tracked per
+    /// partition).
+    pub partition: u32,
 }
 
 /// A value and its timestamps.

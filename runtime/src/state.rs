@@ -46,7 +46,7 @@ use serde::Serialize;
 
 use crate::dispatch::{key_group, stable_hash, subtask_for_key_group};
 use crate::error::{Result, RtflowError};
-use crate::record::Epoch;
+use crate::record::{Epoch, EventTime};
 
 /// What every stateful instance of a query restores from: the recovered
 /// checkpoint's states, and which of them the dataflow claimed.
@@ -55,6 +55,8 @@ pub(crate) struct Restored {
     pub(crate) states: BTreeMap<StateId, RestoredState>,
     /// The epoch of the checkpoint restored from.
     pub(crate) epoch: Option<Epoch>,
+    /// The watermark the checkpoint reached.
+    pub(crate) watermark: Option<EventTime>,
     pub(crate) key_groups: usize,
     claimed: Mutex<BTreeSet<StateId>>,
 }
@@ -63,11 +65,13 @@ impl Restored {
     pub(crate) fn new(
         states: BTreeMap<StateId, RestoredState>,
         epoch: Option<Epoch>,
+        watermark: Option<EventTime>,
         key_groups: usize,
     ) -> Self {
         Self {
             states,
             epoch,
+            watermark,
             key_groups,
             claimed: Mutex::default(),
         }
@@ -101,13 +105,19 @@ impl StateContext {
             kind: kind.to_owned(),
             subtask,
             parallelism,
-            restored: Arc::new(Restored::new(BTreeMap::new(), None, key_groups)),
+            restored: Arc::new(Restored::new(BTreeMap::new(), None, None, key_groups)),
         }
     }
 
     /// The epoch of the checkpoint this start restored from, if any.
     pub fn restored_epoch(&self) -> Option<Epoch> {
         self.restored.epoch
+    }
+
+    /// The watermark of the checkpoint this start restored from: event time must
+    /// not go back behind it.
+    pub fn restored_watermark(&self) -> Option<EventTime> {
+        self.restored.watermark
     }
 
     /// Claims state `name`, checking that the checkpoint holds it with the same

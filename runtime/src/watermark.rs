@@ -1,0 +1,238 @@
+//! Event-time watermarks at the source, as real-time mode computes them: the
+//! largest event time seen per source partition, the minimum of those over the
+//! partitions an instance reads, minus the declared delay. A partition that has
+//! not delivered anything holds the watermark back, unless an idle timeout lets
+//! the others go on without it. The watermark never moves backwards, also not
+//! below the one restored from a checkpoint.
+//!
+//! [`WatermarkTracker`] is the logic, free of I/O and clocks (time is passed in);
+//! [`AssignWatermarks`] is the `with_watermark` operator around it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::operator::{Collector, Operator, OperatorContext};
+use crate::record::{EventTime, Nanos, Record};
+
+/// Per-partition event-time maxima and the watermark they allow.
+#[derive(Debug, Clone)]
+pub struct WatermarkTracker {
+    /// For every source partition read, by partition number: `slots[p]` is its
+    /// index in `max` (`usize::MAX` for partitions not read here).
+    slots: Vec<usize>,
+    /// Largest event time per partition read, `None` until it delivers a record.
+    max: Vec<Option<EventTime>>,
+    /// When each partition last delivered a record.
+    last_seen: Vec<Nanos>,
+    delay: i64,
+    idle_timeout: Option<Nanos>,
+    /// The last watermark handed out.
+    current: Option<EventTime>,
+}
+
+impl WatermarkTracker {
+    /// A tracker for the source partitions `partitions`, with `delay` between the
+    /// event times seen and the watermark, starting at `floor` (a restored
+    /// watermark) if given; `now` starts every partition's idle clock.
+    pub fn new(
+        partitions: &[u32],
+        delay: Duration,
+        idle_timeout: Option<Duration>,
+        floor: Option<EventTime>,
+        now: Nanos,
+    ) -> Self {
+        let mut slots = vec![usize::MAX; partitions.iter().max().map_or(0, |p| *p as usize + 1)];
+        for (slot, partition) in partitions.iter().enumerate() {
+            slots[*partition as usize] = slot;
+        }
+        Self {
+            slots,
+            max: vec![None; partitions.len()],
+            last_seen: vec![now; partitions.len()],
+            delay: delay.as_millis() as i64,
+            idle_timeout: idle_timeout.map(|t| t.as_nanos() as Nanos),
+            current: floor,
+        }
+    }
+
+    /// A record of `partition` with `event_time` arrived at `now`. Records of
+    /// partitions the tracker does not know are taken as their own partition's.
+    #[inline]
+    pub fn observe(&mut self, partition: u32, event_time: EventTime, now: Nanos) {
+        let Some(&slot) = self
+            .slots
+            .get(partition as usize)
+            .filter(|s| **s != usize::MAX)
+        else {
+            return;
+        };
+        let max = &mut self.max[slot];
+        if max.map_or(true, |m| event_time > m) {
+            *max = Some(event_time);
+        }
+        self.last_seen[slot] = now;
+    }
+
+    /// The watermark at `now`, if it advanced since the last call.
+    pub fn advance(&mut self, now: Nanos) -> Option<EventTime> {
+        let active = |slot: usize| {
+            self.idle_timeout.map_or(true, |timeout| {
+                now.saturating_sub(self.last_seen[slot]) < timeout
+            })
+        };
+        let mut min: Option<EventTime> = None;
+        let mut any_active = false;
+        for slot in 0..self.max.len() {
+            if !active(slot) {
+                continue;
+            }
+            any_active = true;
+            match self.max[slot] {
+                // An active partition that has delivered nothing holds everything back.
+                None => return None,
+                Some(max) => min = Some(min.map_or(max, |m| m.min(max))),
+            }
+        }
+        if !any_active {
+            // Every partition is idle: go as far as the most advanced one.
+            min = self.max.iter().flatten().max().copied();
+        }
+        let candidate = min?.saturating_sub(self.delay);
+        if self.current.is_some_and(|current| candidate <= current) {
+            return None;
+        }
+        self.current = Some(candidate);
+        self.current
+    }
+
+    /// The last watermark handed out (or the floor).
+    pub fn current(&self) -> Option<EventTime> {
+        self.current
+    }
+}
+
+/// The `with_watermark` operator: sets each record's event time and emits the
+/// source watermark whenever it advanced, once per drained batch.
+pub(crate) struct AssignWatermarks<T> {
+    pub(crate) event_time: Arc<dyn Fn(&T) -> EventTime + Send + Sync>,
+    pub(crate) delay: Duration,
+    pub(crate) idle_timeout: Option<Duration>,
+    pub(crate) tracker: Option<WatermarkTracker>,
+}
+
+impl<T: Send + 'static> Operator<T, T> for AssignWatermarks<T> {
+    fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
+        self.tracker = Some(WatermarkTracker::new(
+            &ctx.source_partitions,
+            self.delay,
+            self.idle_timeout,
+            ctx.state.restored_watermark(),
+            crate::record::now_nanos(),
+        ));
+        Ok(())
+    }
+
+    #[inline]
+    fn process(&mut self, mut record: Record<T>, out: &mut Collector<'_, T>) -> Result<()> {
+        record.meta.event_time = (self.event_time)(&record.value);
+        let tracker = self
+            .tracker
+            .as_mut()
+            .expect("started before the first record");
+        tracker.observe(
+            record.meta.partition,
+            record.meta.event_time,
+            record.meta.ingest_time,
+        );
+        out.emit_record(record)
+    }
+
+    fn on_flush(&mut self, out: &mut Collector<'_, T>) -> Result<()> {
+        let tracker = self.tracker.as_mut().expect("started");
+        match tracker.advance(crate::record::now_nanos()) {
+            Some(watermark) => out.watermark(watermark),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Nanos = 1_000_000;
+
+    fn tracker(partitions: &[u32], idle: Option<u64>) -> WatermarkTracker {
+        WatermarkTracker::new(
+            partitions,
+            Duration::from_millis(10),
+            idle.map(Duration::from_millis),
+            None,
+            0,
+        )
+    }
+
+    #[test]
+    fn the_watermark_is_the_minimum_of_the_partition_maxima_minus_the_delay() {
+        let mut t = tracker(&[0, 2], None);
+        t.observe(0, 100, MS);
+        assert_eq!(t.advance(MS), None, "partition 2 delivered nothing yet");
+        t.observe(2, 50, MS);
+        assert_eq!(t.advance(MS), Some(40));
+        t.observe(2, 70, MS);
+        t.observe(0, 60, MS);
+        assert_eq!(t.advance(MS), Some(60), "max of 0 stays 100; min is 70");
+    }
+
+    #[test]
+    fn a_slow_partition_holds_the_watermark_back() {
+        let mut t = tracker(&[0, 1], None);
+        t.observe(0, 1_000, MS);
+        t.observe(1, 10, MS);
+        assert_eq!(t.advance(MS), Some(0));
+        for time in (1_100..5_000).step_by(100) {
+            t.observe(0, time, 2 * MS);
+        }
+        assert_eq!(t.advance(2 * MS), None, "partition 1 is still at 10");
+        t.observe(1, 500, 3 * MS);
+        assert_eq!(t.advance(3 * MS), Some(490));
+    }
+
+    #[test]
+    fn an_idle_timeout_releases_a_silent_partition() {
+        let mut t = tracker(&[0, 1], Some(100));
+        t.observe(0, 1_000, MS);
+        assert_eq!(t.advance(50 * MS), None, "partition 1 is not idle yet");
+        t.observe(0, 2_000, 150 * MS);
+        assert_eq!(t.advance(150 * MS), Some(1_990), "partition 1 idle since 0");
+        t.observe(1, 500, 160 * MS);
+        assert_eq!(
+            t.advance(160 * MS),
+            None,
+            "active again, and never backwards"
+        );
+        assert_eq!(t.current(), Some(1_990));
+    }
+
+    #[test]
+    fn every_partition_idle_goes_as_far_as_the_most_advanced() {
+        let mut t = tracker(&[0, 1], Some(100));
+        t.observe(0, 300, MS);
+        t.observe(1, 700, MS);
+        assert_eq!(t.advance(MS), Some(290));
+        assert_eq!(t.advance(500 * MS), Some(690));
+    }
+
+    #[test]
+    fn the_watermark_is_monotone_and_starts_at_the_restored_floor() {
+        let mut t = WatermarkTracker::new(&[0], Duration::ZERO, None, Some(1_000), 0);
+        t.observe(0, 400, MS);
+        assert_eq!(t.advance(MS), None, "below the restored watermark");
+        t.observe(0, 1_500, MS);
+        assert_eq!(t.advance(MS), Some(1_500));
+        t.observe(0, 1_200, MS);
+        assert_eq!(t.advance(MS), None);
+        assert_eq!(t.current(), Some(1_500));
+    }
+}
