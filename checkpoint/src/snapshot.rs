@@ -157,24 +157,41 @@ pub fn decode_blob(
 
 /// Applies blobs oldest first: a later entry for the same key wins, deletions
 /// remove the key. Returns what is left.
+///
+/// The first blob (a base, usually much larger than the deltas after it) is
+/// walked once and never hashed: only the later blobs' entries go into a map.
 pub fn merge(blobs: impl IntoIterator<Item = Vec<Entry>>) -> Vec<Entry> {
-    let mut merged: HashMap<(u32, Vec<u8>), Option<Vec<u8>>> = HashMap::new();
+    let mut blobs = blobs.into_iter();
+    let Some(mut base) = blobs.next() else {
+        return Vec::new();
+    };
+    let mut changes: HashMap<(u32, Vec<u8>), Option<Vec<u8>>> = HashMap::new();
     for entries in blobs {
-        merged.reserve(entries.len());
+        changes.reserve(entries.len());
         for entry in entries {
-            merged.insert((entry.group, entry.key), entry.value);
+            changes.insert((entry.group, entry.key), entry.value);
         }
     }
-    merged
-        .into_iter()
-        .filter_map(|((group, key), value)| {
-            value.map(|value| Entry {
-                group,
-                key,
-                value: Some(value),
-            })
-        })
-        .collect()
+    if !changes.is_empty() {
+        for entry in &mut base {
+            // Move the key out for the lookup, and back in.
+            let id = (entry.group, std::mem::take(&mut entry.key));
+            match changes.remove_entry(&id) {
+                Some(((_, key), value)) => {
+                    entry.key = key;
+                    entry.value = value;
+                }
+                None => entry.key = id.1,
+            }
+        }
+        base.extend(
+            changes
+                .into_iter()
+                .map(|((group, key), value)| Entry { group, key, value }),
+        );
+    }
+    base.retain(|entry| entry.value.is_some());
+    base
 }
 
 #[cfg(test)]
@@ -206,6 +223,19 @@ mod tests {
         ]);
         merged.sort_by(|a, b| a.key.cmp(&b.key));
         assert_eq!(merged, vec![put(1, 10), put(2, 21), put(4, 40)]);
+    }
+
+    #[test]
+    fn later_blobs_override_and_delete_entries_of_the_first() {
+        let mut merged = merge([
+            vec![put(1, 10), put(2, 20)],
+            vec![put(1, 11)],
+            vec![delete(2)],
+        ]);
+        merged.sort_by(|a, b| a.key.cmp(&b.key));
+        assert_eq!(merged, vec![put(1, 11)]);
+        assert_eq!(merge([vec![put(3, 30), delete(4)]]), vec![put(3, 30)]);
+        assert_eq!(merge(Vec::<Vec<Entry>>::new()), vec![]);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::manifest::{Corrupt, Manifest};
@@ -67,12 +68,32 @@ pub struct CheckpointStore {
     retain: usize,
     /// The retained manifests, oldest first; the last is the latest commit.
     kept: VecDeque<Manifest>,
+    /// The compaction running on its thread.
+    compaction: Option<Compaction>,
+    /// A finished compaction, for the next commit to apply.
+    folded: Option<Folded>,
+}
+
+/// A compaction in progress.
+struct Compaction {
+    /// The blobs it folds: kept from garbage collection while it reads them.
+    chain: Vec<BlobRef>,
+    result: mpsc::Receiver<Result<Folded, String>>,
+}
+
+/// A state's chain as of `epoch`, folded into one base blob.
+struct Folded {
+    state: StateId,
+    /// The blobs the base replaces: a prefix of the state's chain until then.
+    chain: Vec<BlobRef>,
+    epoch: Epoch,
+    bytes: Vec<u8>,
 }
 
 const QUERY_ID: &[u8] = b"query_id";
 
 /// A chain longer than this is compacted into one base blob.
-const MAX_CHAIN: usize = 16;
+const MAX_CHAIN: usize = 32;
 
 /// How long opening waits for a previous user of the location to let go: sled's
 /// background flusher may hold the lock for a moment after a query stopped.
@@ -106,6 +127,30 @@ fn blob_key(state: &StateId, blob: &BlobRef) -> Vec<u8> {
     key
 }
 
+/// Reads and checks one state's blobs, oldest first.
+fn read_chain(
+    blobs: &sled::Tree,
+    state: &StateId,
+    chain: &StateChain,
+) -> Result<Vec<Vec<Entry>>, Corrupt> {
+    chain
+        .blobs
+        .iter()
+        .map(|blob| {
+            let stored = blobs.get(blob_key(state, blob)).ok().flatten();
+            let bytes = stored.as_deref().unwrap_or_default();
+            decode_blob(state, *blob, bytes).map_err(|e| Corrupt {
+                epoch: blob.epoch,
+                reason: if stored.is_none() {
+                    format!("snapshot blob {blob:?} of {state} is missing")
+                } else {
+                    e.to_string()
+                },
+            })
+        })
+        .collect()
+}
+
 fn epoch_of(key: &[u8]) -> Option<Epoch> {
     Some(Epoch::from_be_bytes(key.try_into().ok()?))
 }
@@ -134,6 +179,8 @@ impl CheckpointStore {
             blobs,
             retain: retain.max(1),
             kept: VecDeque::new(),
+            compaction: None,
+            folded: None,
         })
     }
 
@@ -170,26 +217,6 @@ impl CheckpointStore {
             .collect()
     }
 
-    /// Reads and checks one state's blobs, oldest first.
-    fn read_chain(&self, state: &StateId, chain: &StateChain) -> Result<Vec<Vec<Entry>>, Corrupt> {
-        chain
-            .blobs
-            .iter()
-            .map(|blob| {
-                let stored = self.blobs.get(blob_key(state, blob)).ok().flatten();
-                let bytes = stored.as_deref().unwrap_or_default();
-                decode_blob(state, *blob, bytes).map_err(|e| Corrupt {
-                    epoch: blob.epoch,
-                    reason: if stored.is_none() {
-                        format!("snapshot blob {blob:?} of {state} is missing")
-                    } else {
-                        e.to_string()
-                    },
-                })
-            })
-            .collect()
-    }
-
     /// The latest checkpoint whose manifest and snapshots are intact, passing over
     /// damaged newer ones. Fails if checkpoints exist but none is intact: restoring
     /// nothing would be wrong.
@@ -208,7 +235,7 @@ impl CheckpointStore {
             let mut state = BTreeMap::new();
             let mut damage = None;
             for (id, chain) in &manifest.state {
-                match self.read_chain(id, chain) {
+                match read_chain(&self.blobs, id, chain) {
                     Ok(blobs) => {
                         state.insert(
                             id.clone(),
@@ -274,6 +301,16 @@ impl CheckpointStore {
             .map(|last| last.state.clone())
             .unwrap_or_default();
         let mut blobs = sled::Batch::default();
+        if let Some(folded) = self.folded.take() {
+            if let Some(chain) = manifest.state.get_mut(&folded.state) {
+                if chain.blobs.starts_with(&folded.chain) {
+                    let base = blob_ref(folded.epoch, BASE_PART, &folded.bytes);
+                    stats.bytes += folded.bytes.len();
+                    blobs.insert(blob_key(&folded.state, &base), folded.bytes);
+                    chain.blobs.splice(..folded.chain.len(), [base]);
+                }
+            }
+        }
         for delta in deltas {
             if delta.entries.is_empty() {
                 continue;
@@ -325,14 +362,27 @@ impl CheckpointStore {
         Ok((manifest, stats))
     }
 
-    /// Deletes the blobs no retained manifest refers to.
+    /// Deletes the blobs no retained manifest refers to (and no running
+    /// compaction reads).
     fn collect_garbage(&self) -> Result<(), StoreError> {
-        let referenced: HashSet<Vec<u8>> = self
+        let compacting = self.compaction.iter().flat_map(|c| &c.chain);
+        let mut referenced: HashSet<Vec<u8>> = self
             .kept
             .iter()
             .flat_map(|m| m.state.iter())
             .flat_map(|(id, chain)| chain.blobs.iter().map(move |blob| blob_key(id, blob)))
             .collect();
+        if let Some(latest) = self.kept.back() {
+            // A running compaction folds a prefix of a chain the latest manifest holds.
+            for (id, chain) in &latest.state {
+                referenced.extend(
+                    compacting
+                        .clone()
+                        .filter(|blob| chain.blobs.contains(blob))
+                        .map(|blob| blob_key(id, blob)),
+                );
+            }
+        }
         let mut batch = sled::Batch::default();
         for key in self.blobs.iter().keys() {
             let key = key.map_err(|e| self.io(e))?;
@@ -343,40 +393,68 @@ impl CheckpointStore {
         self.blobs.apply_batch(batch).map_err(|e| self.io(e))
     }
 
-    /// Folds long or heavy snapshot chains of the latest checkpoint into one base
-    /// blob each, then points that checkpoint's manifest at the bases. The state
-    /// the manifest describes does not change, so this can run at any time between
-    /// commits. Returns how many states were compacted.
-    pub fn compact(&mut self) -> Result<usize, StoreError> {
-        let Some(latest) = self.kept.back().cloned() else {
-            return Ok(0);
-        };
-        let mut manifest = latest.clone();
-        let mut compacted = 0;
-        let mut blobs = sled::Batch::default();
-        for (id, chain) in &mut manifest.state {
-            if !chain.due_for_compaction(MAX_CHAIN) {
-                continue;
+    /// Folds a long or heavy snapshot chain of the latest checkpoint into one base
+    /// blob, on a thread of its own so that neither records nor commits wait for
+    /// it. Call it after each commit: it starts a compaction when one is due and
+    /// none runs, and picks up a finished one, which the next commit applies (its
+    /// manifest's chain starts with the base instead of the blobs it folded).
+    /// Returns whether a compaction started.
+    pub fn compact(&mut self) -> Result<bool, StoreError> {
+        if let Some(running) = &self.compaction {
+            match running.result.try_recv() {
+                Err(mpsc::TryRecvError::Empty) => return Ok(false),
+                Ok(folded) => self.folded = Some(folded.map_err(|e| self.io(e))?),
+                // The thread died without a word: let the next call start anew.
+                Err(mpsc::TryRecvError::Disconnected) => {}
             }
-            let entries = merge(self.read_chain(id, chain).map_err(|e| self.io(e))?);
-            let bytes = encode_blob(&entries);
-            let base = blob_ref(manifest.epoch, BASE_PART, &bytes);
-            blobs.insert(blob_key(id, &base), bytes);
-            chain.blobs = vec![base];
-            compacted += 1;
+            self.compaction = None;
         }
-        if compacted == 0 {
-            return Ok(0);
+        if self.folded.is_some() {
+            return Ok(false);
         }
-        self.blobs.apply_batch(blobs).map_err(|e| self.io(e))?;
-        self.db.flush().map_err(|e| self.io(e))?;
-        self.manifests
-            .insert(manifest.epoch.to_be_bytes(), manifest.encode())
+        let Some(latest) = self.kept.back() else {
+            return Ok(false);
+        };
+        let Some((id, chain)) = latest
+            .state
+            .iter()
+            .find(|(_, chain)| chain.due_for_compaction(MAX_CHAIN))
+        else {
+            return Ok(false);
+        };
+        let (id, chain, epoch) = (id.clone(), chain.clone(), latest.epoch);
+        let (sender, result) = mpsc::sync_channel(1);
+        let blobs = self.blobs.clone();
+        let job = Compaction {
+            chain: chain.blobs.clone(),
+            result,
+        };
+        std::thread::Builder::new()
+            .name("rtflow-compact".into())
+            .spawn(move || {
+                let folded = read_chain(&blobs, &id, &chain)
+                    .map(|blobs| Folded {
+                        bytes: encode_blob(&merge(blobs)),
+                        state: id,
+                        chain: chain.blobs,
+                        epoch,
+                    })
+                    .map_err(|e| e.to_string());
+                let _ = sender.send(folded);
+            })
             .map_err(|e| self.io(e))?;
-        self.db.flush().map_err(|e| self.io(e))?;
-        *self.kept.back_mut().expect("latest above") = manifest;
-        self.collect_garbage()?;
-        Ok(compacted)
+        self.compaction = Some(job);
+        Ok(true)
+    }
+
+    /// Waits for the running compaction, if any, so the next commit applies it.
+    pub fn finish_compaction(&mut self) -> Result<(), StoreError> {
+        if let Some(running) = self.compaction.take() {
+            if let Ok(folded) = running.result.recv() {
+                self.folded = Some(folded.map_err(|e| self.io(e))?);
+            }
+        }
+        Ok(())
     }
 
     /// The epochs of the manifests kept, oldest first.
@@ -428,6 +506,16 @@ impl CheckpointStore {
         }
         self.db.flush().map_err(|e| self.io(e))?;
         Ok(truncated)
+    }
+}
+
+impl Drop for CheckpointStore {
+    /// Lets a running compaction finish, so the location is free for the next
+    /// query once this one is gone.
+    fn drop(&mut self) {
+        if let Some(running) = self.compaction.take() {
+            let _ = running.result.recv();
+        }
     }
 }
 
@@ -539,7 +627,10 @@ mod tests {
                 )
                 .unwrap();
             store.compact().unwrap();
+            store.finish_compaction().unwrap();
         }
+        let latest = store.kept.back().unwrap();
+        assert!(latest.state[&counts()].blobs.len() < 5, "chains are folded");
         assert!(
             store.blob_count() <= 2 * (MAX_CHAIN + 1),
             "{} blobs",

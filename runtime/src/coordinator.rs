@@ -189,12 +189,12 @@ impl Coordinator {
             state: restored.clone(),
         };
         let mut actors = plan.wire(&config, &self.shared.metrics, &self.env, &resume_from)?;
-        if let Some((id, state)) = restored.unclaimed() {
+        if let Some((id, meta)) = restored.unclaimed() {
             return Err(RtflowError::IncompatibleCheckpoint {
                 difference: format!(
                     "the checkpoint holds {id} (a '{}' operator), which the dataflow no \
                      longer has; restore the operator or give it back its .uid(...)",
-                    state.meta.kind
+                    meta.kind
                 ),
             });
         }
@@ -313,10 +313,8 @@ impl Coordinator {
             bytes: stats.bytes,
         });
         let previous = std::mem::replace(&mut checkpoints.committed, manifest.sources);
-        let compacting = Instant::now();
-        let compacted = checkpoints.store.compact()?;
-        if compacted > 0 {
-            tracing::info!(epoch, states = compacted, took = ?compacting.elapsed(), "snapshot chains compacted");
+        if checkpoints.store.compact()? {
+            tracing::debug!(epoch, "compacting a snapshot chain in the background");
         }
         self.epoch = epoch;
         let committed = self

@@ -52,13 +52,47 @@ use crate::record::{Epoch, EventTime};
 /// checkpoint's states, and which of them the dataflow claimed.
 #[derive(Default)]
 pub(crate) struct Restored {
-    pub(crate) states: BTreeMap<StateId, RestoredState>,
+    states: BTreeMap<StateId, Grouped>,
     /// The epoch of the checkpoint restored from.
     pub(crate) epoch: Option<Epoch>,
     /// The watermark the checkpoint reached.
     pub(crate) watermark: Option<EventTime>,
     pub(crate) key_groups: usize,
     claimed: Mutex<BTreeSet<StateId>>,
+}
+
+/// A restored state's entries by group, so each instance reads only its own.
+struct Grouped {
+    meta: StateMeta,
+    groups: Vec<Vec<Entry>>,
+}
+
+impl Grouped {
+    fn new(state: RestoredState) -> Self {
+        let size = state
+            .entries
+            .iter()
+            .map(|e| e.group as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let mut groups: Vec<Vec<Entry>> = (0..size).map(|_| Vec::new()).collect();
+        for entry in state.entries {
+            groups[entry.group as usize].push(entry);
+        }
+        Self {
+            meta: state.meta,
+            groups,
+        }
+    }
+
+    /// The entries of the groups `wanted` picks, with their group.
+    fn entries(&self, wanted: impl Fn(usize) -> bool) -> impl Iterator<Item = &Entry> {
+        self.groups
+            .iter()
+            .enumerate()
+            .filter(move |(group, _)| wanted(*group))
+            .flat_map(|(_, entries)| entries)
+    }
 }
 
 impl Restored {
@@ -69,7 +103,10 @@ impl Restored {
         key_groups: usize,
     ) -> Self {
         Self {
-            states,
+            states: states
+                .into_iter()
+                .map(|(id, state)| (id, Grouped::new(state)))
+                .collect(),
             epoch,
             watermark,
             key_groups,
@@ -79,9 +116,12 @@ impl Restored {
 
     /// The first state of the checkpoint that no instance claimed at start: the
     /// dataflow lost the operator that owned it.
-    pub(crate) fn unclaimed(&self) -> Option<(&StateId, &RestoredState)> {
+    pub(crate) fn unclaimed(&self) -> Option<(&StateId, &StateMeta)> {
         let claimed = self.claimed.lock().expect("claims are never poisoned");
-        self.states.iter().find(|(id, _)| !claimed.contains(id))
+        self.states
+            .iter()
+            .find(|(id, _)| !claimed.contains(id))
+            .map(|(id, state)| (id, &state.meta))
     }
 }
 
@@ -121,8 +161,8 @@ impl StateContext {
     }
 
     /// Claims state `name`, checking that the checkpoint holds it with the same
-    /// types, and returns its restored entries.
-    fn claim(&self, name: &str, signature: &str) -> Result<(StateId, StateMeta, Vec<&Entry>)> {
+    /// types, and returns what it restored.
+    fn claim(&self, name: &str, signature: &str) -> Result<(StateId, StateMeta, Option<&Grouped>)> {
         let id = StateId::new(&self.uid, name);
         let meta = StateMeta {
             kind: self.kind.clone(),
@@ -134,7 +174,7 @@ impl StateContext {
             .expect("claims are never poisoned")
             .insert(id.clone());
         let Some(restored) = self.restored.states.get(&id) else {
-            return Ok((id, meta, Vec::new()));
+            return Ok((id, meta, None));
         };
         if restored.meta != meta {
             return Err(RtflowError::IncompatibleCheckpoint {
@@ -145,8 +185,7 @@ impl StateContext {
                 ),
             });
         }
-        let entries = restored.entries.iter().collect();
-        Ok((id, meta, entries))
+        Ok((id, meta, Some(restored)))
     }
 
     /// Value state per key, restored with the keys whose key groups this instance
@@ -157,7 +196,7 @@ impl StateContext {
         V: Serialize + DeserializeOwned,
     {
         let key_groups = self.restored.key_groups;
-        let (id, meta, entries) = self.claim(name, type_name::<(K, V)>())?;
+        let (id, meta, restored) = self.claim(name, type_name::<(K, V)>())?;
         let mut state = KeyedState {
             id,
             meta,
@@ -167,11 +206,9 @@ impl StateContext {
             changed: Vec::new(),
             live: 0,
         };
-        for entry in entries {
-            let group = entry.group as usize;
-            if subtask_for_key_group(group, key_groups, self.parallelism) != self.subtask {
-                continue;
-            }
+        let mine =
+            |group| subtask_for_key_group(group, key_groups, self.parallelism) == self.subtask;
+        for entry in restored.iter().flat_map(|r| r.entries(mine)) {
             let key = decode(&state.id, &entry.key)?;
             let value = match &entry.value {
                 Some(bytes) => Some(decode(&state.id, bytes)?),
@@ -196,13 +233,12 @@ impl StateContext {
     where
         V: Serialize + DeserializeOwned,
     {
-        let (id, meta, entries) = self.claim(name, type_name::<V>())?;
+        let (id, meta, grouped) = self.claim(name, type_name::<V>())?;
         let mut restored = Vec::new();
-        for entry in entries {
-            if entry.group as usize % self.parallelism == self.subtask {
-                if let Some(bytes) = &entry.value {
-                    restored.push((entry.group, decode(&id, bytes)?));
-                }
+        let mine = |subtask| subtask % self.parallelism == self.subtask;
+        for entry in grouped.iter().flat_map(|g| g.entries(mine)) {
+            if let Some(bytes) = &entry.value {
+                restored.push((entry.group, decode(&id, bytes)?));
             }
         }
         restored.sort_by_key(|(subtask, _)| *subtask);
