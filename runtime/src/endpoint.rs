@@ -241,6 +241,12 @@ fn gather(queries: &[Arc<QueryShared>]) -> Vec<MetricFamily> {
                 &labels,
                 op.records_out as f64,
             );
+            families.counter(
+                "rtflow_late_records_total",
+                "Records an operator instance dropped for arriving behind the watermark",
+                &labels,
+                op.late_records as f64,
+            );
         }
         for mailbox in &snapshot.mailboxes {
             let subtask = mailbox.subtask.to_string();

@@ -24,6 +24,7 @@ pub enum Role {
 pub struct OperatorMetrics {
     records_in: AtomicU64,
     records_out: AtomicU64,
+    late: AtomicU64,
     watermark: AtomicI64,
 }
 
@@ -32,6 +33,7 @@ impl Default for OperatorMetrics {
         Self {
             records_in: AtomicU64::new(0),
             records_out: AtomicU64::new(0),
+            late: AtomicU64::new(0),
             watermark: AtomicI64::new(EventTime::MIN),
         }
     }
@@ -44,6 +46,12 @@ impl OperatorMetrics {
         }
         if records_out > 0 {
             self.records_out.fetch_add(records_out, Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn add_late(&self, late: u64) {
+        if late > 0 {
+            self.late.fetch_add(late, Ordering::Relaxed);
         }
     }
 
@@ -316,6 +324,7 @@ impl QueryMetrics {
                     role: *role,
                     records_in: r.metrics.records_in.load(Ordering::Relaxed),
                     records_out: r.metrics.records_out.load(Ordering::Relaxed),
+                    late_records: r.metrics.late.load(Ordering::Relaxed),
                     watermark: (watermark != EventTime::MIN).then_some(watermark),
                 }
             })
@@ -354,6 +363,8 @@ pub struct OperatorSnapshot {
     pub role: Role,
     pub records_in: u64,
     pub records_out: u64,
+    /// Records dropped for arriving behind the watermark.
+    pub late_records: u64,
     /// For sinks: the last watermark that reached them.
     pub watermark: Option<EventTime>,
 }
@@ -412,6 +423,11 @@ impl MetricsSnapshot {
     /// Records written by every sink.
     pub fn records_written(&self) -> u64 {
         self.with_role(Role::Sink).map(|o| o.records_in).sum()
+    }
+
+    /// Records dropped as late, over every operator.
+    pub fn late_records(&self) -> u64 {
+        self.operators.iter().map(|o| o.late_records).sum()
     }
 
     /// The query's watermark: the lowest that reached a sink, once every sink has

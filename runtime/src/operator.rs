@@ -74,14 +74,22 @@ impl OperatorContext {
 pub struct Collector<'a, T> {
     next: &'a mut dyn Emit<T>,
     meta: RecordMeta,
-    emitted: &'a mut u64,
+    counts: &'a mut Counts,
+}
+
+/// What an operator instance emitted and dropped as late since the counts were
+/// last published.
+#[derive(Default)]
+pub(crate) struct Counts {
+    out: u64,
+    late: u64,
 }
 
 impl<'a, T> Collector<'a, T> {
     /// Emits `value` with the timestamps of the record being processed.
     #[inline]
     pub fn emit(&mut self, value: T) -> Result<()> {
-        *self.emitted += 1;
+        self.counts.out += 1;
         self.next.record(Record {
             value,
             meta: self.meta,
@@ -91,13 +99,20 @@ impl<'a, T> Collector<'a, T> {
     /// Emits a record with timestamps of its own.
     #[inline]
     pub fn emit_record(&mut self, record: Record<T>) -> Result<()> {
-        *self.emitted += 1;
+        self.counts.out += 1;
         self.next.record(record)
     }
 
     /// The timestamps emitted records inherit.
     pub fn meta(&self) -> RecordMeta {
         self.meta
+    }
+
+    /// Counts a record dropped for arriving behind the watermark (the operator's
+    /// `rtflow_late_records_total`).
+    #[inline]
+    pub fn drop_late(&mut self) {
+        self.counts.late += 1;
     }
 
     /// Emits a watermark: no record with an earlier event time follows. For
@@ -164,7 +179,7 @@ pub(crate) struct Chained<O, In, Out> {
     metrics: Arc<OperatorMetrics>,
     snapshots: SnapshotBuffer,
     records_in: u64,
-    records_out: u64,
+    counts: Counts,
     _input: PhantomData<fn(In)>,
 }
 
@@ -183,7 +198,7 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
             metrics,
             snapshots,
             records_in: 0,
-            records_out: 0,
+            counts: Counts::default(),
             _input: PhantomData,
         })
     }
@@ -203,7 +218,7 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
                 ingest_time: now,
                 partition: 0,
             },
-            emitted: &mut self.records_out,
+            counts: &mut self.counts,
         };
         hook(&mut self.operator, &mut out)
     }
@@ -214,9 +229,10 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
     }
 
     fn publish_counts(&mut self) {
-        self.metrics.add(self.records_in, self.records_out);
+        let counts = std::mem::take(&mut self.counts);
+        self.metrics.add(self.records_in, counts.out);
+        self.metrics.add_late(counts.late);
         self.records_in = 0;
-        self.records_out = 0;
     }
 }
 
@@ -227,7 +243,7 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
         let mut out = Collector {
             next: &mut *self.next,
             meta: record.meta,
-            emitted: &mut self.records_out,
+            counts: &mut self.counts,
         };
         self.operator.process(record, &mut out)
     }
