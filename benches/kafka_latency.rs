@@ -11,27 +11,35 @@
 //! records, for every record produced after a 2 s warm-up, the read time minus
 //! `produced-us`: the latency a downstream application sees.
 //!
-//! It runs twice: with the KafkaSource's own `fetch.wait.max.ms`, and with
-//! `kafka.fetch.wait.max.ms=5`. The plain producer and consumer use `linger.ms=0`
-//! and `fetch.wait.max.ms=5`. Each run prints one JSON line to stdout (latency in
-//! ms, and rtflow's own processing latency, read -> handed to the producer, from
-//! `query.metrics()`); the command and a summary table go to stderr.
+//! It runs twice: first `kafka`, the same producer and consumer on one topic with
+//! no query in between (the floor the broker and the machine set), then `rtflow`,
+//! the pipeline above. Each run prints one JSON line to stdout (latency in ms; for
+//! `rtflow` also its processing latency, read -> handed to the producer, and its
+//! source queuing latency, Kafka timestamp -> read, from `query.metrics()`); the
+//! command and a summary table go to stderr.
 //!
-//! Every client here shares one broker, and the machine, with the others: with
-//! `linger.ms=0` a librdkafka producer sends one request per partition for each
-//! batch, and a consumer one fetch per response, so on a small machine the
-//! broker's request rate rather than rtflow bounds the latency; compare rtflow's
-//! own processing latency with the end-to-end figures.
+//! The bench's producer uses `linger.ms=0` with one request in flight per
+//! connection: it sends at once when the broker has answered, and batches what
+//! came meanwhile. librdkafka's default (a million requests in flight) sends a
+//! request per partition every millisecond at 10,000 records/s, which on a
+//! 2-core machine queued requests at the broker for hundreds of milliseconds
+//! before rtflow read anything. The consumer uses `fetch.wait.max.ms=5`.
+//! `--source-option`, `--sink-option`, `--producer-option` and `--consumer-option
+//! KEY=VALUE` (repeatable) set librdkafka settings of the KafkaSource, the
+//! KafkaSink, the bench's producer and its consumer.
 //!
 //! ```text
 //! scripts/kafka.sh start
 //! cargo bench --bench kafka_latency
 //! cargo bench --bench kafka_latency -- --bootstrap 127.0.0.1:9092 --rate 10000 \
 //!     --partitions 4 --seconds 30 --record-bytes 1200
+//! cargo bench --bench kafka_latency -- --rate 1000 --partitions 1 \
+//!     --sink-option statistics.interval.ms=1000
 //! ```
 //!
 //! The broker is `--bootstrap`, else `$RTFLOW_KAFKA_BOOTSTRAP`, else 127.0.0.1:9092.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -40,7 +48,7 @@ use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use rtflow::prelude::*;
-use rtflow::Percentiles;
+use rtflow::LatencyReport;
 
 /// The header holding the production time, microseconds since the Unix epoch.
 const PRODUCED_US: &str = "produced-us";
@@ -51,8 +59,6 @@ const WARM_UP: Duration = Duration::from_secs(2);
 const TICK: Duration = Duration::from_millis(1);
 /// How long the consumer waits for the last records once the producer is done.
 const DRAIN: Duration = Duration::from_secs(10);
-/// The source's `fetch.wait.max.ms` per run: the connector's default, then 5 ms.
-const SOURCE_FETCH_WAITS: [Option<u64>; 2] = [None, Some(5)];
 
 type BenchResult<T> = std::result::Result<T, BoxError>;
 
@@ -63,12 +69,18 @@ struct Args {
     partitions: u64,
     seconds: u64,
     record_bytes: u64,
+    /// librdkafka settings (`key=value`) for the source, the sink, the bench's
+    /// producer and the bench's consumer.
+    source_options: Vec<(String, String)>,
+    sink_options: Vec<(String, String)>,
+    producer_options: Vec<(String, String)>,
+    consumer_options: Vec<(String, String)>,
 }
 
 impl Args {
     /// Reads `--bootstrap HOST:PORT`, `--rate N`, `--partitions N`, `--seconds N`,
-    /// `--record-bytes N`; ignores anything else, such as the `--bench` that
-    /// `cargo bench` passes.
+    /// `--record-bytes N` and the `--*-option KEY=VALUE`s; ignores anything else,
+    /// such as the `--bench` that `cargo bench` passes.
     fn parse() -> Self {
         let mut args = Self {
             bootstrap: std::env::var("RTFLOW_KAFKA_BOOTSTRAP")
@@ -77,9 +89,31 @@ impl Args {
             partitions: 4,
             seconds: 30,
             record_bytes: 1_200,
+            source_options: Vec::new(),
+            sink_options: Vec::new(),
+            producer_options: Vec::new(),
+            consumer_options: Vec::new(),
         };
         let mut words = std::env::args().skip(1);
         while let Some(flag) = words.next() {
+            let options = match flag.as_str() {
+                "--source-option" => Some(&mut args.source_options),
+                "--sink-option" => Some(&mut args.sink_options),
+                "--producer-option" => Some(&mut args.producer_options),
+                "--consumer-option" => Some(&mut args.consumer_options),
+                _ => None,
+            };
+            if let Some(options) = options {
+                let option = words
+                    .next()
+                    .and_then(|w| {
+                        let (key, value) = w.split_once('=')?;
+                        Some((key.to_owned(), value.to_owned()))
+                    })
+                    .unwrap_or_else(|| usage(&flag, "a librdkafka key=value"));
+                options.push(option);
+                continue;
+            }
             let value = match flag.as_str() {
                 "--bootstrap" => {
                     args.bootstrap = words.next().unwrap_or_else(|| usage(&flag, "an address"));
@@ -117,11 +151,17 @@ fn now_us() -> u64 {
 /// returns how many it wrote.
 fn produce(args: &Args, topic: &str, until: Instant) -> BenchResult<u64> {
     // Threaded: its own thread serves the delivery reports.
-    let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
+    let mut config = ClientConfig::new();
+    config
         .set("bootstrap.servers", &args.bootstrap)
         .set("linger.ms", "0")
-        .set("socket.nagle.disable", "true")
-        .create()?;
+        // One request at a time: what arrives meanwhile goes in the next batch.
+        .set("max.in.flight.requests.per.connection", "1")
+        .set("socket.nagle.disable", "true");
+    for (key, value) in &args.producer_options {
+        config.set(key, value);
+    }
+    let producer: ThreadedProducer<DefaultProducerContext> = config.create()?;
     let payload: String = (b'a'..=b'z')
         .cycle()
         .take(args.record_bytes as usize)
@@ -169,14 +209,18 @@ fn consume(
     deadline: Instant,
     measure_from_us: u64,
 ) -> BenchResult<(u64, Vec<u64>)> {
-    let consumer: BaseConsumer = ClientConfig::new()
+    let mut config = ClientConfig::new();
+    config
         .set("bootstrap.servers", &args.bootstrap)
         .set("group.id", "rtflow-bench")
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")
         .set("socket.nagle.disable", "true")
-        .set("fetch.wait.max.ms", "5")
-        .create()?;
+        .set("fetch.wait.max.ms", "5");
+    for (key, value) in &args.consumer_options {
+        config.set(key, value);
+    }
+    let consumer: BaseConsumer = config.create()?;
     let mut assignment = TopicPartitionList::new();
     for partition in 0..args.partitions as i32 {
         assignment.add_partition_offset(topic, partition, Offset::Beginning)?;
@@ -204,17 +248,26 @@ fn consume(
 }
 
 /// Starts input -> uppercase -> output.
-fn start(
-    args: &Args,
-    input: &str,
-    output: &str,
-    fetch_wait: Option<u64>,
-) -> Result<StreamingQuery> {
+fn start(args: &Args, input: &str, output: &str, checkpoints: &Path) -> Result<StreamingQuery> {
     let mut source = KafkaSource::new(&args.bootstrap)
         .subscribe([input])
         .starting_offsets(StartingOffsets::Earliest);
-    if let Some(ms) = fetch_wait {
-        source = source.option("kafka.fetch.wait.max.ms", ms);
+    for (key, value) in &args.source_options {
+        source = source.option(&format!("kafka.{key}"), value);
+    }
+    let mut sink = KafkaSink::new(
+        &args.bootstrap,
+        output,
+        |(partition, value, produced): &(i32, String, Option<bytes::Bytes>)| {
+            let message = KafkaMessage::new(value.clone()).partition(*partition);
+            match produced {
+                Some(stamp) => message.header(PRODUCED_US, stamp.clone()),
+                None => message,
+            }
+        },
+    );
+    for (key, value) in &args.sink_options {
+        sink = sink.option(&format!("kafka.{key}"), value);
     }
     let flow = Dataflow::new("kafka-latency");
     flow.source(source)
@@ -222,31 +275,40 @@ fn start(
             let value = record.value_str().to_ascii_uppercase();
             (record.partition, value, record.header(PRODUCED_US).cloned())
         })
-        .sink(KafkaSink::new(
-            &args.bootstrap,
-            output,
-            |(partition, value, produced): &(i32, String, Option<bytes::Bytes>)| {
-                let message = KafkaMessage::new(value.clone()).partition(*partition);
-                match produced {
-                    Some(stamp) => message.header(PRODUCED_US, stamp.clone()),
-                    None => message,
-                }
-            },
-        ));
+        .sink(sink);
     flow.start(
         QueryConfig::new("kafka-latency")
-            .checkpoint_location(std::env::temp_dir().join("rtflow-bench-kafka-latency"))
+            .checkpoint_location(checkpoints)
             .trigger(Trigger::real_time("30 seconds")),
     )
 }
 
+/// What a run measures.
+#[derive(Clone, Copy, PartialEq)]
+enum Pipeline {
+    /// Producer -> topic -> consumer: Kafka alone.
+    Kafka,
+    /// Producer -> input -> rtflow (uppercase) -> output -> consumer.
+    Rtflow,
+}
+
+impl Pipeline {
+    fn name(self) -> &'static str {
+        match self {
+            Pipeline::Kafka => "kafka",
+            Pipeline::Rtflow => "rtflow",
+        }
+    }
+}
+
 struct Run {
-    fetch_wait: Option<u64>,
+    pipeline: Pipeline,
     produced: u64,
     received: u64,
     /// Sorted, microseconds; never empty.
     latencies: Vec<u64>,
-    rtflow: Percentiles,
+    /// rtflow's own figures (`Rtflow` runs only).
+    rtflow: Option<LatencyReport>,
 }
 
 impl Run {
@@ -262,17 +324,31 @@ impl Run {
 }
 
 /// One run on fresh topics, deleted afterwards.
-fn run(args: &Args, fetch_wait: Option<u64>) -> BenchResult<Run> {
+fn run(args: &Args, pipeline: Pipeline) -> BenchResult<Run> {
     let admin = KafkaAdmin::new(&args.bootstrap)?;
     let id = format!("{}-{}", std::process::id(), now_us());
-    let (input, output) = (
-        format!("rtflow-latency-in-{id}"),
-        format!("rtflow-latency-out-{id}"),
-    );
+    let input = format!("rtflow-latency-in-{id}");
+    let checkpoints = std::env::temp_dir().join(format!("rtflow-bench-kafka-latency-{id}"));
     admin.create_topic(&input, args.partitions as i32)?;
-    admin.create_topic(&output, args.partitions as i32)?;
-
-    let query = start(args, &input, &output, fetch_wait)?;
+    let (output, query) = match pipeline {
+        Pipeline::Kafka => (input.clone(), None),
+        Pipeline::Rtflow => {
+            let output = format!("rtflow-latency-out-{id}");
+            admin.create_topic(&output, args.partitions as i32)?;
+            // A topic just created can take a moment to show in the metadata.
+            let mut attempts = 0;
+            let query = loop {
+                match start(args, &input, &output, &checkpoints) {
+                    Err(error) if attempts < 20 && error.to_string().contains("does not exist") => {
+                        attempts += 1;
+                        std::thread::sleep(Duration::from_millis(250));
+                    }
+                    started => break started?,
+                }
+            };
+            (output, Some(query))
+        }
+    };
     let measure_from_us = now_us() + WARM_UP.as_micros() as u64;
     let until = Instant::now() + Duration::from_secs(args.seconds);
     let expected = AtomicU64::new(u64::MAX);
@@ -284,9 +360,17 @@ fn run(args: &Args, fetch_wait: Option<u64>) -> BenchResult<Run> {
         let consumed = consumer.join().expect("the consumer thread does not panic");
         Ok::<_, BoxError>((produced?, consumed?))
     })?;
-    query.stop()?;
+    let rtflow = match query {
+        Some(query) => {
+            query.stop()?;
+            admin.delete_topic(&output)?;
+            // Best effort: a leftover directory in the temp dir harms nothing.
+            let _ = std::fs::remove_dir_all(&checkpoints);
+            Some(query.metrics().latency)
+        }
+        None => None,
+    };
     admin.delete_topic(&input)?;
-    admin.delete_topic(&output)?;
     if latencies.is_empty() {
         return Err(format!(
             "no record produced after the warm-up came out within {DRAIN:?} of the end"
@@ -295,32 +379,50 @@ fn run(args: &Args, fetch_wait: Option<u64>) -> BenchResult<Run> {
     }
     latencies.sort_unstable();
     Ok(Run {
-        fetch_wait,
+        pipeline,
         produced,
         received,
         latencies,
-        rtflow: query.metrics().latency.processing,
+        rtflow,
     })
 }
 
 fn main() -> BenchResult<()> {
     let args = Args::parse();
+    let options: String = [
+        ("--source-option", &args.source_options),
+        ("--sink-option", &args.sink_options),
+        ("--producer-option", &args.producer_options),
+        ("--consumer-option", &args.consumer_options),
+    ]
+    .iter()
+    .flat_map(|(flag, options)| options.iter().map(move |(k, v)| format!(" {flag} {k}={v}")))
+    .collect();
     eprintln!(
         "command: cargo bench --bench kafka_latency -- --bootstrap {} --rate {} --partitions {} \
-         --seconds {} --record-bytes {}",
+         --seconds {} --record-bytes {}{options}",
         args.bootstrap, args.rate, args.partitions, args.seconds, args.record_bytes
     );
     let mut runs = Vec::new();
-    for fetch_wait in SOURCE_FETCH_WAITS {
-        let run = run(&args, fetch_wait)?;
+    for pipeline in [Pipeline::Kafka, Pipeline::Rtflow] {
+        let run = run(&args, pipeline)?;
         let [p50, p90, p95, p99, max] = run.percentiles();
-        let source_fetch_wait = fetch_wait.map_or("null".to_owned(), |ms| ms.to_string());
+        let rtflow = run.rtflow.map_or(String::new(), |latency| {
+            format!(
+                ",\"rtflow_processing_p50_ms\":{:.3},\"rtflow_processing_p99_ms\":{:.3},\
+                 \"rtflow_source_queuing_p50_ms\":{:.3},\"rtflow_source_queuing_p99_ms\":{:.3}",
+                latency.processing.p50,
+                latency.processing.p99,
+                latency.source_queuing.p50,
+                latency.source_queuing.p99
+            )
+        });
         println!(
-            "{{\"bench\":\"kafka_latency\",\"source_fetch_wait_ms\":{source_fetch_wait},\
-             \"records\":{},\"produced\":{},\"received\":{},\"rate\":{},\"partitions\":{},\
-             \"record_bytes\":{},\"seconds\":{},\"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\
-             \"p95_ms\":{p95:.3},\"p99_ms\":{p99:.3},\"max_ms\":{max:.3},\
-             \"rtflow_processing_p50_ms\":{:.3},\"rtflow_processing_p99_ms\":{:.3}}}",
+            "{{\"bench\":\"kafka_latency\",\"pipeline\":\"{}\",\"records\":{},\"produced\":{},\
+             \"received\":{},\"rate\":{},\"partitions\":{},\"record_bytes\":{},\"seconds\":{},\
+             \"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\"p95_ms\":{p95:.3},\"p99_ms\":{p99:.3},\
+             \"max_ms\":{max:.3}{rtflow}}}",
+            pipeline.name(),
             run.latencies.len(),
             run.produced,
             run.received,
@@ -328,14 +430,12 @@ fn main() -> BenchResult<()> {
             args.partitions,
             args.record_bytes,
             args.seconds,
-            run.rtflow.p50,
-            run.rtflow.p99
         );
         runs.push(run);
     }
 
     eprintln!(
-        "\nKafka({} partitions) -> uppercase -> Kafka; {} records/s of {} bytes for {} s, \
+        "\nKafka({} partitions) -> [uppercase -> Kafka]; {} records/s of {} bytes for {} s, \
          the first {} s not measured; latency in ms",
         args.partitions,
         args.rate,
@@ -344,23 +444,39 @@ fn main() -> BenchResult<()> {
         WARM_UP.as_secs()
     );
     eprintln!(
-        "{:<18}{:>9}{:>9}  {:>38}  {:>16}",
-        "source fetch wait",
+        "{:<10}{:>9}{:>9}  {:>40}  {:>16}  {:>16}",
+        "pipeline",
         "measured",
         "missing",
         "end-to-end p50/p90/p95/p99/max",
-        "rtflow p50/p99"
+        "processing p50/p99",
+        "queuing p50/p99"
     );
     for run in &runs {
         let row = run.percentiles().map(|ms| format!("{ms:.2}")).join(" / ");
+        let (processing, queuing) = run.rtflow.map_or_else(
+            || ("-".to_owned(), "-".to_owned()),
+            |latency| {
+                (
+                    format!(
+                        "{:.2} / {:.2}",
+                        latency.processing.p50, latency.processing.p99
+                    ),
+                    format!(
+                        "{:.2} / {:.2}",
+                        latency.source_queuing.p50, latency.source_queuing.p99
+                    ),
+                )
+            },
+        );
         eprintln!(
-            "{:<18}{:>9}{:>9}  {:>38}  {:>16}",
-            run.fetch_wait
-                .map_or("default".to_owned(), |ms| format!("{ms} ms")),
+            "{:<10}{:>9}{:>9}  {:>40}  {:>16}  {:>16}",
+            run.pipeline.name(),
             run.latencies.len(),
             run.produced.saturating_sub(run.received),
             row,
-            format!("{:.3} / {:.3}", run.rtflow.p50, run.rtflow.p99)
+            processing,
+            queuing
         );
     }
     Ok(())

@@ -5,9 +5,9 @@
 //!   assigned manually and offsets are tracked by rtflow: there is no consumer
 //!   group and no rebalancing.
 //! - [`KafkaSink`] writes records to a fixed topic or to the topic each record
-//!   names, with `linger.ms=0` and idempotence on by default; at-least-once, or
-//!   exactly-once through Kafka transactions committed with each checkpoint
-//!   (`exactly_once`).
+//!   names, with `linger.ms=0` and one request in flight by default (records keep
+//!   their order on retries); at-least-once, or exactly-once through Kafka
+//!   transactions committed with each checkpoint (`exactly_once`).
 //! - [`KafkaAdmin`] creates and deletes topics, for examples and tests.
 //!
 //! Both connectors take librdkafka settings as `.option("kafka.<key>", value)`;

@@ -181,7 +181,13 @@ impl<T: Data> KafkaSink<T> {
                 ("bootstrap.servers", &self.bootstrap_servers),
                 ("client.id", "rtflow-sink"),
                 ("linger.ms", "0"),
-                ("enable.idempotence", "true"),
+                // Not idempotent (a transactional.id still turns it on): that
+                // producer stops sending once 5 messages, not requests, are in
+                // flight and polls its socket without a timeout until the broker
+                // answers, a core per producer at 10k records/s. One request in
+                // flight keeps the order on retries and batches what arrives
+                // meanwhile (benches/kafka_latency.rs).
+                ("max.in.flight.requests.per.connection", "1"),
                 ("socket.nagle.disable", "true"),
             ],
         )
