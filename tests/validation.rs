@@ -211,6 +211,38 @@ fn no_shuffle_before_with_watermark() {
 }
 
 #[test]
+fn at_most_one_shuffle_in_front_of_a_stateful_operator() {
+    let two_shuffles = Dataflow::new("v");
+    two_shuffles
+        .source(MemorySource::<i64>::new(2))
+        .rebalance()
+        .map(|x| x + 1)
+        .key_by(|x| *x % 10)
+        .count()
+        .name("counts")
+        .sink(MemorySink::new());
+    let error = start_error(two_shuffles, config("v"));
+    assert_eq!(error.error_class(), "MULTIPLE_SHUFFLES_NOT_SUPPORTED");
+    assert!(error.to_string().contains("'counts'"), "{error}");
+
+    // A watermark or a stateful operator in between starts the count again.
+    let anchored = Dataflow::new("v");
+    anchored
+        .source(MemorySource::<i64>::new(2))
+        .with_watermark(|x| *x, Duration::from_secs(1))
+        .key_by(|x| *x % 10)
+        .count()
+        .key_by(|(_, count)| *count)
+        .count()
+        .sink(MemorySink::new());
+    anchored
+        .start(config("v"))
+        .expect("one shuffle per stateful operator")
+        .stop()
+        .unwrap();
+}
+
+#[test]
 fn task_slots_must_cover_every_actor() {
     // 4 source partitions, then a shuffle to 3 instances: 4 + 3 actors.
     let flow = Dataflow::new("v");

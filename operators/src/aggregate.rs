@@ -71,6 +71,10 @@ where
     Acc: StateValue,
     Out: Data,
 {
+    fn stateful() -> bool {
+        true
+    }
+
     fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
         self.state = Some(ctx.state.keyed(ACCUMULATORS)?);
         Ok(())

@@ -72,6 +72,15 @@ pub enum RtflowError {
     )]
     ShuffleBeforeWatermark { operator: String },
 
+    /// A stateful operator with more than one shuffle between it and the nearest
+    /// watermark or stateful operator upstream.
+    #[error(
+        "stateful operator '{operator}' is more than one shuffle away from the nearest \
+         watermark or stateful operator upstream; key the stream once, directly before \
+         the stateful operator"
+    )]
+    MultipleShuffles { operator: String },
+
     /// More actors than task slots: real-time mode holds one slot per actor.
     #[error(
         "the query needs {needed} task slots (one per long-running actor) but only \
@@ -157,6 +166,7 @@ impl RtflowError {
                 "STREAMING_REAL_TIME_MODE.IDENTICAL_SOURCES_IN_UNION_NOT_SUPPORTED"
             }
             Self::ShuffleBeforeWatermark { .. } => "SHUFFLE_NOT_SUPPORTED_BEFORE_WATERMARK",
+            Self::MultipleShuffles { .. } => "MULTIPLE_SHUFFLES_NOT_SUPPORTED",
             Self::InsufficientTaskSlots { .. } => "INSUFFICIENT_TASK_SLOTS",
             Self::InvalidConfiguration(_) => "INVALID_CONFIGURATION",
             Self::InvalidDataflow(_) => "INVALID_DATAFLOW",

@@ -140,6 +140,15 @@ impl<'a, T> Collector<'a, T> {
 /// }
 /// ```
 pub trait Operator<In, Out>: Send + 'static {
+    /// Whether instances keep state from one record to the next (start-time
+    /// validation limits the shuffles in front of stateful operators).
+    fn stateful() -> bool
+    where
+        Self: Sized,
+    {
+        false
+    }
+
     /// Called once on the actor's thread before the first record.
     fn on_start(&mut self, _ctx: &OperatorContext) -> Result<()> {
         Ok(())

@@ -116,6 +116,30 @@ pub(crate) fn validate(graph: &Graph, config: &QueryConfig) -> Result<()> {
             });
         }
     }
+    check_shuffles_before_state(graph)
+}
+
+/// At most one shuffle between a stateful operator and the nearest watermark,
+/// stateful operator or source upstream, on every input path.
+fn check_shuffles_before_state(graph: &Graph) -> Result<()> {
+    // Per node: the most shuffles on a path back to such an anchor.
+    let mut shuffles = vec![0; graph.nodes.len()];
+    for (id, node) in graph.nodes.iter().enumerate() {
+        let stateful = matches!(&node.body, Body::Operator(operator, _) if operator.stateful());
+        let most = node
+            .inputs
+            .iter()
+            .map(|edge| shuffles[edge.from] + usize::from(edge.partitioning.is_shuffle()))
+            .max()
+            .unwrap_or(0);
+        if stateful && most > 1 {
+            return Err(RtflowError::MultipleShuffles {
+                operator: node.name.clone(),
+            });
+        }
+        let anchor = stateful || node.kind == WITH_WATERMARK;
+        shuffles[id] = if anchor { 0 } else { most };
+    }
     Ok(())
 }
 

@@ -98,6 +98,7 @@ impl<T: Data> ErasedSource for SourceNode<T> {
 }
 
 pub(crate) trait ErasedOperator: Send {
+    fn stateful(&self) -> bool;
     fn chain(
         &self,
         ctx: &OperatorContext,
@@ -128,6 +129,10 @@ where
     O: Operator<In, Out>,
     F: Fn(&OperatorContext) -> O + Send + Sync + 'static,
 {
+    fn stateful(&self) -> bool {
+        O::stateful()
+    }
+
     fn chain(
         &self,
         ctx: &OperatorContext,
