@@ -9,7 +9,9 @@
 //! [`runtime`] (graph, actors, coordinator, query), [`operators`] (map, filter,
 //! joins, ...), [`connectors`] (Kafka, memory, generator, console, foreach, ...)
 //! and [`checkpoint`] (the checkpoint store and commit protocol).
-//! `use rtflow::prelude::*` brings in everything a dataflow needs.
+//! `use rtflow::prelude::*` brings in everything a dataflow needs. With the
+//! `testing` feature, [`testing`] is a property-based harness for testing
+//! dataflows (crashes and restores included) against a batch reference.
 //!
 //! ```
 //! use std::time::Duration;
@@ -40,6 +42,9 @@ pub use rtflow_checkpoint as checkpoint;
 pub use rtflow_connectors as connectors;
 pub use rtflow_operators as operators;
 pub use rtflow_runtime as runtime;
+
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use rtflow_runtime::{
     BoxError, Collector, Data, Dataflow, KeyedStream, LatencyReport, MetricsSnapshot, Operator,

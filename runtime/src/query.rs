@@ -11,12 +11,13 @@ use rtflow_checkpoint::CheckpointStore;
 use uuid::Uuid;
 
 use crate::config::QueryConfig;
-use crate::coordinator::{Coordinator, Startup, StopQuery};
+use crate::coordinator::{CheckpointNow, Coordinator, Crash, Startup, StopQuery};
 use crate::endpoint::{register, Registration};
 use crate::error::{Result, RtflowError};
 use crate::graph::Graph;
 use crate::metrics::{MetricsSnapshot, QueryMetrics};
 use crate::progress::{StreamingQueryListener, StreamingQueryProgress, StreamingQueryStatus};
+use crate::record::Epoch;
 
 /// How many progress reports a query keeps for `recent_progress`.
 const RECENT_PROGRESS: usize = 100;
@@ -246,6 +247,87 @@ impl StreamingQuery {
         self.wait(None);
         self.join_coordinator();
         Ok(())
+    }
+
+    /// Ends an epoch now, without waiting for the batch duration, and waits at most
+    /// `timeout` until its checkpoint is committed; returns the epoch. The epoch
+    /// starts after this call (after the one in flight, if any), so it covers
+    /// every record the sources had read when it was called. A query whose
+    /// actors have all ended answers with its final checkpoint.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use rtflow_runtime::Dataflow;
+    /// # use rtflow_runtime::QueryConfig;
+    /// # fn start(flow: Dataflow) -> rtflow_runtime::Result<rtflow_runtime::StreamingQuery> {
+    /// #     flow.start(QueryConfig::new("now").checkpoint_location(
+    /// #         std::env::temp_dir().join(format!("rtflow-doc-now-{}", std::process::id()))))
+    /// # }
+    /// # let flow = Dataflow::new("now");
+    /// # struct Silent;
+    /// # impl rtflow_runtime::Source<u32> for Silent {
+    /// #     fn kind(&self) -> &str { "memory" }
+    /// #     fn partitions(&self) -> rtflow_runtime::Result<usize> { Ok(1) }
+    /// #     fn reader(&self, _: &rtflow_runtime::SourceContext)
+    /// #         -> rtflow_runtime::Result<Box<dyn rtflow_runtime::SourceReader<u32>>> { Ok(Box::new(Silent)) }
+    /// # }
+    /// # impl rtflow_runtime::SourceReader<u32> for Silent {
+    /// #     fn poll(&mut self, _: &mut rtflow_runtime::SourceOutput<u32>, wait: Duration)
+    /// #         -> rtflow_runtime::Result<rtflow_runtime::SourceStatus> {
+    /// #         std::thread::sleep(wait);
+    /// #         Ok(rtflow_runtime::SourceStatus::Active)
+    /// #     }
+    /// #     fn offsets(&self) -> rtflow_runtime::connector::Offsets { Default::default() }
+    /// # }
+    /// # struct Discard;
+    /// # impl rtflow_runtime::Sink<u32> for Discard {
+    /// #     fn kind(&self) -> &str { "memory" }
+    /// #     fn writer(&self, _: &rtflow_runtime::SinkContext)
+    /// #         -> rtflow_runtime::Result<Box<dyn rtflow_runtime::SinkWriter<u32>>> { Ok(Box::new(Discard)) }
+    /// # }
+    /// # impl rtflow_runtime::SinkWriter<u32> for Discard {
+    /// #     fn write(&mut self, _: rtflow_runtime::Record<u32>) -> rtflow_runtime::Result<()> { Ok(()) }
+    /// # }
+    /// # flow.source(Silent).sink(Discard);
+    /// // The query's trigger ends an epoch every 5 minutes by default.
+    /// let query = start(flow)?;
+    /// let first = query.checkpoint_now(Duration::from_secs(10))?;
+    /// let second = query.checkpoint_now(Duration::from_secs(10))?;
+    /// assert!(second > first);
+    /// query.stop()?;
+    /// # Ok::<(), rtflow_runtime::RtflowError>(())
+    /// ```
+    pub fn checkpoint_now(&self, timeout: Duration) -> Result<Epoch> {
+        let (reply, answer) = mpsc::channel();
+        self.coordinator.do_send(CheckpointNow(reply));
+        match answer.recv_timeout(timeout) {
+            Ok(epoch) => Ok(epoch),
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(RtflowError::Checkpoint(format!(
+                "no checkpoint committed within {timeout:?} of checkpoint_now()"
+            ))),
+            // The coordinator ended without answering: the query failed or ended.
+            Err(mpsc::RecvTimeoutError::Disconnected) => match self.wait(None) {
+                Lifecycle::Terminated(Some(error)) => Err(error),
+                _ => self.metrics().checkpoint.map(|c| c.epoch).ok_or_else(|| {
+                    RtflowError::Checkpoint("the query ended without a checkpoint".into())
+                }),
+            },
+        }
+    }
+
+    /// Test support: stops the query the way a killed process stops. Every actor
+    /// is cancelled at once, no epoch commits after the last committed one and no
+    /// final checkpoint is written; the query terminates with
+    /// [`RtflowError::Cancelled`]. Restarting on the same checkpoint location
+    /// recovers from the last committed checkpoint. Returns once every thread is
+    /// joined. `rtflow::testing` is built on it.
+    #[doc(hidden)]
+    pub fn crash(&self) {
+        if self.is_active() {
+            self.coordinator.do_send(Crash);
+        }
+        self.wait(None);
+        self.join_coordinator();
     }
 
     /// Waits until the query terminates, or at most `timeout`. Returns whether it
