@@ -105,7 +105,7 @@ fn word_count(run: &Run<String>) -> DataflowHarness<String, (String, u64)> {
 fn running_counts_are_exactly_once_across_crashes() {
     check(
         "count: exactly once across crashes",
-        24,
+        48,
         runs(words(), None),
         |run| {
             let mut harness = word_count(&run);
@@ -144,7 +144,7 @@ fn amount_key(record: &(u8, i64)) -> u8 {
 #[test]
 fn running_sums_are_exactly_once_and_in_key_order_across_crashes() {
     let runs = runs(amounts(), Some(amount_key as fn(&(u8, i64)) -> u8));
-    check("sum: exactly once, per-key order", 16, runs, |run| {
+    check("sum: exactly once, per-key order", 32, runs, |run| {
         let parallelism = run.parallelism;
         let mut harness = run.harness("sum", move |_, amounts| {
             amounts
@@ -178,7 +178,7 @@ fn per_key_order_survives_a_shuffle_and_no_mailbox_exceeds_its_capacity() {
     let sequenced = (0u8..4, 0u32..1_000_000);
     let shapes = (1..=4usize, 1..=4usize, any::<bool>());
     let cases = (runs(sequenced, Some(|r: &(u8, u32)| r.0)), shapes);
-    check("shuffle order, mailbox bound", 16, cases, |(run, shape)| {
+    check("shuffle order, mailbox bound", 24, cases, |(run, shape)| {
         let (capacity, per_message, chaining) = shape;
         let parallelism = run.parallelism;
         let steps: Vec<_> = run

@@ -35,7 +35,7 @@ fn spend_is_exactly_once_across_crashes() {
     // them, as a topic keyed by user), with settle points, checkpoints and
     // crashes in between.
     let schedules = pin_keys(schedule(purchases(), 2, 0..30), 2, user);
-    check("spend per user", 16, schedules, |steps| {
+    check("spend per user", 32, schedules, |steps| {
         let mut harness =
             DataflowHarness::new("spend", 2, |_, purchases| spend_per_user(purchases));
         // Runs every step, then ends the input and waits for the final checkpoint.

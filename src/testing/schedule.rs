@@ -73,7 +73,7 @@ impl<T: Debug> Debug for Step<T> {
 
 /// Schedules of `len` steps over `partitions` source partitions: mostly pushes of
 /// `values` to random partitions, with settle points, checkpoints and crashes
-/// between them (weights 16 : 2 : 2 : 1). Shrinking drops steps, simplifies
+/// between them (weights 10 : 2 : 2 : 2). Shrinking drops steps, simplifies
 /// values and moves pushes to lower partitions.
 ///
 /// ```
@@ -107,10 +107,10 @@ where
 {
     assert!(partitions > 0, "a source has at least one partition");
     let step = prop_oneof![
-        16 => (0..partitions, values).prop_map(|(partition, value)| Step::push(partition, value)),
+        10 => (0..partitions, values).prop_map(|(partition, value)| Step::push(partition, value)),
         2 => Just(Step::Settle),
         2 => Just(Step::Checkpoint),
-        1 => Just(Step::Crash),
+        2 => Just(Step::Crash),
     ];
     vec(step, len)
 }
