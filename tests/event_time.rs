@@ -19,7 +19,8 @@ fn wait_for_watermark(query: &StreamingQuery, done: impl Fn(Option<i64>) -> bool
         }
         assert!(
             Instant::now() < deadline,
-            "watermark stuck at {watermark:?}"
+            "watermark stuck at {watermark:?}: {:?}",
+            query.metrics().operators
         );
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -70,8 +71,9 @@ fn the_slowest_partition_holds_the_watermark_back_in_real_time() {
 fn an_idle_partition_is_released_after_the_timeout() {
     let input = MemorySource::new(2);
     let flow = Dataflow::new("idle");
+    // Two readers: the one of the silent partition declares its stream idle.
     flow.source(input.clone())
-        .parallelism(1)
+        .parallelism(2)
         .with_watermark_idle(
             |time: &i64| *time,
             Duration::ZERO,
@@ -81,6 +83,13 @@ fn an_idle_partition_is_released_after_the_timeout() {
     let query = flow.start(config("idle")).unwrap();
     input.push_all(0, [1_000]).unwrap();
     assert_eq!(wait_for_watermark(&query, |w| w.is_some()), Some(1_000));
+    input.push_all(1, [3_000]).unwrap();
+    input.push_all(0, [2_000]).unwrap();
+    assert_eq!(
+        wait_for_watermark(&query, |w| w >= Some(2_000)),
+        Some(2_000),
+        "partition 1 counts again once it delivers"
+    );
     query.stop().unwrap();
 }
 

@@ -11,7 +11,7 @@ use rtflow_checkpoint::{ActorId, Delta, Offsets};
 
 use crate::connector::{SourceOutput, SourceReader, SourceStatus};
 use crate::error::{Result, RtflowError};
-use crate::inputs::{Alignment, Inputs};
+use crate::inputs::{Alignment, IdleStep, Inputs};
 use crate::metrics::OperatorMetrics;
 use crate::operator::{Emit, SnapshotBuffer};
 use crate::record::{Data, Epoch, Message};
@@ -250,6 +250,14 @@ fn handle<T>(
         Message::Watermark(watermark) => {
             if let Some(advanced) = inputs.on_watermark(lane, watermark) {
                 emit.watermark(advanced)?;
+            }
+            Ok(Step::Continue)
+        }
+        Message::Idle => {
+            match inputs.on_idle(lane) {
+                Some(IdleStep::Watermark(advanced)) => emit.watermark(advanced)?,
+                Some(IdleStep::Idle) => emit.idle()?,
+                None => {}
             }
             Ok(Step::Continue)
         }

@@ -320,6 +320,11 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
         Ok(())
     }
 
+    fn idle(&mut self) -> Result<()> {
+        self.metrics.set_idle();
+        Ok(())
+    }
+
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {
         // Commits always precede the next barrier in time: take them first.
         self.take_commits()?;

@@ -250,6 +250,10 @@ impl<T: Data> Emit<T> for Output<T> {
         self.send_to_all(|| Message::Watermark(watermark))
     }
 
+    fn idle(&mut self) -> Result<()> {
+        self.send_to_all(|| Message::Idle)
+    }
+
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {
         self.send_to_all(|| Message::Barrier(epoch))
     }
@@ -283,6 +287,10 @@ impl<T: Data> Emit<T> for Fanout<T> {
         self.outputs
             .iter_mut()
             .try_for_each(|o| o.watermark(watermark))
+    }
+
+    fn idle(&mut self) -> Result<()> {
+        self.outputs.iter_mut().try_for_each(|o| o.idle())
     }
 
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {

@@ -13,11 +13,23 @@ pub(crate) enum Alignment {
     Aligned(Epoch),
 }
 
+/// What the actor passes on after a lane went idle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum IdleStep {
+    /// The other lanes' minimum advanced.
+    Watermark(EventTime),
+    /// Every open lane is idle: the actor's output is idle too.
+    Idle,
+}
+
 /// The state of an actor's input lanes.
 #[derive(Debug)]
 pub(crate) struct Inputs {
     watermarks: Vec<EventTime>,
     ended: Vec<bool>,
+    /// Lanes left out of the watermark until their next one.
+    idle: Vec<bool>,
+    output_idle: bool,
     output_watermark: EventTime,
     /// The epoch being aligned and which lanes have delivered its barrier.
     aligning: Option<(Epoch, Vec<bool>)>,
@@ -28,6 +40,8 @@ impl Inputs {
         Self {
             watermarks: vec![EventTime::MIN; lanes],
             ended: vec![false; lanes],
+            idle: vec![false; lanes],
+            output_idle: false,
             output_watermark: EventTime::MIN,
             aligning: None,
         }
@@ -42,12 +56,28 @@ impl Inputs {
                 .is_some_and(|(_, arrived)| arrived[lane])
     }
 
-    /// A watermark arrived on `lane`; returns the new output watermark if it advanced.
+    /// A watermark arrived on `lane`; returns the output watermark if it advanced,
+    /// or if the output was idle and is active again.
     pub(crate) fn on_watermark(&mut self, lane: usize, watermark: EventTime) -> Option<EventTime> {
+        self.idle[lane] = false;
         if watermark > self.watermarks[lane] {
             self.watermarks[lane] = watermark;
         }
-        self.advance_watermark()
+        let woke = std::mem::take(&mut self.output_idle);
+        match self.advance_watermark() {
+            None if woke => Some(self.output_watermark),
+            advanced => advanced,
+        }
+    }
+
+    /// `lane` declared itself idle.
+    pub(crate) fn on_idle(&mut self, lane: usize) -> Option<IdleStep> {
+        self.idle[lane] = true;
+        let all_idle = (0..self.idle.len()).all(|l| self.idle[l] || self.ended[l]);
+        if all_idle {
+            return (!std::mem::replace(&mut self.output_idle, true)).then_some(IdleStep::Idle);
+        }
+        self.advance_watermark().map(IdleStep::Watermark)
     }
 
     /// A barrier arrived on `lane`.
@@ -99,12 +129,9 @@ impl Inputs {
     }
 
     fn advance_watermark(&mut self) -> Option<EventTime> {
-        let min = self
-            .watermarks
-            .iter()
-            .zip(&self.ended)
-            .filter(|(_, ended)| !**ended)
-            .map(|(watermark, _)| *watermark)
+        let min = (0..self.watermarks.len())
+            .filter(|lane| !self.ended[*lane] && !self.idle[*lane])
+            .map(|lane| self.watermarks[lane])
             .min()?;
         (min > self.output_watermark).then(|| {
             self.output_watermark = min;
@@ -129,6 +156,37 @@ mod tests {
             "a lane going back changes nothing"
         );
         assert_eq!(inputs.on_watermark(0, 30), Some(20));
+    }
+
+    #[test]
+    fn an_idle_lane_stops_holding_the_watermark_back_until_it_speaks_again() {
+        let mut inputs = Inputs::new(3);
+        inputs.on_watermark(0, 50);
+        inputs.on_watermark(1, 40);
+        assert_eq!(inputs.on_idle(2), Some(IdleStep::Watermark(40)));
+        assert_eq!(inputs.on_watermark(1, 60), Some(50));
+        assert_eq!(
+            inputs.on_watermark(2, 10),
+            None,
+            "back, behind: no regression"
+        );
+        assert_eq!(inputs.on_watermark(0, 70), None, "lane 2 at 10 holds it");
+        assert_eq!(inputs.on_watermark(2, 65), Some(60));
+    }
+
+    #[test]
+    fn all_lanes_idle_make_the_output_idle_once() {
+        let mut inputs = Inputs::new(2);
+        inputs.on_watermark(0, 5);
+        inputs.on_watermark(1, 7);
+        assert_eq!(inputs.on_idle(0), Some(IdleStep::Watermark(7)));
+        assert_eq!(inputs.on_idle(1), Some(IdleStep::Idle));
+        assert_eq!(inputs.on_idle(1), None);
+        assert_eq!(
+            inputs.on_watermark(0, 6),
+            Some(7),
+            "active again: the output watermark is announced again"
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! and publish into the shared atomics and histograms here once per batch; progress
 //! reports and the Prometheus endpoint read them from other threads.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,8 @@ pub struct OperatorMetrics {
     records_out: AtomicU64,
     late: AtomicU64,
     watermark: AtomicI64,
+    /// For sinks: every source partition upstream is idle.
+    idle: AtomicBool,
 }
 
 impl Default for OperatorMetrics {
@@ -34,6 +36,7 @@ impl Default for OperatorMetrics {
             records_in: AtomicU64::new(0),
             records_out: AtomicU64::new(0),
             late: AtomicU64::new(0),
+            idle: AtomicBool::new(false),
             watermark: AtomicI64::new(EventTime::MIN),
         }
     }
@@ -57,6 +60,11 @@ impl OperatorMetrics {
 
     pub(crate) fn set_watermark(&self, watermark: EventTime) {
         self.watermark.store(watermark, Ordering::Relaxed);
+        self.idle.store(false, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_idle(&self) {
+        self.idle.store(true, Ordering::Relaxed);
     }
 }
 
@@ -325,6 +333,7 @@ impl QueryMetrics {
                     records_in: r.metrics.records_in.load(Ordering::Relaxed),
                     records_out: r.metrics.records_out.load(Ordering::Relaxed),
                     late_records: r.metrics.late.load(Ordering::Relaxed),
+                    idle: r.metrics.idle.load(Ordering::Relaxed),
                     watermark: (watermark != EventTime::MIN).then_some(watermark),
                 }
             })
@@ -365,6 +374,8 @@ pub struct OperatorSnapshot {
     pub records_out: u64,
     /// Records dropped for arriving behind the watermark.
     pub late_records: u64,
+    /// For sinks: every source partition upstream is idle.
+    pub idle: bool,
     /// For sinks: the last watermark that reached them.
     pub watermark: Option<EventTime>,
 }
@@ -430,10 +441,16 @@ impl MetricsSnapshot {
         self.operators.iter().map(|o| o.late_records).sum()
     }
 
-    /// The query's watermark: the lowest that reached a sink, once every sink has
-    /// seen one.
+    /// The query's watermark: the lowest that reached a sink, once every sink
+    /// whose input is not idle has seen one; while all are idle, the lowest any
+    /// reached.
     pub fn watermark(&self) -> Option<EventTime> {
-        self.with_role(Role::Sink)
+        let active: Vec<_> = self.with_role(Role::Sink).filter(|o| !o.idle).collect();
+        if active.is_empty() {
+            return self.with_role(Role::Sink).filter_map(|o| o.watermark).min();
+        }
+        active
+            .into_iter()
             .map(|o| o.watermark)
             .collect::<Option<Vec<_>>>()?
             .into_iter()

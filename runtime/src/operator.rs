@@ -22,6 +22,9 @@ pub trait Emit<T>: Send {
     fn record(&mut self, record: Record<T>) -> Result<()>;
     /// Takes a watermark that has advanced.
     fn watermark(&mut self, watermark: EventTime) -> Result<()>;
+    /// Every source partition upstream is idle: the watermark should not wait for
+    /// this stream until it sends a watermark again.
+    fn idle(&mut self) -> Result<()>;
     /// Takes the barrier that ends `epoch`.
     fn barrier(&mut self, epoch: Epoch) -> Result<()>;
     /// The actor drained what its mailbox held: push buffered records on now, so
@@ -119,6 +122,12 @@ impl<'a, T> Collector<'a, T> {
     /// operators that generate watermarks, as `with_watermark` does.
     pub fn watermark(&mut self, watermark: EventTime) -> Result<()> {
         self.next.watermark(watermark)
+    }
+
+    /// Declares the stream idle: downstream watermarks stop waiting for it until
+    /// it emits a watermark again. For operators that generate watermarks.
+    pub fn idle(&mut self) -> Result<()> {
+        self.next.idle()
     }
 }
 
@@ -260,6 +269,10 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
     fn watermark(&mut self, watermark: EventTime) -> Result<()> {
         self.out_of_band(watermark, |op, out| op.on_watermark(watermark, out))?;
         self.next.watermark(watermark)
+    }
+
+    fn idle(&mut self) -> Result<()> {
+        self.next.idle()
     }
 
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {

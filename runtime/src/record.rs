@@ -46,6 +46,9 @@ pub enum Message<T> {
     Data(Vec<Record<T>>),
     /// No record with an earlier event time will follow on this lane.
     Watermark(EventTime),
+    /// Every source partition behind this lane is idle: leave the lane out of the
+    /// watermark until it sends a watermark again.
+    Idle,
     /// Ends checkpoint epoch N on this lane.
     Barrier(Epoch),
     /// The sender finished; nothing follows.

@@ -2,8 +2,10 @@
 //! largest event time seen per source partition, the minimum of those over the
 //! partitions an instance reads, minus the declared delay. A partition that has
 //! not delivered anything holds the watermark back, unless an idle timeout lets
-//! the others go on without it. The watermark never moves backwards, also not
-//! below the one restored from a checkpoint.
+//! the others go on without it; when all of an instance's partitions are idle it
+//! declares its stream idle, so downstream watermarks stop waiting for it. The
+//! watermark never moves backwards, also not below the one restored from a
+//! checkpoint.
 //!
 //! [`WatermarkTracker`] is the logic, free of I/O and clocks (time is passed in);
 //! [`AssignWatermarks`] is the `with_watermark` operator around it.
@@ -14,6 +16,15 @@ use std::time::Duration;
 use crate::error::Result;
 use crate::operator::{Collector, Operator, OperatorContext};
 use crate::record::{EventTime, Nanos, Record};
+
+/// What a watermark generator tells the streams after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    /// No record with an earlier event time is expected any more.
+    Watermark(EventTime),
+    /// Every partition is idle: downstream watermarks should not wait for them.
+    Idle,
+}
 
 /// Per-partition event-time maxima and the watermark they allow.
 #[derive(Debug, Clone)]
@@ -29,6 +40,8 @@ pub struct WatermarkTracker {
     idle_timeout: Option<Nanos>,
     /// The last watermark handed out.
     current: Option<EventTime>,
+    /// Whether every partition was idle at the last call.
+    idle: bool,
 }
 
 impl WatermarkTracker {
@@ -53,6 +66,7 @@ impl WatermarkTracker {
             delay: delay.as_millis() as i64,
             idle_timeout: idle_timeout.map(|t| t.as_nanos() as Nanos),
             current: floor,
+            idle: false,
         }
     }
 
@@ -74,36 +88,42 @@ impl WatermarkTracker {
         self.last_seen[slot] = now;
     }
 
-    /// The watermark at `now`, if it advanced since the last call.
-    pub fn advance(&mut self, now: Nanos) -> Option<EventTime> {
-        let active = |slot: usize| {
-            self.idle_timeout.map_or(true, |timeout| {
-                now.saturating_sub(self.last_seen[slot]) < timeout
-            })
-        };
+    /// What to tell downstream at `now`: the watermark if it advanced (or, after
+    /// an idle spell, to say the stream is active again), or that every partition
+    /// went idle.
+    pub fn advance(&mut self, now: Nanos) -> Option<Signal> {
         let mut min: Option<EventTime> = None;
-        let mut any_active = false;
+        let (mut any_active, mut waiting) = (false, false);
         for slot in 0..self.max.len() {
-            if !active(slot) {
+            let active = self.idle_timeout.map_or(true, |timeout| {
+                now.saturating_sub(self.last_seen[slot]) < timeout
+            });
+            if !active {
                 continue;
             }
             any_active = true;
             match self.max[slot] {
-                // An active partition that has delivered nothing holds everything back.
-                None => return None,
                 Some(max) => min = Some(min.map_or(max, |m| m.min(max))),
+                // An active partition that delivered nothing holds everything back.
+                None => waiting = true,
             }
         }
         if !any_active {
-            // Every partition is idle: go as far as the most advanced one.
-            min = self.max.iter().flatten().max().copied();
+            return (!std::mem::replace(&mut self.idle, true)).then_some(Signal::Idle);
         }
-        let candidate = min?.saturating_sub(self.delay);
-        if self.current.is_some_and(|current| candidate <= current) {
+        let woke = std::mem::take(&mut self.idle);
+        if waiting {
             return None;
         }
-        self.current = Some(candidate);
-        self.current
+        let candidate = min?.saturating_sub(self.delay);
+        if self.current.map_or(true, |current| candidate > current) {
+            self.current = Some(candidate);
+            return self.current.map(Signal::Watermark);
+        }
+        // Back from idle: announcing the watermark again makes the stream count.
+        woke.then_some(self.current)
+            .flatten()
+            .map(Signal::Watermark)
     }
 
     /// The last watermark handed out (or the floor).
@@ -151,7 +171,8 @@ impl<T: Send + 'static> Operator<T, T> for AssignWatermarks<T> {
     fn on_flush(&mut self, out: &mut Collector<'_, T>) -> Result<()> {
         let tracker = self.tracker.as_mut().expect("started");
         match tracker.advance(crate::record::now_nanos()) {
-            Some(watermark) => out.watermark(watermark),
+            Some(Signal::Watermark(watermark)) => out.watermark(watermark),
+            Some(Signal::Idle) => out.idle(),
             None => Ok(()),
         }
     }
@@ -162,6 +183,10 @@ mod tests {
     use super::*;
 
     const MS: Nanos = 1_000_000;
+
+    fn w(watermark: EventTime) -> Option<Signal> {
+        Some(Signal::Watermark(watermark))
+    }
 
     fn tracker(partitions: &[u32], idle: Option<u64>) -> WatermarkTracker {
         WatermarkTracker::new(
@@ -179,10 +204,10 @@ mod tests {
         t.observe(0, 100, MS);
         assert_eq!(t.advance(MS), None, "partition 2 delivered nothing yet");
         t.observe(2, 50, MS);
-        assert_eq!(t.advance(MS), Some(40));
+        assert_eq!(t.advance(MS), w(40));
         t.observe(2, 70, MS);
         t.observe(0, 60, MS);
-        assert_eq!(t.advance(MS), Some(60), "max of 0 stays 100; min is 70");
+        assert_eq!(t.advance(MS), w(60), "max of 0 stays 100; min is 70");
     }
 
     #[test]
@@ -190,13 +215,13 @@ mod tests {
         let mut t = tracker(&[0, 1], None);
         t.observe(0, 1_000, MS);
         t.observe(1, 10, MS);
-        assert_eq!(t.advance(MS), Some(0));
+        assert_eq!(t.advance(MS), w(0));
         for time in (1_100..5_000).step_by(100) {
             t.observe(0, time, 2 * MS);
         }
         assert_eq!(t.advance(2 * MS), None, "partition 1 is still at 10");
         t.observe(1, 500, 3 * MS);
-        assert_eq!(t.advance(3 * MS), Some(490));
+        assert_eq!(t.advance(3 * MS), w(490));
     }
 
     #[test]
@@ -205,7 +230,7 @@ mod tests {
         t.observe(0, 1_000, MS);
         assert_eq!(t.advance(50 * MS), None, "partition 1 is not idle yet");
         t.observe(0, 2_000, 150 * MS);
-        assert_eq!(t.advance(150 * MS), Some(1_990), "partition 1 idle since 0");
+        assert_eq!(t.advance(150 * MS), w(1_990), "partition 1 idle since 0");
         t.observe(1, 500, 160 * MS);
         assert_eq!(
             t.advance(160 * MS),
@@ -216,12 +241,22 @@ mod tests {
     }
 
     #[test]
-    fn every_partition_idle_goes_as_far_as_the_most_advanced() {
+    fn every_partition_idle_declares_the_stream_idle_once_until_data_returns() {
         let mut t = tracker(&[0, 1], Some(100));
         t.observe(0, 300, MS);
         t.observe(1, 700, MS);
-        assert_eq!(t.advance(MS), Some(290));
-        assert_eq!(t.advance(500 * MS), Some(690));
+        assert_eq!(t.advance(MS), w(290));
+        assert_eq!(t.advance(500 * MS), Some(Signal::Idle));
+        assert_eq!(t.advance(600 * MS), None);
+        t.observe(1, 800, 700 * MS);
+        assert_eq!(t.advance(700 * MS), w(790), "partition 0 is still idle");
+        assert_eq!(t.advance(900 * MS), Some(Signal::Idle));
+        t.observe(0, 100, 950 * MS);
+        assert_eq!(
+            t.advance(950 * MS),
+            w(790),
+            "active again: announced, not moved back"
+        );
     }
 
     #[test]
@@ -230,7 +265,7 @@ mod tests {
         t.observe(0, 400, MS);
         assert_eq!(t.advance(MS), None, "below the restored watermark");
         t.observe(0, 1_500, MS);
-        assert_eq!(t.advance(MS), Some(1_500));
+        assert_eq!(t.advance(MS), w(1_500));
         t.observe(0, 1_200, MS);
         assert_eq!(t.advance(MS), None);
         assert_eq!(t.current(), Some(1_500));
