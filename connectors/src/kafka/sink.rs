@@ -1,7 +1,7 @@
 //! [`KafkaSink`]: one producer per sink actor; any delivery failure fails the
-//! query with the broker's error. At-least-once by default (an idempotent
-//! producer flushed at every barrier); exactly-once with Kafka transactions (see
-//! `exactly_once`).
+//! query with the broker's error. At-least-once by default (one request in
+//! flight per broker, so order holds across retries; flushed at every barrier);
+//! exactly-once with Kafka transactions (see `exactly_once`).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
