@@ -62,6 +62,7 @@ pub mod prelude {
         ConsoleSink, CsvTable, ForeachSink, ForeachWriter, GeneratorSource, MemorySink,
         MemorySource,
     };
+    pub use rtflow_operators::{AggregateFunction, Window, WindowExt};
     pub use rtflow_operators::{KeyedStreamExt, StreamExt};
     pub use rtflow_runtime::{
         BoxError, Collector, Data, Dataflow, KeyedStream, Operator, OperatorContext, OutputMode,

@@ -23,6 +23,7 @@ mod filter;
 mod flat_map;
 mod join;
 mod map;
+mod window;
 
 use std::hash::Hash;
 use std::ops::AddAssign;
@@ -34,6 +35,7 @@ pub use flat_map::FlatMap;
 pub use join::{BroadcastJoin, BroadcastLeftJoin};
 pub use map::Map;
 use rtflow_runtime::{Data, KeyedStream, StaticTable, Stream};
+pub use window::{AggregateFunction, Window, WindowExt, WindowedStream, Windowing};
 
 /// The stateless operators as builder methods on any stream.
 pub trait StreamExt<T: Data>: AsRef<Stream<T>> {

@@ -32,6 +32,12 @@ pub const OPERATOR_ALLOWLIST: &[&str] = &[
     "max",
     "avg",
     "reduce",
+    "window_count",
+    "window_sum",
+    "window_min",
+    "window_max",
+    "window_avg",
+    "window_aggregate",
 ];
 
 /// Sink kinds a real-time query may use while the allowlist check is on.

@@ -1,0 +1,641 @@
+//! Windowed aggregations per key: after `key_by`, records are grouped by key and by
+//! event-time window (tumbling, sliding or session), and every record emits the
+//! updated aggregate of each `(key, window)` it falls into at once (update output
+//! mode), as `(key, window, aggregate)`.
+//!
+//! Windows close with the operator's input watermark, as in Spark: a window whose
+//! end is at or behind the watermark takes no more records and its state is
+//! evicted. A record whose windows have all closed is late: it is dropped and
+//! counted (`rtflow_late_records_total`). Session windows follow the same rule
+//! with one refinement, explained at [`Window::session`].
+//!
+//! Every open window lives in keyed state (one entry per key, holding that key's
+//! open windows), so it is checkpointed incrementally and restored exactly; the
+//! operator's own watermark is checkpointed too, so a restored instance neither
+//! reopens a window it had closed nor accepts a record it would have dropped.
+//!
+//! ```
+//! use std::time::Duration;
+//! use rtflow_operators::{Window, WindowExt};
+//! use rtflow_runtime::Dataflow;
+//! # use rtflow_connectors::{MemorySink, MemorySource};
+//! let flow = Dataflow::new("clicks");
+//! // (user, page, event time in ms)
+//! let clicks = flow
+//!     .source(MemorySource::<(String, String, i64)>::new(1))
+//!     .with_watermark(|(_, _, time)| *time, Duration::from_secs(5));
+//! let by_user = clicks.key_by(|(user, _, _)| user.clone());
+//! by_user
+//!     .window(Window::sliding(Duration::from_secs(10), Duration::from_secs(2)))
+//!     .count()
+//!     .sink(MemorySink::new());
+//! by_user
+//!     .window(Window::session(Duration::from_secs(30)))
+//!     .max(|(_, _, time)| *time)
+//!     .sink(MemorySink::new());
+//! ```
+
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+use std::ops::AddAssign;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rtflow_runtime::record::EventTime;
+use rtflow_runtime::state::{KeyedState, StateSnapshot, SubtaskState};
+use rtflow_runtime::{
+    Collector, Data, KeyedStream, Operator, OperatorContext, Record, Result, Stream,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::aggregate::{StateKey, StateValue};
+
+/// A window of event time: `[start, end)`, in milliseconds since the Unix epoch.
+///
+/// Its associated functions say how records are assigned to windows:
+///
+/// ```
+/// use std::time::Duration;
+/// use rtflow_operators::Window;
+/// let minutes = Window::tumbling(Duration::from_secs(60));
+/// let hop = Window::sliding(Duration::from_secs(10), Duration::from_secs(2));
+/// let visits = Window::session(Duration::from_secs(30 * 60));
+/// # let _ = (minutes, hop, visits);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Window {
+    /// The first millisecond in the window.
+    pub start: EventTime,
+    /// The first millisecond after it.
+    pub end: EventTime,
+}
+
+impl Window {
+    /// Back-to-back windows of `size`, aligned to multiples of `size` since the
+    /// Unix epoch: each record falls into exactly one.
+    ///
+    /// # Panics
+    ///
+    /// If `size` is shorter than a millisecond.
+    pub fn tumbling(size: Duration) -> Windowing {
+        Self::sliding(size, size)
+    }
+
+    /// Windows of `size` starting every `slide` (aligned to multiples of `slide`
+    /// since the Unix epoch): each record falls into `size / slide` of them
+    /// (rounded up or down, by where it lies), and updates each.
+    ///
+    /// # Panics
+    ///
+    /// If `size` or `slide` is shorter than a millisecond, or `slide` is longer
+    /// than `size` (records would fall between windows).
+    pub fn sliding(size: Duration, slide: Duration) -> Windowing {
+        let (size, slide) = (millis(size, "window size"), millis(slide, "window slide"));
+        assert!(
+            slide <= size,
+            "a window slide ({slide} ms) longer than the window ({size} ms) would leave records \
+             outside every window"
+        );
+        Windowing(Assigner::Sliding { size, slide })
+    }
+
+    /// Per-key sessions of activity: a record opens `[time, time + gap)`, and
+    /// windows that overlap merge into one, so a session ends once its key has
+    /// been silent for `gap`. Records `gap` or more apart are in different
+    /// sessions.
+    ///
+    /// A session closes when the watermark reaches its end. A record is late when
+    /// its event time is behind the watermark: such a record could belong to a
+    /// session that has already closed, which merging it into a new one would
+    /// split in two. Records at or after the watermark never touch a closed
+    /// session, so the open sessions are always those a batch run over the
+    /// accepted records would find.
+    ///
+    /// # Panics
+    ///
+    /// If `gap` is shorter than a millisecond.
+    pub fn session(gap: Duration) -> Windowing {
+        Windowing(Assigner::Session {
+            gap: millis(gap, "session gap"),
+        })
+    }
+}
+
+/// Whole milliseconds of a window parameter, which must be at least one.
+fn millis(duration: Duration, what: &str) -> i64 {
+    let ms = i64::try_from(duration.as_millis()).unwrap_or(i64::MAX);
+    assert!(ms > 0, "the {what} must be at least 1 ms, not {duration:?}");
+    ms
+}
+
+/// How records are assigned to windows: made by [`Window::tumbling`],
+/// [`Window::sliding`] and [`Window::session`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Windowing(Assigner);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Assigner {
+    /// Tumbling windows are sliding ones whose slide is their size.
+    Sliding {
+        size: i64,
+        slide: i64,
+    },
+    Session {
+        gap: i64,
+    },
+}
+
+/// A user-defined aggregate over the records of a window.
+///
+/// `merge` combines the accumulators of two session windows that a record joined
+/// into one. `result` is read only from accumulators that took at least one
+/// record.
+///
+/// ```
+/// use rtflow_operators::AggregateFunction;
+///
+/// /// The distinct pages a user visited.
+/// struct DistinctPages;
+///
+/// impl AggregateFunction<(String, String)> for DistinctPages {
+///     type Acc = std::collections::BTreeSet<String>;
+///     type Out = usize;
+///
+///     fn create(&self) -> Self::Acc {
+///         Default::default()
+///     }
+///     fn add(&self, pages: &mut Self::Acc, (_, page): &(String, String)) {
+///         pages.insert(page.clone());
+///     }
+///     fn merge(&self, pages: &mut Self::Acc, other: Self::Acc) {
+///         pages.extend(other);
+///     }
+///     fn result(&self, pages: &Self::Acc) -> usize {
+///         pages.len()
+///     }
+/// }
+/// ```
+pub trait AggregateFunction<T>: Send + Sync + 'static {
+    /// The per-window accumulator, kept in checkpointed state.
+    type Acc: StateValue;
+    /// What each update emits.
+    type Out: Data;
+
+    /// The accumulator of an empty window.
+    fn create(&self) -> Self::Acc;
+    /// Folds a record into `acc`.
+    fn add(&self, acc: &mut Self::Acc, record: &T);
+    /// Folds another window's accumulator into `acc` (session windows merging).
+    fn merge(&self, acc: &mut Self::Acc, other: Self::Acc);
+    /// The aggregate of the records folded into `acc`.
+    fn result(&self, acc: &Self::Acc) -> Self::Out;
+}
+
+/// Windowed aggregations as builder methods on a keyed stream.
+///
+/// ```
+/// use std::time::Duration;
+/// use rtflow_operators::{StreamExt, Window, WindowExt};
+/// use rtflow_runtime::Dataflow;
+/// # use rtflow_connectors::{MemorySink, MemorySource};
+/// let flow = Dataflow::new("spend");
+/// // (user, cents, event time in ms)
+/// let purchases = flow
+///     .source(MemorySource::<(u32, u64, i64)>::new(2))
+///     .with_watermark(|(_, _, time)| *time, Duration::from_secs(1));
+/// purchases
+///     .key_by(|(user, _, _)| *user)
+///     .window(Window::tumbling(Duration::from_secs(60)))
+///     .sum(|(_, cents, _)| *cents)
+///     .map(|(user, window, cents)| format!("{user} spent {cents} from {}", window.start))
+///     .sink(MemorySink::new());
+/// ```
+pub trait WindowExt<K, T> {
+    /// Groups the records of each key into windows; aggregate them with the
+    /// returned builder.
+    fn window(&self, windowing: Windowing) -> WindowedStream<K, T>;
+}
+
+impl<K: StateKey, T: Data> WindowExt<K, T> for KeyedStream<K, T> {
+    fn window(&self, windowing: Windowing) -> WindowedStream<K, T> {
+        WindowedStream {
+            stream: self.as_ref().clone(),
+            key: self.key_fn(),
+            windowing,
+        }
+    }
+}
+
+type KeyFn<T, K> = Arc<dyn Fn(&T) -> K + Send + Sync>;
+
+/// A keyed stream grouped into windows (see [`WindowExt::window`]): pick the
+/// aggregate.
+pub struct WindowedStream<K, T> {
+    stream: Stream<T>,
+    key: KeyFn<T, K>,
+    windowing: Windowing,
+}
+
+impl<K: StateKey, T: Data> WindowedStream<K, T> {
+    /// Records per key and window.
+    pub fn count(&self) -> Stream<(K, Window, u64)> {
+        self.build("window_count", Count)
+    }
+
+    /// The sum of `value` per key and window.
+    pub fn sum<N>(&self, value: impl Fn(&T) -> N + Send + Sync + 'static) -> Stream<(K, Window, N)>
+    where
+        N: StateValue + Data + Copy + Default + AddAssign,
+    {
+        self.build("window_sum", Sum(value, PhantomData))
+    }
+
+    /// The least `value` per key and window.
+    pub fn min<N>(&self, value: impl Fn(&T) -> N + Send + Sync + 'static) -> Stream<(K, Window, N)>
+    where
+        N: StateValue + Data + Copy + PartialOrd,
+    {
+        self.build("window_min", Extreme::new(value, |new, old| new < old))
+    }
+
+    /// The greatest `value` per key and window.
+    pub fn max<N>(&self, value: impl Fn(&T) -> N + Send + Sync + 'static) -> Stream<(K, Window, N)>
+    where
+        N: StateValue + Data + Copy + PartialOrd,
+    {
+        self.build("window_max", Extreme::new(value, |new, old| new > old))
+    }
+
+    /// The mean of `value` per key and window.
+    pub fn avg(
+        &self,
+        value: impl Fn(&T) -> f64 + Send + Sync + 'static,
+    ) -> Stream<(K, Window, f64)> {
+        self.build("window_avg", Avg(value))
+    }
+
+    /// A user-defined aggregate per key and window.
+    pub fn aggregate<A: AggregateFunction<T>>(&self, aggregate: A) -> Stream<(K, Window, A::Out)> {
+        self.build("window_aggregate", aggregate)
+    }
+
+    fn build<A: AggregateFunction<T>>(
+        &self,
+        kind: &str,
+        aggregate: A,
+    ) -> Stream<(K, Window, A::Out)> {
+        let (key, windowing, aggregate) = (self.key.clone(), self.windowing, Arc::new(aggregate));
+        self.stream.transform(kind, move |_| WindowAggregate {
+            key: key.clone(),
+            windowing: windowing.0,
+            aggregate: aggregate.clone(),
+            windows: None,
+            watermark_state: None,
+            watermark: EventTime::MIN,
+            expiry: BTreeMap::new(),
+        })
+    }
+}
+
+struct Count;
+
+impl<T> AggregateFunction<T> for Count {
+    type Acc = u64;
+    type Out = u64;
+
+    fn create(&self) -> u64 {
+        0
+    }
+    fn add(&self, count: &mut u64, _: &T) {
+        *count += 1;
+    }
+    fn merge(&self, count: &mut u64, other: u64) {
+        *count += other;
+    }
+    fn result(&self, count: &u64) -> u64 {
+        *count
+    }
+}
+
+/// `PhantomData<fn() -> N>`: the value type is named by the impl, not stored.
+struct Sum<F, N>(F, PhantomData<fn() -> N>);
+
+impl<T, N, F> AggregateFunction<T> for Sum<F, N>
+where
+    F: Fn(&T) -> N + Send + Sync + 'static,
+    N: StateValue + Data + Copy + Default + AddAssign,
+{
+    type Acc = N;
+    type Out = N;
+
+    fn create(&self) -> N {
+        N::default()
+    }
+    fn add(&self, sum: &mut N, record: &T) {
+        *sum += (self.0)(record);
+    }
+    fn merge(&self, sum: &mut N, other: N) {
+        *sum += other;
+    }
+    fn result(&self, sum: &N) -> N {
+        *sum
+    }
+}
+
+/// `min` or `max`: keeps the value for which `replaces(new, old)` holds.
+struct Extreme<F, N> {
+    value: F,
+    replaces: fn(&N, &N) -> bool,
+}
+
+impl<F, N> Extreme<F, N> {
+    fn new(value: F, replaces: fn(&N, &N) -> bool) -> Self {
+        Self { value, replaces }
+    }
+
+    fn offer(&self, current: &mut Option<N>, candidate: N) {
+        if current
+            .as_ref()
+            .map_or(true, |old| (self.replaces)(&candidate, old))
+        {
+            *current = Some(candidate);
+        }
+    }
+}
+
+impl<T, N, F> AggregateFunction<T> for Extreme<F, N>
+where
+    F: Fn(&T) -> N + Send + Sync + 'static,
+    N: StateValue + Data + Copy + PartialOrd,
+{
+    /// `None` only while the window is empty.
+    type Acc = Option<N>;
+    type Out = N;
+
+    fn create(&self) -> Option<N> {
+        None
+    }
+    fn add(&self, current: &mut Option<N>, record: &T) {
+        self.offer(current, (self.value)(record));
+    }
+    fn merge(&self, current: &mut Option<N>, other: Option<N>) {
+        if let Some(other) = other {
+            self.offer(current, other);
+        }
+    }
+    fn result(&self, current: &Option<N>) -> N {
+        current.expect("results are read after a record was added")
+    }
+}
+
+struct Avg<F>(F);
+
+impl<T, F> AggregateFunction<T> for Avg<F>
+where
+    F: Fn(&T) -> f64 + Send + Sync + 'static,
+{
+    /// Sum and count.
+    type Acc = (f64, u64);
+    type Out = f64;
+
+    fn create(&self) -> (f64, u64) {
+        (0.0, 0)
+    }
+    fn add(&self, (sum, count): &mut (f64, u64), record: &T) {
+        *sum += (self.0)(record);
+        *count += 1;
+    }
+    fn merge(&self, (sum, count): &mut (f64, u64), (other_sum, other_count): (f64, u64)) {
+        *sum += other_sum;
+        *count += other_count;
+    }
+    fn result(&self, (sum, count): &(f64, u64)) -> f64 {
+        sum / *count as f64
+    }
+}
+
+/// The open windows of one key with their accumulators, sorted by start. Windows
+/// of one key never overlap for sessions and all have one size for sliding
+/// windows, so they are sorted by end too.
+type Panes<Acc> = Vec<(Window, Acc)>;
+
+/// The names of the operator's states.
+const WINDOWS: &str = "windows";
+const WATERMARK: &str = "watermark";
+
+/// The windowed-aggregate operator.
+struct WindowAggregate<K, T, A: AggregateFunction<T>> {
+    key: KeyFn<T, K>,
+    windowing: Assigner,
+    aggregate: Arc<A>,
+    windows: Option<KeyedState<K, Panes<A::Acc>>>,
+    /// The watermark this instance closed windows at, checkpointed.
+    watermark_state: Option<SubtaskState<EventTime>>,
+    watermark: EventTime,
+    /// Keys by the end of a window they opened: which keys to look at when the
+    /// watermark passes that end. Rebuilt from the windows on start; an entry
+    /// whose window merged into a longer session is looked at and passed over.
+    expiry: BTreeMap<EventTime, Vec<K>>,
+}
+
+impl<K, T, A> WindowAggregate<K, T, A>
+where
+    K: StateKey,
+    T: Data,
+    A: AggregateFunction<T>,
+{
+    /// Adds `record` to its open sliding windows and emits their aggregates.
+    fn add_sliding(
+        &mut self,
+        key: K,
+        record: &Record<T>,
+        (size, slide): (i64, i64),
+        out: &mut Collector<'_, (K, Window, A::Out)>,
+    ) -> Result<()> {
+        let time = record.meta.event_time;
+        let last = time - time.rem_euclid(slide);
+        // Windows containing `time` start at `last`, `last - slide`, ... down to
+        // the first start after `time - size`. Only the open ones take the record.
+        let count = (size - (time - last) + slide - 1) / slide;
+        let watermark = self.watermark;
+        let mut starts = (0..count)
+            .rev()
+            .map(|i| last - i * slide)
+            .filter(|start| start.saturating_add(size) > watermark)
+            .peekable();
+        if starts.peek().is_none() {
+            out.drop_late();
+            return Ok(());
+        }
+        let state = self
+            .windows
+            .as_mut()
+            .expect("started before the first record");
+        let panes = state.get_or_insert_with(key.clone(), Vec::new);
+        for start in starts {
+            let window = Window {
+                start,
+                end: start.saturating_add(size),
+            };
+            let at = panes.partition_point(|(w, _)| w.start < start);
+            if panes.get(at).map_or(true, |(w, _)| *w != window) {
+                panes.insert(at, (window, self.aggregate.create()));
+                self.expiry.entry(window.end).or_default().push(key.clone());
+            }
+            let acc = &mut panes[at].1;
+            self.aggregate.add(acc, &record.value);
+            out.emit((key.clone(), window, self.aggregate.result(acc)))?;
+        }
+        Ok(())
+    }
+
+    /// Adds `record` to its session, merging the sessions it bridges, and emits
+    /// the session's aggregate.
+    fn add_session(
+        &mut self,
+        key: K,
+        record: &Record<T>,
+        gap: i64,
+        out: &mut Collector<'_, (K, Window, A::Out)>,
+    ) -> Result<()> {
+        let time = record.meta.event_time;
+        if time < self.watermark {
+            out.drop_late();
+            return Ok(());
+        }
+        let state = self
+            .windows
+            .as_mut()
+            .expect("started before the first record");
+        let panes = state.get_or_insert_with(key.clone(), Vec::new);
+        let mut window = Window {
+            start: time,
+            end: time.saturating_add(gap),
+        };
+        // The sessions the new one overlaps are consecutive: sessions of a key are
+        // disjoint and sorted.
+        let first = panes.partition_point(|(w, _)| w.end <= window.start);
+        let last = panes.partition_point(|(w, _)| w.start < window.end);
+        let mut acc = None;
+        let mut merged_end = None;
+        for (merged, other) in panes.drain(first..last) {
+            window.start = window.start.min(merged.start);
+            window.end = window.end.max(merged.end);
+            merged_end = merged_end.max(Some(merged.end));
+            match &mut acc {
+                None => acc = Some(other),
+                Some(acc) => self.aggregate.merge(acc, other),
+            }
+        }
+        // Every session has an expiry entry at its end; one that grew needs one at
+        // its new end.
+        if merged_end != Some(window.end) {
+            self.expiry.entry(window.end).or_default().push(key.clone());
+        }
+        let mut acc = acc.unwrap_or_else(|| self.aggregate.create());
+        self.aggregate.add(&mut acc, &record.value);
+        let result = self.aggregate.result(&acc);
+        panes.insert(first, (window, acc));
+        out.emit((key, window, result))
+    }
+
+    /// Drops the windows that end at or before the watermark.
+    fn evict(&mut self) {
+        let state = self.windows.as_mut().expect("started");
+        let watermark = self.watermark;
+        while let Some(entry) = self.expiry.first_entry() {
+            if *entry.key() > watermark {
+                break;
+            }
+            for key in entry.remove() {
+                // Only a key whose earliest window closed is touched: reading it
+                // does not mark it changed for the next checkpoint.
+                let closed = state
+                    .get(&key)
+                    .and_then(|panes| panes.first())
+                    .is_some_and(|(w, _)| w.end <= watermark);
+                if !closed {
+                    continue;
+                }
+                let panes = state.get_mut(&key).expect("checked above");
+                let open = panes.partition_point(|(w, _)| w.end <= watermark);
+                panes.drain(..open);
+                if panes.is_empty() {
+                    state.remove(&key);
+                }
+            }
+        }
+    }
+}
+
+impl<K, T, A> Operator<T, (K, Window, A::Out)> for WindowAggregate<K, T, A>
+where
+    K: StateKey,
+    T: Data,
+    A: AggregateFunction<T>,
+{
+    fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
+        let windows: KeyedState<K, Panes<A::Acc>> = ctx.state.keyed(WINDOWS)?;
+        let mut watermark_state = ctx.state.per_subtask::<EventTime>(WATERMARK)?;
+        // After a rescale an instance takes keys from several old ones: the highest
+        // of their watermarks reopens none of the windows any of them closed.
+        let restored = watermark_state
+            .restored()
+            .iter()
+            .map(|(_, watermark)| *watermark)
+            .chain(ctx.state.restored_watermark())
+            .max();
+        if let Some(watermark) = restored {
+            self.watermark = watermark;
+            watermark_state.set(watermark);
+        }
+        for (key, panes) in windows.iter() {
+            for (window, _) in panes {
+                self.expiry.entry(window.end).or_default().push(key.clone());
+            }
+        }
+        self.windows = Some(windows);
+        self.watermark_state = Some(watermark_state);
+        self.evict();
+        Ok(())
+    }
+
+    #[inline]
+    fn process(
+        &mut self,
+        record: Record<T>,
+        out: &mut Collector<'_, (K, Window, A::Out)>,
+    ) -> Result<()> {
+        let key = (self.key)(&record.value);
+        match self.windowing {
+            Assigner::Sliding { size, slide } => self.add_sliding(key, &record, (size, slide), out),
+            Assigner::Session { gap } => self.add_session(key, &record, gap, out),
+        }
+    }
+
+    fn on_watermark(
+        &mut self,
+        watermark: EventTime,
+        _out: &mut Collector<'_, (K, Window, A::Out)>,
+    ) -> Result<()> {
+        if watermark > self.watermark {
+            self.watermark = watermark;
+            self.watermark_state
+                .as_mut()
+                .expect("started")
+                .set(watermark);
+            self.evict();
+        }
+        Ok(())
+    }
+
+    fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+        if let Some(windows) = &mut self.windows {
+            windows.snapshot(out)?;
+        }
+        if let Some(watermark) = &mut self.watermark_state {
+            watermark.snapshot(out)?;
+        }
+        Ok(())
+    }
+}
