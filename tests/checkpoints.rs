@@ -188,3 +188,25 @@ fn an_unusable_checkpoint_location_fails_at_start() {
     );
     query.stop().unwrap();
 }
+
+#[test]
+fn a_memory_source_shorter_than_the_checkpoint_fails_at_start() {
+    let input = MemorySource::new(1);
+    let config = checkpointed("shorter");
+    let (query, out) = start(&input, config.clone());
+    input.push_all(0, 0..5).unwrap();
+    assert!(out.wait_for(5, TIMEOUT));
+    query.stop().unwrap();
+    drop(query);
+
+    let flow = Dataflow::new("resumable");
+    flow.source(MemorySource::<u32>::new(1))
+        .name("numbers")
+        .map(|x| x)
+        .sink(MemorySink::new());
+    let Err(error) = flow.start(config) else {
+        panic!("a fresh source cannot resume after offset 5")
+    };
+    assert_eq!(error.error_class(), "SOURCE_FAILED");
+    assert!(error.to_string().contains("resumes after 5"), "{error}");
+}

@@ -139,13 +139,29 @@ impl<T: Data> Source<T> for MemorySource<T> {
     }
 
     fn reader(&self, ctx: &SourceContext) -> Result<Box<dyn SourceReader<T>>> {
+        let offsets: Vec<(usize, usize)> = ctx
+            .numbered_partitions()
+            .into_iter()
+            .map(|(partition, offset)| (partition, offset as usize))
+            .collect();
+        let log = self.shared.log();
+        for (partition, offset) in &offsets {
+            let held = log.partitions[*partition].len();
+            if *offset > held {
+                return Err(RtflowError::source(
+                    "memory",
+                    format!(
+                        "partition {partition} holds {held} records, but the checkpoint \
+                         resumes after {offset}: restart with the same MemorySource, or on a \
+                         new checkpoint location"
+                    ),
+                ));
+            }
+        }
+        drop(log);
         Ok(Box::new(MemoryReader {
             shared: self.shared.clone(),
-            offsets: ctx
-                .numbered_partitions()
-                .into_iter()
-                .map(|(partition, offset)| (partition, offset as usize))
-                .collect(),
+            offsets,
         }))
     }
 }
