@@ -23,6 +23,7 @@ mod filter;
 mod flat_map;
 mod join;
 mod map;
+pub mod process;
 mod window;
 
 use std::hash::Hash;
@@ -34,6 +35,7 @@ pub use filter::Filter;
 pub use flat_map::FlatMap;
 pub use join::{BroadcastJoin, BroadcastLeftJoin};
 pub use map::Map;
+pub use process::{KeyedProcess, KeyedProcessExt, KeyedProcessor};
 use rtflow_runtime::{Data, KeyedStream, StaticTable, Stream};
 pub use window::{AggregateFunction, Window, WindowExt, WindowedStream, Windowing};
 

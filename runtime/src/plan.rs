@@ -38,6 +38,7 @@ pub const OPERATOR_ALLOWLIST: &[&str] = &[
     "window_max",
     "window_avg",
     "window_aggregate",
+    "process",
 ];
 
 /// Sink kinds a real-time query may use while the allowlist check is on.
