@@ -25,7 +25,7 @@
 //!     .filter(|x| x % 3 != 0)
 //!     .sink(output.clone());
 //!
-//! let dir = std::env::temp_dir().join("rtflow-doc-doubler");
+//! let dir = std::env::temp_dir().join(format!("rtflow-doc-doubler-{}", std::process::id()));
 //! let query = flow.start(QueryConfig::new("doubler").checkpoint_location(dir))?;
 //! input.push_all(0, [1, 2, 3])?;
 //! input.push_all(1, [4, 5])?;
@@ -64,6 +64,7 @@ pub mod prelude {
     };
     pub use rtflow_operators::process::{KeyedProcessExt, KeyedProcessor, ProcessContext, Timer};
     pub use rtflow_operators::{AggregateFunction, Window, WindowExt};
+    pub use rtflow_operators::{DedupExt, Either, JoinWindow, StreamJoinExt};
     pub use rtflow_operators::{KeyedStreamExt, StreamExt};
     pub use rtflow_runtime::{
         BoxError, Collector, Data, Dataflow, KeyedStream, Operator, OperatorContext, OutputMode,
