@@ -372,3 +372,157 @@ fn processing_time_timers_fire_in_order_and_across_a_restart() {
     );
     query.stop().unwrap();
 }
+
+/// Sessions end after this much event time without a record of their key.
+const GAP: i64 = 100;
+const START: ValueState<i64> = ValueState::new("start");
+const TIMES: ListState<i64> = ListState::new("times");
+
+/// Per-key sessionization: `(key, event time)` records, a session per run of
+/// records less than [`GAP`] apart, emitted as `(key, (start, end, records))`
+/// once the watermark or a later record of the key passes its end plus the gap.
+#[derive(Default)]
+struct Sessions;
+
+type Session = (i64, i64, usize);
+
+impl Sessions {
+    /// Emits the key's open session and forgets it.
+    fn close(key: u32, ctx: &mut ProcessContext<'_, '_, u32, (u32, Session)>) -> Result<()> {
+        let Some(start) = ctx.value(&START).clear() else {
+            return Ok(());
+        };
+        let times = ctx.list(&TIMES).clear();
+        let end = *times.last().expect("a session has records");
+        ctx.emit((key, (start, end, times.len())))
+    }
+}
+
+impl KeyedProcessor<u32, (u32, i64), (u32, Session)> for Sessions {
+    fn init(&mut self, states: &mut StateDeclarations<'_, u32>) -> Result<()> {
+        states.declare(&START)?;
+        states.declare(&TIMES)
+    }
+
+    fn handle_input(
+        &mut self,
+        key: &u32,
+        (_, time): (u32, i64),
+        ctx: &mut ProcessContext<'_, '_, u32, (u32, Session)>,
+    ) -> Result<()> {
+        if let Some(&last) = ctx.list(&TIMES).iter().last() {
+            ctx.delete_timer(Timer::EventTime(last + GAP));
+            if time >= last + GAP {
+                Self::close(*key, ctx)?;
+            }
+        }
+        if ctx.value(&START).get().is_none() {
+            ctx.value(&START).set(time);
+        }
+        ctx.list(&TIMES).push(time);
+        ctx.register_timer(Timer::EventTime(time + GAP));
+        Ok(())
+    }
+
+    fn on_timer(
+        &mut self,
+        key: &u32,
+        _timer: Timer,
+        ctx: &mut ProcessContext<'_, '_, u32, (u32, Session)>,
+    ) -> Result<()> {
+        Self::close(*key, ctx)
+    }
+}
+
+/// The batch reference: each key's sessions, from its event times in order.
+fn reference_sessions(records: &[(u32, i64)]) -> BTreeMap<u32, Vec<Session>> {
+    let mut sessions: BTreeMap<u32, Vec<Session>> = BTreeMap::new();
+    for (key, time) in records {
+        let key_sessions = sessions.entry(*key).or_default();
+        match key_sessions.last_mut() {
+            Some((_, end, count)) if *time < *end + GAP => {
+                *end = *time;
+                *count += 1;
+            }
+            _ => key_sessions.push((*time, *time, 1)),
+        }
+    }
+    sessions
+}
+
+/// One step of a run: a record, or a stop and restart of the query.
+#[derive(Debug, Clone)]
+enum Step {
+    /// A record of key `key` (which lives in partition `key % 2`), `advance`
+    /// event-time ms after its partition's previous record.
+    Record {
+        key: u32,
+        advance: i64,
+    },
+    Restart,
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    let step = prop_oneof![
+        8 => (0u32..6, 0i64..2 * GAP).prop_map(|(key, advance)| Step::Record { key, advance }),
+        1 => Just(Step::Restart),
+    ];
+    prop::collection::vec(step, 1..40)
+}
+
+/// Keys of the records that end a run: one per partition, far ahead in event
+/// time, so the final watermark passes every real session's end.
+const LAST_KEYS: [u32; 2] = [1_000, 1_001];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 8, max_shrink_iters: 16, ..ProptestConfig::default() })]
+
+    #[test]
+    fn sessions_after_restarts_equal_the_batch_reference(steps in steps()) {
+        let input = MemorySource::new(2);
+        let config = checkpointed("sessions");
+        let start = |out: &MemorySink<(u32, Session)>| {
+            let flow = Dataflow::new("sessions");
+            flow.source(input.clone())
+                // One reader for both partitions, so the watermark the sessions
+                // see is the minimum over the partitions, also while a stop ends
+                // the readers one by one.
+                .parallelism(1)
+                .with_watermark(|(_, time): &(u32, i64)| *time, Duration::ZERO)
+                .key_by(|(key, _)| *key)
+                .process(Sessions::default)
+                .parallelism(2)
+                .sink(out.clone());
+            flow.start(config.clone()).unwrap()
+        };
+        let mut outputs = vec![MemorySink::new()];
+        let mut query = start(&outputs[0]);
+        let mut clocks = [0i64; 2];
+        let mut records = Vec::new();
+        for step in &steps {
+            match step {
+                Step::Record { key, advance } => {
+                    let partition = (*key % 2) as usize;
+                    clocks[partition] += advance;
+                    records.push((*key, clocks[partition]));
+                    input.push(partition, (*key, clocks[partition])).unwrap();
+                }
+                Step::Restart => {
+                    query.stop().unwrap();
+                    drop(query);
+                    outputs.push(MemorySink::new());
+                    query = start(outputs.last().unwrap());
+                }
+            }
+        }
+        let end = clocks.iter().max().unwrap() + 10 * GAP;
+        for (partition, key) in LAST_KEYS.iter().enumerate() {
+            input.push(partition, (*key, end)).unwrap();
+        }
+        input.end();
+        prop_assert_eq!(query.await_termination(Some(TIMEOUT)), Ok(true));
+
+        let rows: Vec<_> = outputs.iter().flat_map(|out| out.rows()).collect();
+        prop_assert_eq!(per_key(&rows), reference_sessions(&records));
+    }
+}
