@@ -19,9 +19,11 @@
 //! ```
 
 mod aggregate;
+mod dedup;
 mod filter;
 mod flat_map;
 mod join;
+mod join_stream;
 mod map;
 pub mod process;
 mod window;
@@ -31,9 +33,13 @@ use std::ops::AddAssign;
 use std::sync::Arc;
 
 pub use aggregate::{AddFn, Aggregation, RunningAggregate, StateKey, StateValue};
+pub use dedup::{DedupExt, DropDuplicates, DROP_DUPLICATES, DROP_DUPLICATES_WITHIN_WATERMARK};
 pub use filter::Filter;
 pub use flat_map::FlatMap;
 pub use join::{BroadcastJoin, BroadcastLeftJoin};
+pub use join_stream::{
+    Either, JoinWindow, StreamJoin, StreamJoinExt, STREAM_JOIN, STREAM_LEFT_JOIN,
+};
 pub use map::Map;
 pub use process::{KeyedProcess, KeyedProcessExt, KeyedProcessor};
 use rtflow_runtime::{Data, KeyedStream, StaticTable, Stream};

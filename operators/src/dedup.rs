@@ -1,0 +1,296 @@
+//! Deduplication on checkpointed keyed state: the first record of each key goes
+//! through, later ones with the same key are dropped.
+//!
+//! Both operators keep, per key, the time until which its duplicates are dropped,
+//! and forget the key once the watermark passes that time:
+//!
+//! - [`drop_duplicates`](DedupExt::drop_duplicates), as Spark's `dropDuplicates`
+//!   with a watermark: a key is kept until the watermark passes the event time of
+//!   its first occurrence. Put the event time in the key (Spark's advice), so a
+//!   duplicate that arrives after the key was forgotten is behind the watermark
+//!   and dropped as late. Without a watermark no key is ever forgotten.
+//! - [`drop_duplicates_within_watermark`](DedupExt::drop_duplicates_within_watermark),
+//!   as Spark 3.5's `dropDuplicatesWithinWatermark`: a key is kept until the
+//!   watermark passes its first occurrence's event time plus `delay`, so records
+//!   whose event times lie within `delay` of the first are dropped however they
+//!   arrive; the key need not hold the event time.
+//!
+//! Records behind the watermark are dropped and counted as late before either
+//! looks at them. rtflow's watermark `w` promises no record earlier than `w`, so
+//! a record at `w` is on time and a key is forgotten once its time is `< w`
+//! (Spark's promise and comparisons are one millisecond stricter: `<= w`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rtflow_runtime::state::{KeyedState, StateSnapshot, SubtaskState};
+use rtflow_runtime::{
+    Collector, Data, EventTime, Operator, OperatorContext, Record, Result, Stream,
+};
+
+use crate::aggregate::StateKey;
+
+/// The kind (allowlist and checkpoint name) of `drop_duplicates`.
+pub const DROP_DUPLICATES: &str = "drop_duplicates";
+/// The kind of `drop_duplicates_within_watermark`.
+pub const DROP_DUPLICATES_WITHIN_WATERMARK: &str = "drop_duplicates_within_watermark";
+
+/// The name of the deduplication state within its operator.
+const SEEN: &str = "seen";
+/// The name of an operator instance's watermark within its operator.
+const WATERMARK: &str = "watermark";
+
+/// The watermark an operator instance has received, against which it drops late
+/// records, checkpointed with the state it bounds.
+///
+/// After a restore, lateness must be judged as it was at the barrier: a key
+/// the checkpoint no longer holds was evicted because the watermark had passed
+/// it, and a replayed record of that key must be late again rather than let
+/// through as new. The query's restored watermark cannot serve: it is taken
+/// when the checkpoint commits, after the barrier, and would make records that
+/// follow the checkpoint's offsets late. An instance that restores several
+/// (after a change of parallelism) takes the least.
+pub(crate) struct Lateness {
+    current: Option<EventTime>,
+    state: SubtaskState<EventTime>,
+}
+
+impl Lateness {
+    pub(crate) fn restore(ctx: &OperatorContext) -> Result<Self> {
+        let state = ctx.state.per_subtask(WATERMARK)?;
+        Ok(Self {
+            current: state.restored().iter().map(|(_, w)| *w).min(),
+            state,
+        })
+    }
+
+    /// Whether a record at `time` is behind the watermark.
+    #[inline]
+    pub(crate) fn is_late(&self, time: EventTime) -> bool {
+        self.current.is_some_and(|watermark| time < watermark)
+    }
+
+    pub(crate) fn advance(&mut self, watermark: EventTime) {
+        self.current = Some(watermark);
+        self.state.set(watermark);
+    }
+
+    pub(crate) fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+        self.state.snapshot(out)
+    }
+}
+
+/// When keys expire, in event time: which keys to look at when the watermark
+/// passes a time, without scanning the whole state.
+///
+/// It is derived from the checkpointed state, never checkpointed itself: an
+/// operator builds it from its state at the first watermark after a start (so
+/// a stream without watermarks never pays for it), then schedules every insert.
+/// A key may be listed more than once; whoever pops it checks its state.
+pub(crate) struct Expiries<K> {
+    at: BTreeMap<EventTime, Vec<K>>,
+}
+
+impl<K> Expiries<K> {
+    pub(crate) fn new() -> Self {
+        Self {
+            at: BTreeMap::new(),
+        }
+    }
+
+    /// `key` may expire once the watermark passes `time`.
+    pub(crate) fn schedule(&mut self, time: EventTime, key: K) {
+        self.at.entry(time).or_default().push(key);
+    }
+
+    /// The keys scheduled before `watermark`, removed from the schedule.
+    pub(crate) fn due(&mut self, watermark: EventTime) -> impl Iterator<Item = K> {
+        let later = self.at.split_off(&watermark);
+        std::mem::replace(&mut self.at, later)
+            .into_values()
+            .flatten()
+    }
+}
+
+/// The deduplication operator: per key, the event time until which duplicates
+/// are dropped, in keyed state.
+pub struct DropDuplicates<K, T> {
+    key: Arc<dyn Fn(&T) -> K + Send + Sync>,
+    /// How long after its first occurrence's event time a key is kept (ms).
+    keep: i64,
+    /// Per key: the event time its first occurrence was seen at plus `keep`.
+    seen: Option<KeyedState<K, EventTime>>,
+    expiries: Option<Expiries<K>>,
+    lateness: Option<Lateness>,
+}
+
+impl<K, T> DropDuplicates<K, T> {
+    /// Deduplicates by `key`, keeping each key until the watermark passes its
+    /// first occurrence's event time plus `keep`.
+    pub fn new(key: Arc<dyn Fn(&T) -> K + Send + Sync>, keep: Duration) -> Self {
+        Self {
+            key,
+            keep: keep.as_millis() as i64,
+            seen: None,
+            expiries: None,
+            lateness: None,
+        }
+    }
+}
+
+impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
+    fn stateful() -> bool {
+        true
+    }
+
+    fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
+        self.seen = Some(ctx.state.keyed(SEEN)?);
+        self.lateness = Some(Lateness::restore(ctx)?);
+        Ok(())
+    }
+
+    #[inline]
+    fn process(&mut self, record: Record<T>, out: &mut Collector<'_, T>) -> Result<()> {
+        let time = record.meta.event_time;
+        let lateness = self
+            .lateness
+            .as_ref()
+            .expect("started before the first record");
+        if lateness.is_late(time) {
+            out.drop_late();
+            return Ok(());
+        }
+        let seen = self.seen.as_mut().expect("started before the first record");
+        let key = (self.key)(&record.value);
+        if seen.get(&key).is_some() {
+            return Ok(());
+        }
+        let until = time.saturating_add(self.keep);
+        if let Some(expiries) = &mut self.expiries {
+            expiries.schedule(until, key.clone());
+        }
+        seen.insert(key, until);
+        out.emit_record(record)
+    }
+
+    fn on_watermark(&mut self, watermark: EventTime, _out: &mut Collector<'_, T>) -> Result<()> {
+        self.lateness.as_mut().expect("started").advance(watermark);
+        let seen = self.seen.as_mut().expect("started");
+        let expiries = self.expiries.get_or_insert_with(|| {
+            let mut expiries = Expiries::new();
+            for (key, until) in seen.iter() {
+                expiries.schedule(*until, key.clone());
+            }
+            expiries
+        });
+        for key in expiries.due(watermark) {
+            if seen.get(&key).is_some_and(|until| *until < watermark) {
+                seen.remove(&key);
+            }
+        }
+        Ok(())
+    }
+
+    fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+        if let (Some(seen), Some(lateness)) = (&mut self.seen, &mut self.lateness) {
+            seen.snapshot(out)?;
+            lateness.snapshot(out)?;
+        }
+        Ok(())
+    }
+}
+
+/// Deduplication as builder methods on any stream. Each shuffles the stream by
+/// the deduplication key itself, so it needs no `key_by` before it.
+///
+/// ```
+/// use std::time::Duration;
+/// use rtflow_operators::{DedupExt, StreamExt};
+/// use rtflow_runtime::Dataflow;
+/// # use rtflow_connectors::{MemorySink, MemorySource};
+/// let flow = Dataflow::new("clicks");
+/// // (click id, event time in ms): a producer's retries resend the same click.
+/// let clicks = flow
+///     .source(MemorySource::<(u64, i64)>::new(2))
+///     .with_watermark(|(_, time)| *time, Duration::from_secs(10));
+/// // Each (id, time) once; a key is forgotten once the watermark passes its time.
+/// clicks.drop_duplicates(|click| *click).sink(MemorySink::new());
+/// // Each id once among records within a minute of its first occurrence.
+/// clicks
+///     .drop_duplicates_within_watermark(|(id, _)| *id, Duration::from_secs(60))
+///     .map(|(id, _)| id)
+///     .sink(MemorySink::new());
+/// ```
+pub trait DedupExt<T: Data>: AsRef<Stream<T>> {
+    /// The first record of each key; later records with the same key are dropped
+    /// (Spark's `dropDuplicates`). A key is kept until the watermark passes the
+    /// event time of its first occurrence, for ever if no watermark is declared.
+    /// Include the event time in the key so that a duplicate arriving after its
+    /// key was forgotten is late, and dropped as such.
+    fn drop_duplicates<K: StateKey>(
+        &self,
+        key: impl Fn(&T) -> K + Send + Sync + 'static,
+    ) -> Stream<T> {
+        dedup(
+            self.as_ref(),
+            DROP_DUPLICATES,
+            Arc::new(key),
+            Duration::ZERO,
+        )
+    }
+
+    /// The first record of each key, dropping the records with the same key that
+    /// arrive while the watermark has not passed the first one's event time plus
+    /// `delay` (Spark 3.5's `dropDuplicatesWithinWatermark`): duplicates whose
+    /// event times lie within `delay` of the first are always dropped, and the
+    /// key's state is evicted after that. Spark takes `delay` from the watermark
+    /// declaration; an operator here cannot see it, so pass the same `Duration`
+    /// as to `with_watermark` (or the largest gap expected between duplicates).
+    /// Without a watermark no key is ever forgotten.
+    fn drop_duplicates_within_watermark<K: StateKey>(
+        &self,
+        key: impl Fn(&T) -> K + Send + Sync + 'static,
+        delay: Duration,
+    ) -> Stream<T> {
+        dedup(
+            self.as_ref(),
+            DROP_DUPLICATES_WITHIN_WATERMARK,
+            Arc::new(key),
+            delay,
+        )
+    }
+}
+
+impl<T: Data, S: AsRef<Stream<T>>> DedupExt<T> for S {}
+
+fn dedup<K: StateKey, T: Data>(
+    stream: &Stream<T>,
+    kind: &str,
+    key: Arc<dyn Fn(&T) -> K + Send + Sync>,
+    keep: Duration,
+) -> Stream<T> {
+    let shuffle_key = key.clone();
+    stream
+        .key_by(move |value: &T| shuffle_key(value))
+        .as_ref()
+        .transform(kind, move |_| DropDuplicates::new(key.clone(), keep))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expiries_hand_out_the_keys_scheduled_before_the_watermark_once() {
+        let mut expiries = Expiries::new();
+        expiries.schedule(10, "a");
+        expiries.schedule(5, "b");
+        expiries.schedule(10, "c");
+        expiries.schedule(20, "d");
+        assert_eq!(expiries.due(10).collect::<Vec<_>>(), ["b"]);
+        assert_eq!(expiries.due(11).collect::<Vec<_>>(), ["a", "c"]);
+        assert_eq!(expiries.due(11).count(), 0);
+        assert_eq!(expiries.due(i64::MAX).collect::<Vec<_>>(), ["d"]);
+    }
+}

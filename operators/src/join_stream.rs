@@ -1,0 +1,430 @@
+//! Stream-stream joins on a key with an event-time range: a left row at `tl`
+//! and a right row at `tr` with the same key join when
+//! `tl - before <= tr <= tl + after` ([`JoinWindow`]).
+//!
+//! The runtime's operators have one input, so the builder tags each side's
+//! records ([`Either`]), unions the two streams, shuffles the union by the join
+//! key and runs one [`StreamJoin`] that handles both sides: a symmetric hash
+//! join. Each row first probes the other side's rows of its key and emits every
+//! pair in range, then is buffered for the rows still to come; so every pair is
+//! emitted once, by whichever of its rows arrives second.
+//!
+//! The watermark `w` (the minimum over both inputs) bounds the state: no row
+//! earlier than `w` is to come, so a left row at `tl` is dropped once
+//! `tl + after < w` and a right row at `tr` once `tr + before < w`: no future row
+//! of the other side could match them. Rows behind the watermark are dropped as
+//! late. The left outer join emits `(left, None)` for a left row that matched
+//! nothing when it is dropped, that is as soon as the watermark passes the end
+//! of its range.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rtflow_runtime::state::{KeyedState, StateSnapshot};
+use rtflow_runtime::{
+    Collector, Data, EventTime, Operator, OperatorContext, Record, RecordMeta, Result, Stream,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::aggregate::{StateKey, StateValue};
+use crate::dedup::{Expiries, Lateness};
+use crate::map::Map;
+
+/// The kind (allowlist and checkpoint name) of the inner stream-stream join.
+pub const STREAM_JOIN: &str = "stream_join";
+/// The kind of the left outer stream-stream join.
+pub const STREAM_LEFT_JOIN: &str = "stream_left_join";
+
+/// The name of the buffered rows within a join operator.
+const ROWS: &str = "rows";
+
+/// A record of either input of a two-input operator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Either<L, R> {
+    Left(L),
+    Right(R),
+}
+
+/// The event-time range condition of a stream-stream join: a right row at `tr`
+/// matches a left row at `tl` when `tl - before <= tr <= tl + after`.
+///
+/// ```
+/// use std::time::Duration;
+/// use rtflow_operators::JoinWindow;
+/// let window = JoinWindow::between(Duration::from_secs(5), Duration::from_secs(60));
+/// assert!(window.contains(10_000, 5_000));
+/// assert!(window.contains(10_000, 70_000));
+/// assert!(!window.contains(10_000, 4_999));
+/// assert!(!window.contains(10_000, 70_001));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JoinWindow {
+    /// How far before the left row a right row may be (ms).
+    pub before: i64,
+    /// How far after the left row a right row may be (ms).
+    pub after: i64,
+}
+
+impl JoinWindow {
+    /// Right rows from `before` before to `after` after the left row's event time.
+    pub fn between(before: Duration, after: Duration) -> Self {
+        Self {
+            before: before.as_millis() as i64,
+            after: after.as_millis() as i64,
+        }
+    }
+
+    /// Whether a right row at `right` matches a left row at `left`.
+    #[inline]
+    pub fn contains(&self, left: EventTime, right: EventTime) -> bool {
+        left.saturating_sub(self.before) <= right && right <= left.saturating_add(self.after)
+    }
+
+    /// The last event time a right row matching a left row at `left` can have.
+    fn left_expiry(&self, left: EventTime) -> EventTime {
+        left.saturating_add(self.after)
+    }
+
+    /// The last event time a left row matching a right row at `right` can have.
+    fn right_expiry(&self, right: EventTime) -> EventTime {
+        right.saturating_add(self.before)
+    }
+}
+
+/// A buffered left row, and whether it matched (for the outer join).
+#[derive(Serialize, Deserialize)]
+struct LeftRow<L> {
+    time: EventTime,
+    value: L,
+    matched: bool,
+}
+
+/// The rows of one key still waiting for matches, in arrival order.
+#[derive(Serialize, Deserialize)]
+struct Rows<L, R> {
+    left: Vec<LeftRow<L>>,
+    right: Vec<(EventTime, R)>,
+}
+
+impl<L, R> Default for Rows<L, R> {
+    fn default() -> Self {
+        Self {
+            left: Vec::new(),
+            right: Vec::new(),
+        }
+    }
+}
+
+/// The join operator over the union of both sides, keyed by the join key.
+pub struct StreamJoin<K, L, R, Out> {
+    key: KeyFn<Either<L, R>, K>,
+    window: JoinWindow,
+    /// Left outer join: emit `(left, None)` for left rows that never matched.
+    outer: bool,
+    /// Makes an output of a pair, or of an unmatched left row (outer join only).
+    output: fn(L, Option<R>) -> Out,
+    rows: Option<KeyedState<K, Rows<L, R>>>,
+    expiries: Option<Expiries<K>>,
+    lateness: Option<Lateness>,
+}
+
+impl<K, L, R> StreamJoin<K, L, R, (L, R)> {
+    /// Inner join of the rows of both sides with equal `key` within `window`.
+    pub fn inner(key: KeyFn<Either<L, R>, K>, window: JoinWindow) -> Self {
+        Self::new(key, window, false, |left, right| {
+            (left, right.expect("an inner join emits matched pairs only"))
+        })
+    }
+}
+
+impl<K, L, R> StreamJoin<K, L, R, (L, Option<R>)> {
+    /// Left outer join of the rows of both sides with equal `key` within
+    /// `window`: also emits `(left, None)` for left rows without a match.
+    pub fn left_outer(key: KeyFn<Either<L, R>, K>, window: JoinWindow) -> Self {
+        Self::new(key, window, true, |left, right| (left, right))
+    }
+}
+
+impl<K, L, R, Out> StreamJoin<K, L, R, Out> {
+    fn new(
+        key: KeyFn<Either<L, R>, K>,
+        window: JoinWindow,
+        outer: bool,
+        output: fn(L, Option<R>) -> Out,
+    ) -> Self {
+        Self {
+            key,
+            window,
+            outer,
+            output,
+            rows: None,
+            expiries: None,
+            lateness: None,
+        }
+    }
+}
+
+/// The timestamps of a pair: the later event time of its rows, so a pair is
+/// never behind the watermark of the operator that emits it.
+fn pair_meta(meta: RecordMeta, other: EventTime) -> RecordMeta {
+    RecordMeta {
+        event_time: meta.event_time.max(other),
+        ..meta
+    }
+}
+
+impl<K, L, R, Out> Operator<Either<L, R>, Out> for StreamJoin<K, L, R, Out>
+where
+    K: StateKey,
+    L: Data + StateValue,
+    R: Data + StateValue,
+    Out: Data,
+{
+    fn stateful() -> bool {
+        true
+    }
+
+    fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
+        self.rows = Some(ctx.state.keyed(ROWS)?);
+        self.lateness = Some(Lateness::restore(ctx)?);
+        Ok(())
+    }
+
+    fn process(
+        &mut self,
+        record: Record<Either<L, R>>,
+        out: &mut Collector<'_, Out>,
+    ) -> Result<()> {
+        let (meta, time) = (record.meta, record.meta.event_time);
+        let lateness = self
+            .lateness
+            .as_ref()
+            .expect("started before the first record");
+        if lateness.is_late(time) {
+            out.drop_late();
+            return Ok(());
+        }
+        let key = (self.key)(&record.value);
+        let rows = self
+            .rows
+            .as_mut()
+            .expect("started before the first record")
+            .get_or_insert_with(key.clone(), Rows::default);
+        let window = self.window;
+        let expiry = match record.value {
+            Either::Left(left) => {
+                let mut matched = false;
+                for (right_time, right) in &rows.right {
+                    if window.contains(time, *right_time) {
+                        matched = true;
+                        let pair = (self.output)(left.clone(), Some(right.clone()));
+                        out.emit_record(Record {
+                            value: pair,
+                            meta: pair_meta(meta, *right_time),
+                        })?;
+                    }
+                }
+                rows.left.push(LeftRow {
+                    time,
+                    value: left,
+                    matched,
+                });
+                window.left_expiry(time)
+            }
+            Either::Right(right) => {
+                for row in &mut rows.left {
+                    if window.contains(row.time, time) {
+                        row.matched = true;
+                        let pair = (self.output)(row.value.clone(), Some(right.clone()));
+                        out.emit_record(Record {
+                            value: pair,
+                            meta: pair_meta(meta, row.time),
+                        })?;
+                    }
+                }
+                rows.right.push((time, right));
+                window.right_expiry(time)
+            }
+        };
+        if let Some(expiries) = &mut self.expiries {
+            expiries.schedule(expiry, key);
+        }
+        Ok(())
+    }
+
+    fn on_watermark(&mut self, watermark: EventTime, out: &mut Collector<'_, Out>) -> Result<()> {
+        self.lateness.as_mut().expect("started").advance(watermark);
+        let state = self.rows.as_mut().expect("started");
+        let window = self.window;
+        let expiries = self.expiries.get_or_insert_with(|| {
+            let mut expiries = Expiries::new();
+            for (key, rows) in state.iter() {
+                for row in &rows.left {
+                    expiries.schedule(window.left_expiry(row.time), key.clone());
+                }
+                for (time, _) in &rows.right {
+                    expiries.schedule(window.right_expiry(*time), key.clone());
+                }
+            }
+            expiries
+        });
+        let expired = |time: EventTime| time < watermark;
+        for key in expiries.due(watermark) {
+            // A key is scheduled once per row: only the first visit finds work.
+            let due = state.get(&key).is_some_and(|rows| {
+                rows.left
+                    .iter()
+                    .any(|r| expired(window.left_expiry(r.time)))
+                    || rows
+                        .right
+                        .iter()
+                        .any(|(t, _)| expired(window.right_expiry(*t)))
+            });
+            if !due {
+                continue;
+            }
+            let rows = state.get_mut(&key).expect("checked above");
+            let mut kept = Vec::with_capacity(rows.left.len());
+            for row in rows.left.drain(..) {
+                let end = window.left_expiry(row.time);
+                if !expired(end) {
+                    kept.push(row);
+                } else if self.outer && !row.matched {
+                    // Stamped with the end of its range, which the watermark
+                    // downstream has not passed yet: never late there.
+                    let meta = RecordMeta {
+                        event_time: end,
+                        ..out.meta()
+                    };
+                    out.emit_record(Record {
+                        value: (self.output)(row.value, None),
+                        meta,
+                    })?;
+                }
+            }
+            rows.left = kept;
+            rows.right
+                .retain(|(time, _)| !expired(window.right_expiry(*time)));
+            if rows.left.is_empty() && rows.right.is_empty() {
+                state.remove(&key);
+            }
+        }
+        Ok(())
+    }
+
+    fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+        if let (Some(rows), Some(lateness)) = (&mut self.rows, &mut self.lateness) {
+            rows.snapshot(out)?;
+            lateness.snapshot(out)?;
+        }
+        Ok(())
+    }
+}
+
+/// Stream-stream joins as builder methods on any stream (the left side).
+///
+/// Both sides must read distinct sources (real-time mode's rule for unions) and
+/// usually declare event time with `with_watermark`; without a watermark the
+/// join is correct but keeps every row for ever.
+///
+/// ```
+/// use std::time::Duration;
+/// use rtflow_operators::{JoinWindow, StreamJoinExt};
+/// use rtflow_runtime::Dataflow;
+/// # use rtflow_connectors::{MemorySink, MemorySource};
+/// let flow = Dataflow::new("ads");
+/// // (ad id, event time in ms)
+/// let impressions = flow
+///     .source(MemorySource::<(u64, i64)>::new(2))
+///     .with_watermark(|(_, time)| *time, Duration::from_secs(10));
+/// let clicks = flow
+///     .source(MemorySource::<(u64, i64)>::new(2))
+///     .with_watermark(|(_, time)| *time, Duration::from_secs(10));
+/// // Clicks up to an hour after their impression.
+/// let window = JoinWindow::between(Duration::ZERO, Duration::from_secs(3600));
+/// impressions
+///     .join(&clicks, |(ad, _)| *ad, |(ad, _)| *ad, window)
+///     .sink(MemorySink::new());
+/// // Impressions without a click within the hour, as `(impression, None)`.
+/// impressions
+///     .left_join(&clicks, |(ad, _)| *ad, |(ad, _)| *ad, window)
+///     .sink(MemorySink::new());
+/// ```
+pub trait StreamJoinExt<L: Data + StateValue>: AsRef<Stream<L>> {
+    /// Inner join: `(left, right)` for every pair of rows with equal keys whose
+    /// event times `window` relates, as soon as the second of them arrives.
+    fn join<R, K>(
+        &self,
+        right: &impl AsRef<Stream<R>>,
+        left_key: impl Fn(&L) -> K + Send + Sync + 'static,
+        right_key: impl Fn(&R) -> K + Send + Sync + 'static,
+        window: JoinWindow,
+    ) -> Stream<(L, R)>
+    where
+        R: Data + StateValue,
+        K: StateKey,
+    {
+        let key = join_key(Arc::new(left_key), Arc::new(right_key));
+        keyed_union(self.as_ref(), right.as_ref(), key.clone())
+            .transform(STREAM_JOIN, move |_| StreamJoin::inner(key.clone(), window))
+    }
+
+    /// Left outer join: the pairs of [`join`](Self::join) as `(left, Some(right))`,
+    /// and `(left, None)` for each left row that matched nothing, once the
+    /// watermark passes the end of its range.
+    fn left_join<R, K>(
+        &self,
+        right: &impl AsRef<Stream<R>>,
+        left_key: impl Fn(&L) -> K + Send + Sync + 'static,
+        right_key: impl Fn(&R) -> K + Send + Sync + 'static,
+        window: JoinWindow,
+    ) -> Stream<(L, Option<R>)>
+    where
+        R: Data + StateValue,
+        K: StateKey,
+    {
+        let key = join_key(Arc::new(left_key), Arc::new(right_key));
+        keyed_union(self.as_ref(), right.as_ref(), key.clone())
+            .transform(STREAM_LEFT_JOIN, move |_| {
+                StreamJoin::left_outer(key.clone(), window)
+            })
+    }
+}
+
+impl<L: Data + StateValue, S: AsRef<Stream<L>>> StreamJoinExt<L> for S {}
+
+type KeyFn<T, K> = Arc<dyn Fn(&T) -> K + Send + Sync>;
+
+/// The join key of a row of either side.
+fn join_key<K, L, R>(left: KeyFn<L, K>, right: KeyFn<R, K>) -> KeyFn<Either<L, R>, K>
+where
+    K: 'static,
+    L: 'static,
+    R: 'static,
+{
+    Arc::new(move |side: &Either<L, R>| match side {
+        Either::Left(l) => left(l),
+        Either::Right(r) => right(r),
+    })
+}
+
+/// Both sides tagged, in one stream shuffled by the join key: the input of the
+/// join operator.
+fn keyed_union<K, L, R>(
+    left: &Stream<L>,
+    right: &Stream<R>,
+    key: KeyFn<Either<L, R>, K>,
+) -> Stream<Either<L, R>>
+where
+    K: StateKey,
+    L: Data,
+    R: Data,
+{
+    let tagged_left = left.transform("map", |_| Map(Either::<L, R>::Left));
+    let tagged_right = right.transform("map", |_| Map(Either::<L, R>::Right));
+    tagged_left
+        .union(&tagged_right)
+        .key_by(move |side| key(side))
+        .as_ref()
+        .clone()
+}
