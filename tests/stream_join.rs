@@ -1,0 +1,326 @@
+//! Stream-stream joins (inner and left outer) against a batch reference, on
+//! random inputs, partitionings, parallelisms, join windows, arrival orders,
+//! checkpoints and crashes (`rtflow::testing`), and the checkpointed rows
+//! compared with those the watermark must still hold. `PROPTEST_CASES=n` runs
+//! more cases.
+//!
+//! As in `tests/dedup.rs`, inputs come in rounds of event time so that no row
+//! is ever late: round `r` holds times in `[r * SPAN, (r + 1) * SPAN)`, both
+//! sides declare a watermark delay of `SPAN`, and each round ends with a tick at
+//! its last millisecond in every partition of both sides (ticks have keys of
+//! their own, so they match nothing).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use rtflow::prelude::*;
+use rtflow::testing::{check, reference, DataflowHarness, Step};
+
+const SPAN: i64 = 100;
+const LEFT_TICK: u8 = 250;
+const RIGHT_TICK: u8 = 251;
+
+/// `(key, event time, tag)`.
+type Row = (u8, i64, u8);
+type Out = (Row, Option<Row>);
+
+#[derive(Debug, Clone)]
+enum Act {
+    /// A row of the round at `round * SPAN + offset`.
+    Left {
+        partition: usize,
+        key: u8,
+        offset: i64,
+        tag: u8,
+    },
+    Right {
+        partition: usize,
+        key: u8,
+        offset: i64,
+        tag: u8,
+    },
+    Settle,
+    Checkpoint,
+    Crash,
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    left_partitions: usize,
+    right_partitions: usize,
+    parallelism: usize,
+    outer: bool,
+    timer: bool,
+    /// Before and after the left row, in ms.
+    window: (i64, i64),
+    rounds: Vec<Vec<Act>>,
+}
+
+fn cases() -> impl Strategy<Value = Case> {
+    (
+        1..=2usize,
+        1..=2usize,
+        1..=3usize,
+        any::<bool>(),
+        any::<bool>(),
+        (0..=SPAN, 0..=SPAN),
+    )
+        .prop_flat_map(|(lp, rp, parallelism, outer, timer, window)| {
+            let act = prop_oneof![
+                8 => (0..lp, 0..4u8, 0..SPAN, 0..4u8)
+                    .prop_map(|(partition, key, offset, tag)| Act::Left { partition, key, offset, tag }),
+                8 => (0..rp, 0..4u8, 0..SPAN, 0..4u8)
+                    .prop_map(|(partition, key, offset, tag)| Act::Right { partition, key, offset, tag }),
+                1 => Just(Act::Settle),
+                1 => Just(Act::Checkpoint),
+                1 => Just(Act::Crash),
+            ];
+            prop::collection::vec(prop::collection::vec(act, 0..16), 0..6).prop_map(
+                move |rounds| Case {
+                    left_partitions: lp,
+                    right_partitions: rp,
+                    parallelism,
+                    outer,
+                    timer,
+                    window,
+                    rounds,
+                },
+            )
+        })
+}
+
+fn fail(error: RtflowError) -> TestCaseError {
+    TestCaseError::fail(error.to_string())
+}
+
+/// What a run pushed to each side, and its committed output and state.
+struct Outcome {
+    left: Vec<Row>,
+    right: Vec<Row>,
+    committed: Vec<Out>,
+    state: BTreeMap<u8, (Vec<(i64, Row, bool)>, Vec<(i64, Row)>)>,
+}
+
+impl Case {
+    fn window(&self) -> JoinWindow {
+        let ms = |ms: i64| Duration::from_millis(ms as u64);
+        JoinWindow::between(ms(self.window.0), ms(self.window.1))
+    }
+
+    fn run(&self) -> Result<Outcome, TestCaseError> {
+        let right_input = MemorySource::<Row>::new(self.right_partitions);
+        let (window, outer, parallelism) = (self.window(), self.outer, self.parallelism);
+        let right = right_input.clone();
+        let delay = Duration::from_millis(SPAN as u64);
+        let harness = DataflowHarness::new(
+            "stream-join",
+            self.left_partitions,
+            move |flow, left: Stream<Row>| {
+                let left = left.with_watermark(|row: &Row| row.1, delay);
+                let right = flow
+                    .source(right.clone())
+                    .with_watermark(|row: &Row| row.1, delay);
+                let key = |row: &Row| row.0;
+                if outer {
+                    left.left_join(&right, key, key, window)
+                        .parallelism(parallelism)
+                } else {
+                    left.join(&right, key, key, window)
+                        .parallelism(parallelism)
+                        .map(|(l, r)| (l, Some(r)))
+                }
+            },
+        );
+        let mut harness = if self.timer {
+            harness.checkpoint_every(Duration::from_millis(40))
+        } else {
+            harness
+        };
+        let mut pushed_right = Vec::new();
+        // A last round of ticks only, so the final watermark is known.
+        let last = Vec::new();
+        let rounds = self.rounds.iter().chain([&last]);
+        harness.start().map_err(fail)?;
+        for (round, acts) in rounds.enumerate() {
+            let base = round as i64 * SPAN;
+            for act in acts {
+                match *act {
+                    Act::Left {
+                        partition,
+                        key,
+                        offset,
+                        tag,
+                    } => {
+                        let row = (key, base + offset, tag);
+                        harness.push_at(partition, row, row.1).map_err(fail)?;
+                    }
+                    Act::Right {
+                        partition,
+                        key,
+                        offset,
+                        tag,
+                    } => {
+                        let row = (key, base + offset, tag);
+                        right_input.push_at(partition, row, row.1).map_err(fail)?;
+                        pushed_right.push(row);
+                    }
+                    Act::Settle => harness.apply(&Step::Settle).map_err(fail)?,
+                    Act::Checkpoint => harness.apply(&Step::Checkpoint).map_err(fail)?,
+                    Act::Crash => harness.apply(&Step::Crash).map_err(fail)?,
+                }
+            }
+            let tick = base + SPAN - 1;
+            for partition in 0..self.left_partitions {
+                let row = (LEFT_TICK, tick, 0);
+                harness.push_at(partition, row, tick).map_err(fail)?;
+            }
+            for partition in 0..self.right_partitions {
+                let row = (RIGHT_TICK, tick, 0);
+                right_input.push_at(partition, row, tick).map_err(fail)?;
+                pushed_right.push(row);
+            }
+        }
+        right_input.end();
+        harness.finish().map_err(fail)?;
+        let uid = if self.outer {
+            "stream_left_join-0"
+        } else {
+            "stream_join-0"
+        };
+        Ok(Outcome {
+            left: harness.input_values(),
+            right: pushed_right,
+            committed: harness.committed(),
+            state: harness.state(uid, "rows").map_err(fail)?,
+        })
+    }
+
+    /// The watermark once the last round's ticks are read.
+    fn final_watermark(&self) -> i64 {
+        self.rounds.len() as i64 * SPAN - 1
+    }
+}
+
+#[test]
+fn joins_equal_the_batch_reference_and_state_holds_only_rows_that_can_still_match() {
+    check("stream join", 12, cases(), |case| {
+        let outcome = case.run()?;
+        let window = case.window();
+        let watermark = case.final_watermark();
+        let matches = |l: &Row, r: &Row| l.0 == r.0 && window.contains(l.1, r.1);
+
+        // Every pair in range, once; with the outer join also each left row
+        // that matched nothing and whose range the watermark passed.
+        let mut expected: Vec<Out> = Vec::new();
+        for l in &outcome.left {
+            let mut matched = false;
+            for r in outcome.right.iter().filter(|r| matches(l, r)) {
+                matched = true;
+                expected.push((*l, Some(*r)));
+            }
+            if case.outer && !matched && l.1 + window.after < watermark {
+                expected.push((*l, None));
+            }
+        }
+        reference::assert_same_multiset(outcome.committed, expected)?;
+
+        // The state holds exactly the rows a future row could still match.
+        let mut expected_state: BTreeMap<u8, (Vec<(i64, Row, bool)>, Vec<(i64, Row)>)> =
+            BTreeMap::new();
+        for l in &outcome.left {
+            if l.1 + window.after >= watermark {
+                let matched = outcome.right.iter().any(|r| matches(l, r));
+                expected_state
+                    .entry(l.0)
+                    .or_default()
+                    .0
+                    .push((l.1, *l, matched));
+            }
+        }
+        for r in &outcome.right {
+            if r.1 + window.before >= watermark {
+                expected_state.entry(r.0).or_default().1.push((r.1, *r));
+            }
+        }
+        let mut state = outcome.state;
+        for rows in state.values_mut().chain(expected_state.values_mut()) {
+            rows.0.sort();
+            rows.1.sort();
+        }
+        prop_assert_eq!(state, expected_state);
+        Ok(())
+    });
+}
+
+/// Waits until the watermark has reached every sink, hence passed the join.
+fn wait_for_watermark(query: &StreamingQuery, watermark: i64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while query.metrics().watermark().is_none_or(|w| w < watermark) {
+        assert!(
+            Instant::now() < deadline,
+            "watermark stuck below {watermark}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn late_rows_are_dropped_and_unmatched_left_rows_come_out_once_their_range_has_passed() {
+    let flow = Dataflow::new("left-join");
+    let (impressions, clicks) = (MemorySource::<Row>::new(1), MemorySource::<Row>::new(1));
+    let delay = Duration::from_millis(100);
+    let left = flow
+        .source(impressions.clone())
+        .with_watermark(|row: &Row| row.1, delay);
+    let right = flow
+        .source(clicks.clone())
+        .with_watermark(|row: &Row| row.1, delay);
+    let out = MemorySink::new();
+    let window = JoinWindow::between(Duration::ZERO, Duration::from_millis(500));
+    left.left_join(&right, |row| row.0, |row| row.0, window)
+        .sink(out.clone());
+    let config = QueryConfig::new("left-join").checkpoint_location(
+        std::env::temp_dir().join(format!("rtflow-left-join-{}", std::process::id())),
+    );
+    let query = flow.start(config).unwrap();
+
+    impressions
+        .push_all(0, [(1, 1000, 0), (2, 1000, 0)])
+        .unwrap();
+    clicks.push_all(0, [(1, 1200, 0)]).unwrap();
+    assert!(out.wait_for(1, Duration::from_secs(30)));
+    // Both sides at 1600: the watermark 1500 passes neither range end (1500).
+    impressions.push_all(0, [(9, 1600, 0)]).unwrap();
+    clicks.push_all(0, [(9, 1600, 0)]).unwrap();
+    wait_for_watermark(&query, 1500);
+    // Behind the watermark: dropped and counted, although it would match.
+    clicks.push_all(0, [(2, 1499, 0)]).unwrap();
+    // On time, in impression 2's range.
+    clicks.push_all(0, [(2, 1500, 1)]).unwrap();
+    assert!(out.wait_for(3, Duration::from_secs(30)));
+    // Both sides at 2200: the watermark 2100 passes the ranges of 1 and 2
+    // (matched) and of the 9s (matched each other).
+    impressions.push_all(0, [(3, 2200, 0)]).unwrap();
+    clicks.push_all(0, [(4, 2200, 0)]).unwrap();
+    wait_for_watermark(&query, 2100);
+    // Impression 3 (range end 2700) comes out unmatched at watermark 2800.
+    impressions.push_all(0, [(5, 2900, 0)]).unwrap();
+    clicks.push_all(0, [(5, 2900, 0)]).unwrap();
+    assert!(out.wait_for(5, Duration::from_secs(30)));
+    assert_eq!(query.metrics().late_records(), 1);
+    query.stop().unwrap();
+
+    let mut rows = out.rows();
+    rows.sort();
+    assert_eq!(
+        rows,
+        [
+            ((1, 1000, 0), Some((1, 1200, 0))),
+            ((2, 1000, 0), Some((2, 1500, 1))),
+            ((3, 2200, 0), None),
+            ((5, 2900, 0), Some((5, 2900, 0))),
+            ((9, 1600, 0), Some((9, 1600, 0))),
+        ]
+    );
+}
