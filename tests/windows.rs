@@ -54,7 +54,7 @@ fn latest<O: Clone>(rows: &[(u8, Window, O)]) -> BTreeMap<(u8, Window), O> {
 /// Waits until the query's watermark reached `at_least`.
 fn wait_for_watermark(query: &StreamingQuery, at_least: i64) {
     let deadline = Instant::now() + TIMEOUT;
-    while query.metrics().watermark().map_or(true, |w| w < at_least) {
+    while query.metrics().watermark().is_none_or(|w| w < at_least) {
         assert!(
             Instant::now() < deadline,
             "watermark stuck at {:?}",
@@ -486,7 +486,7 @@ fn check_windows(
     let order = interleaving
         .into_iter()
         .map(|i| i % partitions.len())
-        .chain((0..partitions.len()).flat_map(|p| std::iter::repeat(p).take(partitions[p].len())));
+        .chain((0..partitions.len()).flat_map(|p| std::iter::repeat_n(p, partitions[p].len())));
     for partition in order {
         if let Some(event) = partitions[partition].get(next[partition]) {
             input.push(partition, *event).unwrap();

@@ -354,11 +354,9 @@ impl<F, N> Extreme<F, N> {
     }
 
     fn offer(&self, current: &mut Option<N>, candidate: N) {
-        if current
-            .as_ref()
-            .map_or(true, |old| (self.replaces)(&candidate, old))
-        {
-            *current = Some(candidate);
+        match current {
+            Some(old) if !(self.replaces)(&candidate, old) => {}
+            _ => *current = Some(candidate),
         }
     }
 }
@@ -478,7 +476,7 @@ where
                 end: start.saturating_add(size),
             };
             let at = panes.partition_point(|(w, _)| w.start < start);
-            if panes.get(at).map_or(true, |(w, _)| *w != window) {
+            if !matches!(panes.get(at), Some((w, _)) if *w == window) {
                 panes.insert(at, (window, self.aggregate.create()));
                 self.expiry.entry(window.end).or_default().push(key.clone());
             }
@@ -577,13 +575,15 @@ where
     fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
         let windows: KeyedState<K, Panes<A::Acc>> = ctx.state.keyed(WINDOWS)?;
         let mut watermark_state = ctx.state.per_subtask::<EventTime>(WATERMARK)?;
-        // After a rescale an instance takes keys from several old ones: the highest
-        // of their watermarks reopens none of the windows any of them closed.
+        // The watermark this operator had at the barrier, not the checkpoint's
+        // (which may have moved on while the epoch committed): the records replayed
+        // after the barrier are judged late or not as they were before it. After a
+        // rescale an instance takes keys from several old ones: the highest of
+        // their watermarks reopens none of the windows any of them closed.
         let restored = watermark_state
             .restored()
             .iter()
             .map(|(_, watermark)| *watermark)
-            .chain(ctx.state.restored_watermark())
             .max();
         if let Some(watermark) = restored {
             self.watermark = watermark;
