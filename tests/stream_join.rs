@@ -24,6 +24,9 @@ const RIGHT_TICK: u8 = 251;
 /// `(key, event time, tag)`.
 type Row = (u8, i64, u8);
 type Out = (Row, Option<Row>);
+/// The join's state as checkpointed: per key, the buffered left rows (time,
+/// row, whether it matched) and right rows (time, row).
+type Buffered = BTreeMap<u8, (Vec<(i64, Row, bool)>, Vec<(i64, Row)>)>;
 
 #[derive(Debug, Clone)]
 enum Act {
@@ -99,7 +102,7 @@ struct Outcome {
     left: Vec<Row>,
     right: Vec<Row>,
     committed: Vec<Out>,
-    state: BTreeMap<u8, (Vec<(i64, Row, bool)>, Vec<(i64, Row)>)>,
+    state: Buffered,
 }
 
 impl Case {
@@ -226,8 +229,7 @@ fn joins_equal_the_batch_reference_and_state_holds_only_rows_that_can_still_matc
         reference::assert_same_multiset(outcome.committed, expected)?;
 
         // The state holds exactly the rows a future row could still match.
-        let mut expected_state: BTreeMap<u8, (Vec<(i64, Row, bool)>, Vec<(i64, Row)>)> =
-            BTreeMap::new();
+        let mut expected_state = Buffered::new();
         for l in &outcome.left {
             if l.1 + window.after >= watermark {
                 let matched = outcome.right.iter().any(|r| matches(l, r));
