@@ -110,7 +110,7 @@ impl Args {
             };
             *value = parsed;
         }
-        if args.keys % PERMUTE == 0 || args.keys < 100 {
+        if args.keys.is_multiple_of(PERMUTE) || args.keys < 100 {
             eprintln!("--keys must be at least 100 and not a multiple of {PERMUTE}");
             std::process::exit(2);
         }

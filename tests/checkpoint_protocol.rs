@@ -250,7 +250,7 @@ impl Tracker {
     fn record(&mut self, completed: &Completed) {
         if let Some((epoch, reports)) = completed {
             assert!(
-                self.last_said.map_or(true, |last| *epoch > last),
+                self.last_said.is_none_or(|last| *epoch > last),
                 "epoch {epoch} completed after epoch {:?}",
                 self.last_said
             );

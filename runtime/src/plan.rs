@@ -318,7 +318,7 @@ impl Plan {
             if matches!(self.graph.nodes[node].body, Body::Source(..)) {
                 let parallelism = self.parallelism[node];
                 return (0..self.source_partitions[node] as u32)
-                    .filter(|p| subtask.map_or(true, |s| *p as usize % parallelism == s))
+                    .filter(|p| subtask.is_none_or(|s| *p as usize % parallelism == s))
                     .collect();
             }
             let Some(edge) = self.graph.nodes[node].inputs.first() else {

@@ -82,7 +82,7 @@ impl WatermarkTracker {
             return;
         };
         let max = &mut self.max[slot];
-        if max.map_or(true, |m| event_time > m) {
+        if max.is_none_or(|m| event_time > m) {
             *max = Some(event_time);
         }
         self.last_seen[slot] = now;
@@ -95,9 +95,9 @@ impl WatermarkTracker {
         let mut min: Option<EventTime> = None;
         let (mut any_active, mut waiting) = (false, false);
         for slot in 0..self.max.len() {
-            let active = self.idle_timeout.map_or(true, |timeout| {
-                now.saturating_sub(self.last_seen[slot]) < timeout
-            });
+            let active = self
+                .idle_timeout
+                .is_none_or(|timeout| now.saturating_sub(self.last_seen[slot]) < timeout);
             if !active {
                 continue;
             }
@@ -116,7 +116,7 @@ impl WatermarkTracker {
             return None;
         }
         let candidate = min?.saturating_sub(self.delay);
-        if self.current.map_or(true, |current| candidate > current) {
+        if self.current.is_none_or(|current| candidate > current) {
             self.current = Some(candidate);
             return self.current.map(Signal::Watermark);
         }

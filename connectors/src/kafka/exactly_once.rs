@@ -199,7 +199,7 @@ impl<T> TransactionalWriter<T> {
         let mut redo = Vec::new();
         for (old, pending) in restored {
             let id = (self.id_of)(*old);
-            if !pending.messages.is_empty() && committed.get(&id).map_or(true, |c| *c < epoch) {
+            if !pending.messages.is_empty() && committed.get(&id).is_none_or(|c| *c < epoch) {
                 redo.push((id, pending.messages.clone()));
             }
         }

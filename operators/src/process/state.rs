@@ -127,7 +127,7 @@ pub struct Stamped<V> {
 
 impl<V> Stamped<V> {
     fn live(&self, now: ProcessingTime) -> bool {
-        self.expires.map_or(true, |expires| expires > now)
+        self.expires.is_none_or(|expires| expires > now)
     }
 }
 
