@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Select, TryRecvError};
-use rtflow_checkpoint::{ActorId, Delta, Offsets};
+use rtflow_checkpoint::{ActorId, Offsets};
 
 use crate::connector::{SourceOutput, SourceReader, SourceStatus};
 use crate::error::{Result, RtflowError};
@@ -15,6 +15,7 @@ use crate::inputs::{Alignment, IdleStep, Inputs};
 use crate::metrics::OperatorMetrics;
 use crate::operator::{Emit, SnapshotBuffer};
 use crate::record::{Data, Epoch, Message};
+use crate::state::StateSnapshot;
 
 /// How long an idle actor waits before looking at its stop and cancel flags again.
 const IDLE_WAIT: Duration = Duration::from_millis(20);
@@ -30,14 +31,14 @@ pub(crate) enum Report {
         actor: ActorId,
         epoch: Epoch,
         offsets: Offsets,
-        deltas: Vec<Delta>,
+        snapshot: StateSnapshot,
     },
     /// The actor's input ended (or the query stopped); a source's offsets stand
     /// for every later epoch, its state changes go into the next one.
     Finished {
         actor: ActorId,
         offsets: Offsets,
-        deltas: Vec<Delta>,
+        snapshot: StateSnapshot,
     },
 }
 
@@ -74,9 +75,9 @@ impl ActorEnv {
         }
     }
 
-    fn take_deltas(&self) -> Vec<Delta> {
+    fn take_snapshot(&self) -> StateSnapshot {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
-        std::mem::take(&mut snapshot.deltas)
+        std::mem::take(&mut *snapshot)
     }
 
     /// Passes the barrier of `epoch` on, then acknowledges it with the state the
@@ -87,7 +88,7 @@ impl ActorEnv {
             actor: self.actor,
             epoch,
             offsets,
-            deltas: self.take_deltas(),
+            snapshot: self.take_snapshot(),
         });
         Ok(())
     }
@@ -99,7 +100,7 @@ impl ActorEnv {
         (self.report)(Report::Finished {
             actor: self.actor,
             offsets: offsets(),
-            deltas: self.take_deltas(),
+            snapshot: self.take_snapshot(),
         });
         emit.finish()
     }

@@ -250,6 +250,8 @@ pub(crate) struct SinkEmit<T> {
     /// Timestamps of the records written since the last flush.
     unflushed: Vec<RecordMeta>,
     snapshots: SnapshotBuffer,
+    /// The last watermark that reached the sink.
+    watermark: Option<EventTime>,
     /// Epochs the coordinator committed; closed once the query committed its last.
     commits: Receiver<Epoch>,
     cancel: Arc<AtomicBool>,
@@ -274,6 +276,7 @@ impl<T> SinkEmit<T> {
             metrics,
             unflushed: Vec::new(),
             snapshots,
+            watermark: None,
             commits,
             cancel,
         }
@@ -287,8 +290,11 @@ impl<T> SinkEmit<T> {
         Ok(())
     }
 
+    /// Hands the writer's state and the sink's watermark at the barrier to the
+    /// checkpoint: the watermark a restore starts from must match the offsets.
     fn snapshot(&mut self) -> Result<()> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
+        snapshot.sink_watermark = Some(self.watermark);
         self.writer.snapshot(&mut snapshot)
     }
 
@@ -316,6 +322,7 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
     }
 
     fn watermark(&mut self, watermark: EventTime) -> Result<()> {
+        self.watermark = Some(watermark);
         self.metrics.set_watermark(watermark);
         Ok(())
     }

@@ -31,7 +31,7 @@ use crate::progress::{
     SourceOffsets,
 };
 use crate::query::QueryShared;
-use crate::record::{now_nanos, Epoch};
+use crate::record::{now_nanos, Epoch, EventTime};
 use crate::state::Restored;
 
 /// An actor thread ended, with how.
@@ -79,6 +79,8 @@ pub(crate) struct Startup {
 struct Ack {
     offsets: Offsets,
     deltas: Vec<Delta>,
+    /// For an actor ending in a sink: its watermark at the barrier.
+    sink_watermark: Option<Option<EventTime>>,
 }
 
 /// The checkpoint side of a running query.
@@ -274,16 +276,23 @@ impl Coordinator {
         let _span = tracing::info_span!("checkpoint", epoch).entered();
         let mut sources = SourceOffsets::new();
         let mut deltas = Vec::new();
+        // The query's watermark at the barrier: the lowest any sink had reached,
+        // none while a sink had none.
+        let mut watermark = Some(EventTime::MAX);
         for (source, ack) in checkpoints.sources.iter().zip(acks) {
             if let Some((name, _)) = source {
                 sources.entry(name.clone()).or_default().extend(ack.offsets);
             }
+            if let Some(sink) = ack.sink_watermark {
+                watermark = watermark.zip(sink).map(|(a, b)| a.min(b));
+            }
             deltas.extend(ack.deltas);
         }
+        let watermark = watermark.filter(|w| *w != EventTime::MAX);
         let manifest = Manifest {
             epoch,
             query_id: self.shared.id.to_string(),
-            watermark: self.shared.metrics.snapshot().watermark(),
+            watermark,
             sources,
             state: Default::default(),
             key_groups: checkpoints.key_groups,
@@ -341,23 +350,34 @@ impl Coordinator {
                 actor,
                 epoch,
                 offsets,
-                deltas,
-            } => checkpoints
-                .tracker
-                .ack(actor, epoch, Ack { offsets, deltas })
-                .map_err(|e| RtflowError::Checkpoint(e.to_string()))?,
+                snapshot,
+            } => {
+                let ack = Ack {
+                    offsets,
+                    deltas: snapshot.deltas,
+                    sink_watermark: snapshot.sink_watermark,
+                };
+                checkpoints
+                    .tracker
+                    .ack(actor, epoch, ack)
+                    .map_err(|e| RtflowError::Checkpoint(e.to_string()))?
+            }
             Report::Finished {
                 actor,
                 offsets,
-                deltas,
+                snapshot,
             } => {
                 let standing = Ack {
                     offsets: offsets.clone(),
                     deltas: Vec::new(),
+                    sink_watermark: snapshot.sink_watermark,
                 };
-                checkpoints
-                    .tracker
-                    .retire(actor, Ack { offsets, deltas }, standing)
+                let last = Ack {
+                    offsets,
+                    deltas: snapshot.deltas,
+                    sink_watermark: snapshot.sink_watermark,
+                };
+                checkpoints.tracker.retire(actor, last, standing)
             }
         };
         if let Some((epoch, acks)) = complete {

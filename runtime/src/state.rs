@@ -272,6 +272,9 @@ fn decode<T: DeserializeOwned>(id: &StateId, bytes: &[u8]) -> Result<T> {
 #[derive(Default)]
 pub struct StateSnapshot {
     pub(crate) deltas: Vec<Delta>,
+    /// For an actor that ends in a sink: the watermark the sink had reached at the
+    /// barrier (`Some(None)` before its first).
+    pub(crate) sink_watermark: Option<Option<EventTime>>,
 }
 
 impl StateSnapshot {
