@@ -235,6 +235,13 @@ pub trait SinkWriter<T>: Send {
         Ok(())
     }
 
+    /// The sink's input watermark advanced to `watermark`: no record with an
+    /// earlier event time is expected any more. It arrives in band, between the
+    /// records written before and after it.
+    fn on_watermark(&mut self, _watermark: EventTime) -> Result<()> {
+        Ok(())
+    }
+
     /// The input ended (`None`) or the query is failing (`Some(error)`).
     fn close(&mut self, _error: Option<&RtflowError>) -> Result<()> {
         Ok(())
@@ -324,7 +331,7 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
     fn watermark(&mut self, watermark: EventTime) -> Result<()> {
         self.watermark = Some(watermark);
         self.metrics.set_watermark(watermark);
-        Ok(())
+        self.writer.on_watermark(watermark)
     }
 
     fn idle(&mut self) -> Result<()> {

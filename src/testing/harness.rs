@@ -33,14 +33,43 @@ pub const INPUT: &str = "input";
 /// How long a step waits for the query before failing.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The watermarks one sink writer (one subtask in one run of the query)
+/// received, as [`DataflowHarness::watermarks`] reports them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatermarkTrace {
+    /// Which start of the query: 0 for the first, 1 after the first restart, ...
+    pub run: usize,
+    /// The sink subtask.
+    pub subtask: usize,
+    /// The watermark of the checkpoint this run restored from (`None` on a
+    /// first start, or if the checkpoint had none), as the checkpoint store
+    /// holds it.
+    pub restored: Option<EventTime>,
+    /// Every watermark the writer received, in order, with the epoch it arrived
+    /// in (the one after the last barrier the writer took).
+    pub watermarks: Vec<(Epoch, EventTime)>,
+}
+
+/// One record a writer received, with the last watermark its writer had
+/// received before it in the same run.
+#[derive(Clone)]
+struct Output<T> {
+    value: T,
+    watermark: Option<EventTime>,
+}
+
 /// The output of every run of the query, as an exactly-once sink commits it.
 struct Capture<T> {
     /// Output of the epochs whose checkpoint is durable.
-    committed: BTreeMap<Epoch, Vec<T>>,
+    committed: BTreeMap<Epoch, Vec<Output<T>>>,
     /// Output of later epochs, as open transactions.
-    prepared: BTreeMap<Epoch, Vec<T>>,
+    prepared: BTreeMap<Epoch, Vec<Output<T>>>,
     /// Everything any writer received, committed or not.
     written: Vec<T>,
+    /// The watermarks of every writer of every run.
+    watermarks: Vec<WatermarkTrace>,
+    /// The current run (counted from 0) and the watermark it restored.
+    run: Option<(usize, Option<EventTime>)>,
 }
 
 impl<T> Capture<T> {
@@ -85,9 +114,20 @@ impl<T: Data> Sink<T> for CaptureSink<T> {
     }
 
     fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<T>>> {
+        let mut capture = lock(&self.0);
+        let (run, restored) = capture.run.expect("the harness counts every start");
+        let trace = capture.watermarks.len();
+        capture.watermarks.push(WatermarkTrace {
+            run,
+            subtask: ctx.subtask,
+            restored,
+            watermarks: Vec::new(),
+        });
         Ok(Box::new(CaptureWriter {
             capture: self.0.clone(),
             epoch: ctx.state.restored_epoch().map_or(1, |epoch| epoch + 1),
+            trace,
+            watermark: None,
         }))
     }
 }
@@ -98,6 +138,10 @@ struct CaptureWriter<T> {
     /// barrier. A writer whose input ended leaves its last records to the next
     /// epoch to complete, which is this one too.
     epoch: Epoch,
+    /// This writer's entry in [`Capture::watermarks`].
+    trace: usize,
+    /// The last watermark this writer received.
+    watermark: Option<EventTime>,
 }
 
 impl<T: Data> SinkWriter<T> for CaptureWriter<T> {
@@ -108,7 +152,18 @@ impl<T: Data> SinkWriter<T> for CaptureWriter<T> {
             .prepared
             .entry(self.epoch)
             .or_default()
-            .push(record.value);
+            .push(Output {
+                value: record.value,
+                watermark: self.watermark,
+            });
+        Ok(())
+    }
+
+    fn on_watermark(&mut self, watermark: EventTime) -> Result<()> {
+        self.watermark = Some(watermark);
+        lock(&self.capture).watermarks[self.trace]
+            .watermarks
+            .push((self.epoch, watermark));
         Ok(())
     }
 
@@ -199,6 +254,8 @@ impl<In: Data, Out: Data> DataflowHarness<In, Out> {
                 committed: BTreeMap::new(),
                 prepared: BTreeMap::new(),
                 written: Vec::new(),
+                watermarks: Vec::new(),
+                run: None,
             })),
             build: Box::new(build),
             query: None,
@@ -264,7 +321,12 @@ impl<In: Data, Out: Data> DataflowHarness<In, Out> {
             return Ok(());
         }
         let recovery = self.recovery()?;
-        lock(&self.capture).resolve(recovery.manifest.as_ref().map(|m| m.epoch));
+        {
+            let mut capture = lock(&self.capture);
+            capture.resolve(recovery.manifest.as_ref().map(|m| m.epoch));
+            let run = capture.run.map_or(0, |(run, _)| run + 1);
+            capture.run = Some((run, recovery.manifest.as_ref().and_then(|m| m.watermark)));
+        }
         self.resumed = resumed_offsets(&recovery).values().sum::<usize>() as u64;
         let flow = Dataflow::new(self.name.clone());
         let input = flow.source(self.source.clone()).name(INPUT);
@@ -388,13 +450,68 @@ impl<In: Data, Out: Data> DataflowHarness<In, Out> {
             .committed
             .values()
             .flatten()
-            .cloned()
+            .map(|output| output.value.clone())
             .collect()
     }
 
     /// The committed output of each epoch.
     pub fn committed_epochs(&self) -> BTreeMap<Epoch, Vec<Out>> {
-        lock(&self.capture).committed.clone()
+        lock(&self.capture)
+            .committed
+            .iter()
+            .map(|(epoch, outputs)| {
+                let values = outputs.iter().map(|output| output.value.clone());
+                (*epoch, values.collect())
+            })
+            .collect()
+    }
+
+    /// The committed output as [`committed`](Self::committed) orders it, each
+    /// record with the last watermark its sink subtask had received before it
+    /// (in the run that wrote it; `None` if none yet). Watermarks travel in band,
+    /// so an operator upstream had passed that watermark on before it emitted
+    /// the record: a windowed aggregate, for one, must not emit a window that
+    /// ends at or before it.
+    pub fn committed_with_watermarks(&self) -> Vec<(Out, Option<EventTime>)> {
+        lock(&self.capture)
+            .committed
+            .values()
+            .flatten()
+            .map(|output| (output.value.clone(), output.watermark))
+            .collect()
+    }
+
+    /// The watermarks each sink subtask received in each run of the query, with
+    /// the watermark that run restored from its checkpoint, in the order the
+    /// writers were opened. Crashed runs are included: this is what the sinks
+    /// saw, committed or not.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use rtflow::prelude::*;
+    /// use rtflow::testing::DataflowHarness;
+    ///
+    /// let mut harness = DataflowHarness::new("times", 1, |_, s: Stream<u32>| {
+    ///     s.with_watermark(|x| i64::from(*x), Duration::from_millis(10))
+    /// });
+    /// harness.start()?;
+    /// harness.push_at(0, 100, 100)?;
+    /// harness.settle()?;
+    /// harness.checkpoint()?;
+    /// harness.crash()?;
+    /// harness.push_at(0, 300, 300)?;
+    /// harness.finish()?;
+    /// let traces = harness.watermarks();
+    /// assert_eq!(traces.len(), 2, "one writer per run");
+    /// // The second run never goes back behind the watermark it restored.
+    /// let restored = traces[1].restored.unwrap_or(i64::MIN);
+    /// assert!(restored <= 90);
+    /// assert!(traces[1].watermarks.iter().all(|(_, w)| *w >= restored));
+    /// assert_eq!(traces[1].watermarks.last().map(|(_, w)| *w), Some(290));
+    /// # Ok::<(), rtflow::RtflowError>(())
+    /// ```
+    pub fn watermarks(&self) -> Vec<WatermarkTrace> {
+        lock(&self.capture).watermarks.clone()
     }
 
     /// Everything the sink received, committed or not, across every run: what an

@@ -51,7 +51,7 @@ pub mod reference;
 mod schedule;
 
 pub use check::{cases, check, try_check, Failure};
-pub use harness::{DataflowHarness, INPUT};
+pub use harness::{DataflowHarness, WatermarkTrace, INPUT};
 pub use schedule::{pin_keys, schedule, Step};
 
 /// proptest itself, so tests need no second dependency to write strategies.
