@@ -7,7 +7,7 @@
 //! Windows, deduplication and joins (issue #5) get the same exactly-once
 //! property once they exist: a builder, a key and a batch reference.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -223,6 +223,196 @@ fn per_key_order_survives_a_shuffle_and_no_mailbox_exceeds_its_capacity() {
         FILLED.load(Ordering::Relaxed),
         "no case ever filled a mailbox: the bound was never put to the test"
     );
+}
+
+/// `(key, event time in ms)`.
+type Timed = (u8, i64);
+
+/// A watermark run: source partitions, window parallelism, watermark delay
+/// (ms), whether epochs also end on a 40 ms timer, and the steps, every push
+/// with its event time.
+#[derive(Debug, Clone)]
+struct TimedRun {
+    partitions: usize,
+    parallelism: usize,
+    delay: u64,
+    timer: bool,
+    steps: Vec<Step<Timed>>,
+}
+
+/// Event times drift upwards with the schedule (5 ms per step) with a jitter
+/// of -80..40 ms, so the watermark advances while a fair share of records
+/// arrive behind it, late for the window they belong to.
+fn timed_runs() -> impl Strategy<Value = TimedRun> {
+    (
+        1..=3usize,
+        1..=3usize,
+        prop::sample::select(vec![0u64, 10, 30, 60]),
+        any::<bool>(),
+    )
+        .prop_flat_map(move |(partitions, parallelism, delay, timer)| {
+            schedule((0u8..4, -80i64..40), partitions, 0..40).prop_map(move |steps| {
+                let steps = steps
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, step)| match step {
+                        Step::Push {
+                            partition,
+                            value: (key, jitter),
+                            ..
+                        } => {
+                            let time = (i as i64 * 5 + jitter).max(0);
+                            Step::Push {
+                                partition,
+                                value: (key, time),
+                                event_time: Some(time),
+                            }
+                        }
+                        other => other,
+                    })
+                    .collect();
+                TimedRun {
+                    partitions,
+                    parallelism,
+                    delay,
+                    timer,
+                    steps,
+                }
+            })
+        })
+}
+
+/// The size of the tumbling windows the watermark property counts in.
+const WINDOW_MS: u64 = 25;
+
+#[test]
+fn watermarks_are_monotone_and_never_go_back_behind_a_restore() {
+    check("watermarks monotone", 24, timed_runs(), |run| {
+        let (parallelism, delay) = (run.parallelism, run.delay);
+        let harness = DataflowHarness::new("watermarks", run.partitions, move |_, input| {
+            input
+                .with_watermark(|(_, time): &Timed| *time, Duration::from_millis(delay))
+                .key_by(|(key, _): &Timed| *key)
+                .window(Window::tumbling(Duration::from_millis(WINDOW_MS)))
+                .count()
+                .parallelism(parallelism)
+        });
+        let mut harness = if run.timer {
+            harness.checkpoint_every(Duration::from_millis(40))
+        } else {
+            harness
+        };
+        harness.run(&run.steps)?;
+
+        let traces = harness.watermarks();
+        let runs = traces.iter().map(|t| t.run).max().map_or(0, |r| r + 1);
+        prop_assert_eq!(
+            runs,
+            1 + run.steps.iter().filter(|s| **s == Step::Crash).count(),
+            "one run per start"
+        );
+        // Across runs the restored watermark must not go back either; that part
+        // fails today (see the ignored test below) and is left out here.
+        for trace in &traces {
+            let mut last = trace.restored;
+            for (epoch, watermark) in &trace.watermarks {
+                // Non-decreasing within the run, never behind the restored one.
+                prop_assert!(
+                    Some(*watermark) >= last,
+                    "run {} subtask {}: watermark {} in epoch {} after {:?} (restored {:?}): {:?}",
+                    trace.run,
+                    trace.subtask,
+                    watermark,
+                    epoch,
+                    last,
+                    trace.restored,
+                    trace.watermarks
+                );
+                last = Some(*watermark);
+            }
+        }
+        // Every window a sink received after a watermark ends after it: the
+        // window operator, which passed that watermark on before it, had closed
+        // every window up to it and counts no record behind it.
+        for ((key, window, count), watermark) in harness.committed_with_watermarks() {
+            if let Some(watermark) = watermark {
+                prop_assert!(
+                    window.end > watermark,
+                    "({key}, {window:?}, {count}) committed behind watermark {watermark}"
+                );
+            }
+        }
+        // Late records are dropped, never counted: each committed count is at
+        // most the number of records of its window, and the final count of a
+        // window no record was late for is exactly that number.
+        let mut pushed: BTreeMap<(u8, i64), u64> = BTreeMap::new();
+        for (key, time) in harness.input_values() {
+            *pushed
+                .entry((key, time - time.rem_euclid(WINDOW_MS as i64)))
+                .or_default() += 1;
+        }
+        let committed = harness.committed();
+        for (key, window, count) in &committed {
+            let records = pushed.get(&(*key, window.start)).copied().unwrap_or(0);
+            prop_assert!(
+                *count <= records,
+                "({key}, {window:?}) counted {count} of {records}"
+            );
+        }
+        let late = harness.metrics().expect("the run ended").late_records();
+        if late == 0 && !run.steps.contains(&Step::Crash) {
+            let finals: BTreeMap<(u8, i64), u64> = committed
+                .iter()
+                .map(|(key, window, count)| ((*key, window.start), *count))
+                .collect();
+            prop_assert_eq!(finals, pushed);
+        }
+        Ok(())
+    });
+}
+
+/// A checkpoint taken in a run whose sinks have not received a watermark yet
+/// must still hold the watermark that run restored: the restored watermark is
+/// the floor of every later one. Today the sinks start a run without a
+/// watermark (`SinkEmit::watermark` is `None` until one arrives, instead of the
+/// restored one) and such a checkpoint records none, so the next restart has no
+/// floor and the watermark can go back behind one a sink already passed.
+/// Found by `watermarks_are_monotone_and_never_go_back_behind_a_restore`.
+#[test]
+#[ignore = "engine bug: a checkpoint before the run's first watermark drops the restored watermark"]
+fn a_checkpoint_before_the_first_watermark_of_a_run_keeps_the_restored_one() {
+    let mut harness = DataflowHarness::new("restored-floor", 1, |_, input| {
+        input
+            .with_watermark(|(_, time): &Timed| *time, Duration::from_millis(10))
+            .key_by(|(key, _): &Timed| *key)
+            .window(Window::tumbling(Duration::from_millis(WINDOW_MS)))
+            .count()
+    });
+    harness.start().unwrap();
+    harness.push_at(0, (1, 100), 100).unwrap();
+    harness.settle().unwrap();
+    harness.checkpoint().unwrap();
+    harness.crash().unwrap();
+    harness.start().unwrap();
+    harness.checkpoint().unwrap(); // nothing new: no watermark reaches the sink
+    harness.crash().unwrap();
+    harness.start().unwrap();
+    harness.push_at(0, (1, 30), 30).unwrap(); // late for the watermark of run 0
+    harness.finish().unwrap();
+    // One entry per run (every sink subtask of a run restored the same).
+    let mut restored: Vec<_> = harness
+        .watermarks()
+        .iter()
+        .map(|t| (t.run, t.restored))
+        .collect();
+    restored.dedup();
+    assert_eq!(restored, [(0, None), (1, Some(90)), (2, Some(90))]);
+    for trace in harness.watermarks() {
+        assert!(
+            trace.watermarks.iter().all(|(_, w)| *w >= 90) || trace.run == 0,
+            "{trace:?}"
+        );
+    }
 }
 
 /// A broken word count: it keeps its counts in a map that outlives the query
