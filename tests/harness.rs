@@ -4,8 +4,11 @@
 //! capacity. A deliberately broken operator shows that the harness catches
 //! what these properties rule out. `PROPTEST_CASES=n` runs more cases.
 //!
-//! Windows, deduplication and joins (issue #5) get the same exactly-once
-//! property once they exist: a builder, a key and a batch reference.
+//! Sink watermarks are monotone within a run and never behind the one restored
+//! from the checkpoint, and no window reaches a sink behind its watermark.
+//! Windows (`tests/windows.rs`), deduplication (`tests/dedup.rs`) and joins
+//! (`tests/stream_join.rs`) have their exactly-once properties on the same
+//! harness next to their other tests.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};

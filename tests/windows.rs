@@ -2,7 +2,8 @@
 //! one update per record and window, late records dropped and counted, window
 //! state evicted by the watermark and restored exactly across restarts; and a
 //! property test against a batch reference on random inputs, partitionings and
-//! arrival orders.
+//! arrival orders; with the `testing` feature, tumbling counts against the same
+//! reference across random checkpoints, crashes and restores.
 
 mod common;
 
@@ -574,5 +575,202 @@ proptest! {
         parallelism in 1usize..=3,
     ) {
         check_windows(spec, partitions, interleaving, source_parallelism, parallelism)?;
+    }
+}
+
+// ---- The same on the testing harness, across crashes. ----------------------
+
+/// Tumbling-window counts per key through `rtflow::testing::DataflowHarness`,
+/// with checkpoints, crashes and restores at random points: the committed
+/// updates of every `(key, window)` are its running count `1..=n` once each,
+/// `n` the window's records in a batch run, and the checkpointed window state
+/// holds, at every crash, exactly the counts of the input its offsets cover.
+#[cfg(feature = "testing")]
+mod across_crashes {
+    use super::*;
+    use rtflow::testing::{check, reference as batch, DataflowHarness, Step};
+
+    /// What happens between pushes: the next record of a partition (modulo the
+    /// partition count) is pushed, or the sources catch up, or an epoch ends, or
+    /// the query crashes and restarts.
+    #[derive(Debug, Clone, Copy)]
+    enum Act {
+        Push(usize),
+        Settle,
+        Checkpoint,
+        Crash,
+    }
+
+    /// A case: window size (ms), count parallelism, whether epochs also end on
+    /// a 40 ms timer, the records of each partition (never late) and the acts
+    /// that interleave them.
+    #[derive(Debug, Clone)]
+    struct Case {
+        size: i64,
+        parallelism: usize,
+        timer: bool,
+        partitions: Vec<Vec<Event>>,
+        acts: Vec<Act>,
+    }
+
+    fn cases() -> impl Strategy<Value = Case> {
+        let act = prop_oneof![
+            12 => (0usize..3).prop_map(Act::Push),
+            2 => Just(Act::Settle),
+            2 => Just(Act::Checkpoint),
+            2 => Just(Act::Crash),
+        ];
+        (
+            2i64..16,
+            1usize..=3,
+            any::<bool>(),
+            partitions_strategy(),
+            prop::collection::vec(act, 0..60),
+        )
+            .prop_map(|(size, parallelism, timer, partitions, acts)| Case {
+                size: size * 5,
+                parallelism,
+                timer,
+                partitions,
+                acts,
+            })
+    }
+
+    impl Case {
+        /// Every partition's records with a sentinel at the end that moves the
+        /// watermark past every other window.
+        fn records(&self) -> Vec<Vec<Event>> {
+            let last = self.partitions.iter().flatten().map(time).max();
+            let end = last.unwrap_or(0) + 4 * self.size + DELAY;
+            let mut records = self.partitions.clone();
+            for partition in &mut records {
+                partition.push((SENTINEL, end, 0));
+            }
+            records
+        }
+
+        /// The acts as harness steps, each partition's records in its order;
+        /// what the acts did not push is pushed at the end.
+        fn steps(&self) -> Vec<Step<Event>> {
+            let records = self.records();
+            let push = |partition: usize, event: Event| Step::Push {
+                partition,
+                value: event,
+                event_time: Some(event.1),
+            };
+            let mut next = vec![0; records.len()];
+            let mut steps = Vec::new();
+            for act in &self.acts {
+                steps.push(match *act {
+                    Act::Push(p) => {
+                        let p = p % records.len();
+                        // The sentinels go last, once everything else is in.
+                        match records[p].get(next[p]).filter(|e| e.0 != SENTINEL) {
+                            Some(event) => {
+                                next[p] += 1;
+                                push(p, *event)
+                            }
+                            None => continue,
+                        }
+                    }
+                    Act::Settle => Step::Settle,
+                    Act::Checkpoint => Step::Checkpoint,
+                    Act::Crash => Step::Crash,
+                });
+            }
+            for (p, partition) in records.iter().enumerate() {
+                steps.extend(partition[next[p]..].iter().map(|event| push(p, *event)));
+            }
+            steps
+        }
+    }
+
+    /// The record count of every `(key, window)` of a batch run over `events`.
+    fn counts(size: i64, events: &[Event]) -> BTreeMap<(u8, Window), u64> {
+        reference(Spec::Sliding { size, slide: size }, events)
+            .into_iter()
+            .map(|(window, values)| (window, values.len() as u64))
+            .collect()
+    }
+
+    #[test]
+    fn tumbling_counts_are_exactly_once_across_crashes() {
+        check("tumbling counts across crashes", 16, cases(), |case| {
+            let (size, parallelism) = (case.size, case.parallelism);
+            let harness =
+                DataflowHarness::new("windows", case.partitions.len(), move |_, input| {
+                    input
+                        .with_watermark(time, ms(DELAY as u64))
+                        .key_by(key)
+                        .window(Window::tumbling(ms(size as u64)))
+                        .count()
+                        .parallelism(parallelism)
+                });
+            let mut harness = if case.timer {
+                harness.checkpoint_every(ms(40))
+            } else {
+                harness
+            };
+            harness.start()?;
+            for step in case.steps() {
+                if step != Step::Crash {
+                    harness.apply(&step)?;
+                    continue;
+                }
+                harness.crash()?;
+                // Every window the checkpoint holds has the count of the input
+                // its offsets cover: nothing counted twice, nothing lost.
+                let covered = counts(size, &harness.committed_input()?.concat());
+                let state = harness.state::<u8, Vec<(Window, u64)>>("window_count-0", "windows")?;
+                for (key, windows) in state {
+                    for (window, count) in windows {
+                        prop_assert_eq!(
+                            Some(&count),
+                            covered.get(&(key, window)),
+                            "checkpointed count of ({}, {:?})",
+                            key,
+                            window
+                        );
+                    }
+                }
+                harness.start()?;
+            }
+            harness.finish()?;
+
+            let input = harness.input_values();
+            let expected = counts(size, &input);
+            prop_assert_eq!(harness.metrics().expect("ended").late_records(), 0);
+            // Each window's updates 1, 2, ..., n, committed once each.
+            let updates: Vec<((u8, Window), u64)> = harness
+                .committed()
+                .into_iter()
+                .map(|(key, window, count)| ((key, window), count))
+                .collect();
+            let running = expected
+                .iter()
+                .flat_map(|(window, n)| (1..=*n).map(move |count| (*window, count)));
+            batch::assert_same_multiset(updates.clone(), running)?;
+            prop_assert_eq!(batch::latest(updates), expected.clone());
+            // No window was updated after the watermark at the sink passed it.
+            for ((key, window, count), watermark) in harness.committed_with_watermarks() {
+                prop_assert!(
+                    watermark.is_none_or(|w| window.end > w),
+                    "({}, {:?}, {}) behind watermark {:?}",
+                    key,
+                    window,
+                    count,
+                    watermark
+                );
+            }
+            // The final checkpoint holds only the sentinels' window.
+            let state = harness.state::<u8, Vec<(Window, u64)>>("window_count-0", "windows")?;
+            let sentinel = expected
+                .iter()
+                .filter(|((key, _), _)| *key == SENTINEL)
+                .map(|((_, window), n)| (*window, *n))
+                .collect::<Vec<_>>();
+            prop_assert_eq!(state, BTreeMap::from([(SENTINEL, sentinel)]));
+            Ok(())
+        });
     }
 }
