@@ -1,12 +1,14 @@
 //! Crash tests: a dataflow runs in a child process (this test binary, running its
 //! ignored `crash_child` test) that is killed with SIGKILL at random moments and
 //! restarted from its checkpoint each time: a count per key of Kafka or generator
-//! input, or (window mode) a tumbling-window count per key over event time.
+//! input, (window mode) a tumbling-window count per key over event time, or (join
+//! mode) a stream-stream join of two generators on a key and an event-time range.
 //! Afterwards:
 //!
 //! - the exactly-once sink's output, read with read_committed, holds every
-//!   `key:count` of a correct run exactly once: each record was counted once
-//!   (exactly-once processing) and each count was delivered once;
+//!   `key:count` (or joined `left:right` pair) of a correct run exactly once: each
+//!   record was processed once (exactly-once processing) and each output was
+//!   delivered once;
 //! - the at-least-once sink's output holds every one of them at least once.
 //!
 //! The seed of the kill schedule is printed; `RTFLOW_CRASH_SEED` replays it.
@@ -49,6 +51,44 @@ fn window_key(partition: usize, offset: u64) -> String {
     format!("{}@{start}", generator_key(partition, offset))
 }
 
+/// Join mode: each side is a generator of `JOIN_PARTITIONS` x `JOIN_ROWS` rows
+/// `(key, partition, offset)` at event time `generator_time(offset)`, so a replay
+/// gets the same rows and times; rows join on equal keys when the right row is
+/// from `JOIN_BEFORE` before to `JOIN_AFTER` after the left one.
+const JOIN_PARTITIONS: usize = 2;
+const JOIN_ROWS: u64 = 3_000;
+const JOIN_KEYS: u64 = 11;
+const JOIN_BEFORE: Duration = Duration::from_millis(20);
+const JOIN_AFTER: Duration = Duration::from_millis(40);
+
+/// A join row: `(key, partition, offset)`.
+type JoinRow = (u64, usize, u64);
+
+fn join_left(partition: usize, offset: u64) -> JoinRow {
+    (
+        (offset * 3 + partition as u64) % JOIN_KEYS,
+        partition,
+        offset,
+    )
+}
+
+fn join_right(partition: usize, offset: u64) -> JoinRow {
+    (
+        (offset * 5 + 2 * partition as u64 + 1) % JOIN_KEYS,
+        partition,
+        offset,
+    )
+}
+
+fn join_time(row: &JoinRow) -> i64 {
+    generator_time(row.2)
+}
+
+/// A joined pair as written to Kafka: `l<partition>.<offset>:r<partition>.<offset>`.
+fn join_value((left, right): &(JoinRow, JoinRow)) -> String {
+    format!("l{}.{}:r{}.{}", left.1, left.2, right.1, right.2)
+}
+
 fn kafka_key(index: usize) -> String {
     format!("k{}", index % 17)
 }
@@ -71,6 +111,23 @@ fn crash_child() {
         .try_into()
         .expect("six fields");
     let flow = Dataflow::new("crash");
+    if mode == "join" {
+        // Two generators -> event time -> inner join on key and time range.
+        let side = |make: fn(usize, u64) -> JoinRow| {
+            flow.source(
+                GeneratorSource::new(make)
+                    .partitions(JOIN_PARTITIONS)
+                    .rows_per_partition(JOIN_ROWS)
+                    .rows_per_second(150),
+            )
+            .with_watermark(join_time, Duration::from_millis(100))
+        };
+        let (left, right) = (side(join_left), side(join_right));
+        let window = JoinWindow::between(JOIN_BEFORE, JOIN_AFTER);
+        let pairs = left.join(&right, |row| row.0, |row| row.0, window);
+        let message = |pair: &(JoinRow, JoinRow)| KafkaMessage::new(join_value(pair));
+        return run_query(flow, &pairs, message, bootstrap, eos, alo, dir);
+    }
     if mode == "window" {
         // Generator -> event time -> tumbling-window count per key, as `key@start`.
         let counts = flow
@@ -119,8 +176,23 @@ fn run_child(
 ) {
     let message =
         |(key, count): &(String, u64)| KafkaMessage::new(format!("{key}:{count}")).key(key.clone());
-    counts.sink(KafkaSink::new(bootstrap, eos, message).delivery(DeliveryGuarantee::ExactlyOnce));
-    counts.sink(KafkaSink::new(bootstrap, alo, message));
+    run_query(flow, &counts, message, bootstrap, eos, alo, dir);
+}
+
+/// Writes `message` of each output to both Kafka sinks and runs the child's query.
+fn run_query<T: Data>(
+    flow: Dataflow,
+    output: &Stream<T>,
+    message: impl Fn(&T) -> KafkaMessage + Clone + Send + Sync + 'static,
+    bootstrap: &str,
+    eos: &str,
+    alo: &str,
+    dir: &str,
+) {
+    output.sink(
+        KafkaSink::new(bootstrap, eos, message.clone()).delivery(DeliveryGuarantee::ExactlyOnce),
+    );
+    output.sink(KafkaSink::new(bootstrap, alo, message));
     let config = QueryConfig::new("crash")
         .checkpoint_location(dir)
         .trigger(Trigger::real_time("200 milliseconds"))
@@ -244,6 +316,25 @@ impl Run {
         }
     }
 
+    /// Waits until the child has started its actors (its exactly-once sink's
+    /// producers are ready), or exited, so that a kill hits a running query
+    /// rather than one still starting up.
+    fn wait_started(&self, child: &mut Child, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self.log_contains(self.round, "starting actors") {
+            if child.try_wait().unwrap().is_some() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "child round {} did not start; see {}",
+                self.round,
+                self.log(self.round).display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn log_contains(&self, round: usize, text: &str) -> bool {
         std::fs::read_to_string(self.log(round)).is_ok_and(|log| log.contains(text))
     }
@@ -279,7 +370,7 @@ impl Run {
             "at-least-once output holds every count, and nothing else"
         );
         println!(
-            "{}: {} counts committed exactly once after {} rounds",
+            "{}: {} outputs committed exactly once after {} rounds",
             self.mode, total, self.round
         );
     }
@@ -428,4 +519,76 @@ fn generator_window_count_survives_repeated_sigkill() {
         }
     }
     run.check(&expected_counts(&per_window));
+}
+
+#[test]
+fn generator_stream_join_survives_repeated_sigkill() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let started = Instant::now();
+    let mut run = Run::new("join", &bootstrap);
+    let mut schedule = Schedule::new();
+    for _ in 0..KILLS {
+        // Starting up (fencing the killed child's Kafka transactions) can take
+        // longer than a pause: each kill falls at a random moment of a running
+        // query, before, during or after its checkpoints.
+        let mut child = run.spawn(None);
+        run.wait_started(&mut child, Duration::from_secs(30));
+        std::thread::sleep(schedule.pause(200, 1200));
+        run.kill(child);
+    }
+    let rounds_logging = |text: &str| {
+        (1..=run.round)
+            .filter(|round| run.log_contains(*round, text))
+            .count()
+    };
+    let checkpointed = rounds_logging("checkpoint committed");
+    let finished = rounds_logging("query terminated");
+    // The last run reads the rest of both generators and ends by itself.
+    let child = run.spawn(None);
+    assert!(
+        run.wait(child, Duration::from_secs(120)),
+        "the final run succeeds; see {}",
+        run.log(run.round).display()
+    );
+    println!(
+        "join: {checkpointed} of {KILLS} killed runs committed checkpoints, \
+         {finished} had finished the input"
+    );
+    assert!(
+        checkpointed >= KILLS / 4,
+        "the killed runs hardly progressed: only {checkpointed} committed a checkpoint"
+    );
+    assert!(
+        run.log_contains(run.round, "resuming from the last committed checkpoint"),
+        "the final run resumed from a checkpoint"
+    );
+    // The batch reference: every pair of rows with equal keys and the right
+    // row's time in [left - before, left + after]. Times only grow within a
+    // partition and a restored join judges replayed rows by its own watermark
+    // at the barrier, so no row is late and every pair comes out.
+    let rows = |make: fn(usize, u64) -> JoinRow| {
+        (0..JOIN_PARTITIONS)
+            .flat_map(move |p| (0..JOIN_ROWS).map(move |o| make(p, o)))
+            .collect::<Vec<_>>()
+    };
+    let mut right_by_key: BTreeMap<u64, Vec<JoinRow>> = BTreeMap::new();
+    for right in rows(join_right) {
+        right_by_key.entry(right.0).or_default().push(right);
+    }
+    let (before, after) = (
+        JOIN_BEFORE.as_millis() as i64,
+        JOIN_AFTER.as_millis() as i64,
+    );
+    let mut expected = BTreeMap::new();
+    for left in rows(join_left) {
+        let time = join_time(&left);
+        for right in right_by_key.get(&left.0).into_iter().flatten() {
+            let right_time = join_time(right);
+            if time - before <= right_time && right_time <= time + after {
+                expected.insert(join_value(&(left, *right)), 1);
+            }
+        }
+    }
+    run.check(&expected);
+    println!("join: {:.1?} in all", started.elapsed());
 }
