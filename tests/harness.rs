@@ -314,8 +314,17 @@ fn watermarks_are_monotone_and_never_go_back_behind_a_restore() {
             1 + run.steps.iter().filter(|s| **s == Step::Crash).count(),
             "one run per start"
         );
-        // Across runs the restored watermark must not go back either; that part
-        // fails today (see the ignored test below) and is left out here.
+        // Across runs the restored watermark never goes back either.
+        let mut floors: BTreeMap<usize, Option<i64>> = BTreeMap::new();
+        for trace in &traces {
+            floors.insert(trace.run, trace.restored);
+        }
+        let floors: Vec<_> = floors.into_values().collect();
+        prop_assert!(
+            floors.windows(2).all(|pair| pair[1] >= pair[0]),
+            "restored watermarks went back: {:?}",
+            floors
+        );
         for trace in &traces {
             let mut last = trace.restored;
             for (epoch, watermark) in &trace.watermarks {
@@ -376,13 +385,9 @@ fn watermarks_are_monotone_and_never_go_back_behind_a_restore() {
 
 /// A checkpoint taken in a run whose sinks have not received a watermark yet
 /// must still hold the watermark that run restored: the restored watermark is
-/// the floor of every later one. Today the sinks start a run without a
-/// watermark (`SinkEmit::watermark` is `None` until one arrives, instead of the
-/// restored one) and such a checkpoint records none, so the next restart has no
-/// floor and the watermark can go back behind one a sink already passed.
+/// the floor of every later one (sinks start a run at the restored watermark).
 /// Found by `watermarks_are_monotone_and_never_go_back_behind_a_restore`.
 #[test]
-#[ignore = "engine bug: a checkpoint before the run's first watermark drops the restored watermark"]
 fn a_checkpoint_before_the_first_watermark_of_a_run_keeps_the_restored_one() {
     let mut harness = DataflowHarness::new("restored-floor", 1, |_, input| {
         input

@@ -276,6 +276,7 @@ impl<T> SinkEmit<T> {
         snapshots: SnapshotBuffer,
         commits: Receiver<Epoch>,
         cancel: Arc<AtomicBool>,
+        restored_watermark: Option<EventTime>,
     ) -> Self {
         Self {
             writer,
@@ -283,7 +284,8 @@ impl<T> SinkEmit<T> {
             metrics,
             unflushed: Vec::new(),
             snapshots,
-            watermark: None,
+            // A checkpoint before this run's first watermark keeps the restored one.
+            watermark: restored_watermark,
             commits,
             cancel,
         }

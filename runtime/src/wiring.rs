@@ -208,6 +208,7 @@ impl<T: Data> ErasedSink for SinkNode<T> {
             wiring.snapshots,
             wiring.commits,
             wiring.cancel,
+            ctx.state.restored_watermark(),
         ));
         Ok(Box::new(emit))
     }
