@@ -406,6 +406,32 @@ fn wait_for_output(bootstrap: &str, topic: &str, count: usize, round: &Path) {
     );
 }
 
+/// One kill round: starts the child, waits until its query runs (starting up,
+/// which fences the killed child's Kafka transactions, can take longer than a
+/// pause), lets it run for a random while, then kills it: before, during or
+/// after its checkpoints.
+fn kill_while_running(run: &mut Run, schedule: &mut Schedule) {
+    let mut child = run.spawn(None);
+    run.wait_started(&mut child, Duration::from_secs(30));
+    std::thread::sleep(schedule.pause(200, 1200));
+    run.kill(child);
+}
+
+/// Fails unless enough killed runs committed checkpoints to test recovery.
+fn assert_killed_runs_progressed(run: &Run) {
+    let checkpointed = (1..=run.round)
+        .filter(|round| run.log_contains(*round, "checkpoint committed"))
+        .count();
+    println!(
+        "{}: {checkpointed} of {} killed runs committed checkpoints",
+        run.mode, run.round
+    );
+    assert!(
+        checkpointed >= KILLS / 4,
+        "the killed runs hardly progressed: only {checkpointed} committed a checkpoint"
+    );
+}
+
 #[test]
 fn kafka_count_survives_repeated_sigkill() {
     let Some(bootstrap) = bootstrap() else { return };
@@ -442,10 +468,9 @@ fn kafka_count_survives_repeated_sigkill() {
             assert!(run.log_contains(run.round, "checkpoint committed"));
             continue;
         }
-        let child = run.spawn(None);
-        std::thread::sleep(schedule.pause(300, 1500));
-        run.kill(child);
+        kill_while_running(&mut run, &mut schedule);
     }
+    assert_killed_runs_progressed(&run);
     producing.store(false, Ordering::Relaxed);
     producer.join().unwrap();
     let total = produced.load(Ordering::Relaxed);
@@ -473,10 +498,9 @@ fn generator_count_survives_repeated_sigkill() {
     let mut run = Run::new("generator", &bootstrap);
     let mut schedule = Schedule::new();
     for _ in 0..KILLS {
-        let child = run.spawn(None);
-        std::thread::sleep(schedule.pause(300, 1500));
-        run.kill(child);
+        kill_while_running(&mut run, &mut schedule);
     }
+    assert_killed_runs_progressed(&run);
     // The last run reads the rest of the generator's input and ends by itself.
     let child = run.spawn(None);
     assert!(
@@ -499,10 +523,9 @@ fn generator_window_count_survives_repeated_sigkill() {
     let mut run = Run::new("window", &bootstrap);
     let mut schedule = Schedule::new();
     for _ in 0..KILLS {
-        let child = run.spawn(None);
-        std::thread::sleep(schedule.pause(300, 1500));
-        run.kill(child);
+        kill_while_running(&mut run, &mut schedule);
     }
+    assert_killed_runs_progressed(&run);
     let child = run.spawn(None);
     assert!(
         run.wait(child, Duration::from_secs(120)),
@@ -528,35 +551,15 @@ fn generator_stream_join_survives_repeated_sigkill() {
     let mut run = Run::new("join", &bootstrap);
     let mut schedule = Schedule::new();
     for _ in 0..KILLS {
-        // Starting up (fencing the killed child's Kafka transactions) can take
-        // longer than a pause: each kill falls at a random moment of a running
-        // query, before, during or after its checkpoints.
-        let mut child = run.spawn(None);
-        run.wait_started(&mut child, Duration::from_secs(30));
-        std::thread::sleep(schedule.pause(200, 1200));
-        run.kill(child);
+        kill_while_running(&mut run, &mut schedule);
     }
-    let rounds_logging = |text: &str| {
-        (1..=run.round)
-            .filter(|round| run.log_contains(*round, text))
-            .count()
-    };
-    let checkpointed = rounds_logging("checkpoint committed");
-    let finished = rounds_logging("query terminated");
+    assert_killed_runs_progressed(&run);
     // The last run reads the rest of both generators and ends by itself.
     let child = run.spawn(None);
     assert!(
         run.wait(child, Duration::from_secs(120)),
         "the final run succeeds; see {}",
         run.log(run.round).display()
-    );
-    println!(
-        "join: {checkpointed} of {KILLS} killed runs committed checkpoints, \
-         {finished} had finished the input"
-    );
-    assert!(
-        checkpointed >= KILLS / 4,
-        "the killed runs hardly progressed: only {checkpointed} committed a checkpoint"
     );
     assert!(
         run.log_contains(run.round, "resuming from the last committed checkpoint"),
