@@ -61,37 +61,26 @@ pub(crate) struct Restored {
     claimed: Mutex<BTreeSet<StateId>>,
 }
 
-/// A restored state's entries by group, so each instance reads only its own.
+/// A restored state's entries; each instance picks those of its groups.
 struct Grouped {
     meta: StateMeta,
-    groups: Vec<Vec<Entry>>,
+    entries: Vec<Entry>,
 }
 
 impl Grouped {
     fn new(state: RestoredState) -> Self {
-        let size = state
-            .entries
-            .iter()
-            .map(|e| e.group as usize + 1)
-            .max()
-            .unwrap_or(0);
-        let mut groups: Vec<Vec<Entry>> = (0..size).map(|_| Vec::new()).collect();
-        for entry in state.entries {
-            groups[entry.group as usize].push(entry);
-        }
         Self {
             meta: state.meta,
-            groups,
+            entries: state.entries,
         }
     }
 
-    /// The entries of the groups `wanted` picks, with their group.
+    /// The entries of the groups `wanted` picks. Checking a group is far cheaper
+    /// than moving entries into buckets, even for every instance in turn.
     fn entries(&self, wanted: impl Fn(usize) -> bool) -> impl Iterator<Item = &Entry> {
-        self.groups
+        self.entries
             .iter()
-            .enumerate()
-            .filter(move |(group, _)| wanted(*group))
-            .flat_map(|(_, entries)| entries)
+            .filter(move |entry| wanted(entry.group as usize))
     }
 }
 
@@ -192,8 +181,8 @@ impl StateContext {
     /// owns.
     pub fn keyed<K, V>(&self, name: &str) -> Result<KeyedState<K, V>>
     where
-        K: Hash + Eq + Clone + Serialize + DeserializeOwned,
-        V: Serialize + DeserializeOwned,
+        K: Hash + Eq + Clone + Serialize + DeserializeOwned + Send,
+        V: Serialize + DeserializeOwned + Send,
     {
         let key_groups = self.restored.key_groups;
         let (id, meta, restored) = self.claim(name, type_name::<(K, V)>())?;
@@ -208,20 +197,20 @@ impl StateContext {
         };
         let mine =
             |group| subtask_for_key_group(group, key_groups, self.parallelism) == self.subtask;
-        for entry in restored.iter().flat_map(|r| r.entries(mine)) {
-            let key = decode(&state.id, &entry.key)?;
-            let value = match &entry.value {
-                Some(bytes) => Some(decode(&state.id, bytes)?),
-                None => None,
-            };
-            state.live += usize::from(value.is_some());
-            state.entries.insert(
-                key,
-                Slot {
-                    value,
-                    changed: false,
-                },
-            );
+        let entries: Vec<&Entry> = restored.iter().flat_map(|r| r.entries(mine)).collect();
+        // Sized once: growing a map of a million keys rehashes it some twenty times.
+        state.entries.reserve(entries.len());
+        for decoded in decode_all::<K, V>(&state.id, &entries) {
+            for (key, value) in decoded? {
+                state.live += usize::from(value.is_some());
+                state.entries.insert(
+                    key,
+                    Slot {
+                        value,
+                        changed: false,
+                    },
+                );
+            }
         }
         Ok(state)
     }
@@ -252,6 +241,45 @@ impl StateContext {
             changed: false,
         })
     }
+}
+
+/// Restored entries needing more decoding than this are split over the cores:
+/// restoring a large state is what a restart waits for.
+const PARALLEL_DECODE: usize = 50_000;
+
+/// Restored keys and values (`None`: deleted).
+type Decoded<K, V> = Vec<(K, Option<V>)>;
+
+/// Decodes `entries` into keys and values, on several threads when they are many.
+fn decode_all<K, V>(id: &StateId, entries: &[&Entry]) -> Vec<Result<Decoded<K, V>>>
+where
+    K: DeserializeOwned + Send,
+    V: DeserializeOwned + Send,
+{
+    let decode_chunk = |chunk: &[&Entry]| -> Result<Decoded<K, V>> {
+        chunk
+            .iter()
+            .map(|entry| {
+                let value = entry.value.as_deref().map(|v| decode(id, v)).transpose()?;
+                Ok((decode(id, &entry.key)?, value))
+            })
+            .collect()
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if entries.len() < PARALLEL_DECODE || threads == 1 {
+        return vec![decode_chunk(entries)];
+    }
+    let chunk = entries.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = entries
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || decode_chunk(part)))
+            .collect();
+        workers
+            .into_iter()
+            .map(|worker| worker.join().expect("decoding does not panic"))
+            .collect()
+    })
 }
 
 fn encode<T: Serialize>(id: &StateId, value: &T) -> Result<Vec<u8>> {
