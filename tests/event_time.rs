@@ -120,3 +120,45 @@ fn a_restored_watermark_never_goes_back() {
     );
     query.stop().unwrap();
 }
+
+#[test]
+fn a_stop_does_not_let_the_faster_lanes_close_windows_early() {
+    let input = MemorySource::new(2);
+    let config = config("stop-holds")
+        .trigger(Trigger::real_time("100 milliseconds"))
+        .min_batch_duration(Duration::from_millis(100));
+    let start = |input: &MemorySource<i64>| {
+        let flow = Dataflow::new("stop-holds");
+        let out = MemorySink::new();
+        flow.source(input.clone())
+            .parallelism(2)
+            .with_watermark(|time: &i64| *time, Duration::ZERO)
+            .key_by(|_: &i64| 0u8)
+            .window(Window::tumbling(Duration::from_secs(1)))
+            .count()
+            .parallelism(1)
+            .sink(out.clone());
+        (flow.start(config.clone()).unwrap(), out)
+    };
+    let (query, out) = start(&input);
+    // Partition 0 runs far ahead; partition 1 holds the watermark at 200.
+    input.push_all(0, [100, 10_000]).unwrap();
+    input.push_all(1, [200]).unwrap();
+    assert!(out.wait_for(3, TIMEOUT));
+    // Stopping ends both lanes of the window operator, one after the other:
+    // the lane of partition 1 must keep holding the watermark at 200.
+    query.stop().unwrap();
+    drop(query);
+
+    let (query, out) = start(&input);
+    input.push_all(1, [500]).unwrap();
+    assert!(out.wait_for(1, TIMEOUT));
+    query.stop().unwrap();
+    let (_, window, count) = out.rows()[0];
+    assert_eq!(
+        (window.start, window.end, count),
+        (0, 1_000, 3),
+        "500 is not late"
+    );
+    assert_eq!(query.metrics().late_records(), 0);
+}

@@ -269,7 +269,8 @@ fn handle<T>(
             Ok(Step::LanesChanged)
         }
         Message::End => {
-            let (all_ended, aligned, watermark) = inputs.on_end(lane);
+            let stopping = env.stop.load(Ordering::Relaxed);
+            let (all_ended, aligned, watermark) = inputs.on_end(lane, stopping);
             if all_ended {
                 return Ok(Step::Finished);
             }

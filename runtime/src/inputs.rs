@@ -29,6 +29,9 @@ pub(crate) struct Inputs {
     ended: Vec<bool>,
     /// Lanes left out of the watermark until their next one.
     idle: Vec<bool>,
+    /// Ended lanes that keep holding the watermark at their last one: they ended
+    /// because the query is stopping, and a restart continues them.
+    held: Vec<bool>,
     output_idle: bool,
     output_watermark: EventTime,
     /// The epoch being aligned and which lanes have delivered its barrier.
@@ -41,6 +44,7 @@ impl Inputs {
             watermarks: vec![EventTime::MIN; lanes],
             ended: vec![false; lanes],
             idle: vec![false; lanes],
+            held: vec![false; lanes],
             output_idle: false,
             output_watermark: EventTime::MIN,
             aligning: None,
@@ -95,9 +99,16 @@ impl Inputs {
     }
 
     /// `lane` ended. Returns whether every lane has ended, a barrier the end
-    /// completed, and a watermark the end advanced.
-    pub(crate) fn on_end(&mut self, lane: usize) -> (bool, Option<Epoch>, Option<EventTime>) {
+    /// completed, and a watermark the end advanced. A lane ended by a stopping
+    /// query keeps holding the watermark: letting the other lanes' run ahead
+    /// would close windows and fire timers a restarted query would not have yet.
+    pub(crate) fn on_end(
+        &mut self,
+        lane: usize,
+        stopping: bool,
+    ) -> (bool, Option<Epoch>, Option<EventTime>) {
         self.ended[lane] = true;
+        self.held[lane] = stopping;
         let all_ended = self.ended.iter().all(|e| *e);
         if all_ended {
             return (true, None, None);
@@ -130,7 +141,7 @@ impl Inputs {
 
     fn advance_watermark(&mut self) -> Option<EventTime> {
         let min = (0..self.watermarks.len())
-            .filter(|lane| !self.ended[*lane] && !self.idle[*lane])
+            .filter(|lane| (!self.ended[*lane] || self.held[*lane]) && !self.idle[*lane])
             .map(|lane| self.watermarks[lane])
             .min()?;
         (min > self.output_watermark).then(|| {
@@ -193,8 +204,24 @@ mod tests {
     fn an_ended_lane_stops_holding_the_watermark_back() {
         let mut inputs = Inputs::new(2);
         inputs.on_watermark(0, 50);
-        assert_eq!(inputs.on_end(1), (false, None, Some(50)));
-        assert_eq!(inputs.on_end(0), (true, None, None));
+        assert_eq!(inputs.on_end(1, false), (false, None, Some(50)));
+        assert_eq!(inputs.on_end(0, false), (true, None, None));
+    }
+
+    #[test]
+    fn a_lane_ended_by_a_stop_keeps_holding_the_watermark() {
+        let mut inputs = Inputs::new(3);
+        inputs.on_watermark(0, 50);
+        inputs.on_watermark(1, 20);
+        inputs.on_watermark(2, 90);
+        assert_eq!(inputs.on_end(1, true), (false, None, None));
+        assert_eq!(
+            inputs.on_watermark(0, 70),
+            None,
+            "lane 1 still holds it at 20"
+        );
+        assert_eq!(inputs.on_end(2, true), (false, None, None));
+        assert_eq!(inputs.on_end(0, true), (true, None, None));
     }
 
     #[test]
@@ -213,7 +240,7 @@ mod tests {
     fn an_ending_lane_completes_a_pending_alignment() {
         let mut inputs = Inputs::new(2);
         assert_eq!(inputs.on_barrier(0, 3), Alignment::Wait);
-        assert_eq!(inputs.on_end(1), (false, Some(3), None));
+        assert_eq!(inputs.on_end(1, false), (false, Some(3), None));
         assert!(inputs.readable(0));
         assert!(!inputs.readable(1));
     }
