@@ -47,10 +47,10 @@ const WATERMARK: &str = "watermark";
 /// After a restore, lateness must be judged as it was at the barrier: a key
 /// the checkpoint no longer holds was evicted because the watermark had passed
 /// it, and a replayed record of that key must be late again rather than let
-/// through as new. The query's restored watermark cannot serve: it is taken
-/// when the checkpoint commits, after the barrier, and would make records that
-/// follow the checkpoint's offsets late. An instance that restores several
-/// (after a change of parallelism) takes the least.
+/// through as new. The query's restored watermark cannot serve: it is the
+/// sinks' lowest at the barrier, which can trail this operator's own input
+/// watermark. An instance that restores several (after a change of
+/// parallelism) takes the least.
 pub(crate) struct Lateness {
     current: Option<EventTime>,
     state: SubtaskState<EventTime>,

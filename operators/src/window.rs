@@ -575,9 +575,9 @@ where
     fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
         let windows: KeyedState<K, Panes<A::Acc>> = ctx.state.keyed(WINDOWS)?;
         let mut watermark_state = ctx.state.per_subtask::<EventTime>(WATERMARK)?;
-        // The watermark this operator had at the barrier, not the checkpoint's
-        // (which may have moved on while the epoch committed): the records replayed
-        // after the barrier are judged late or not as they were before it. After a
+        // The watermark this operator had at the barrier, not the checkpoint's (the
+        // sinks' lowest, which can trail it): the records replayed after the
+        // barrier are judged late or not as they were before it. After a
         // rescale an instance takes keys from several old ones: the highest of
         // their watermarks reopens none of the windows any of them closed.
         let restored = watermark_state
