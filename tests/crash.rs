@@ -493,7 +493,6 @@ fn kafka_count_survives_repeated_sigkill() {
 }
 
 #[test]
-#[ignore = "intermittent: an epoch of exactly-once output lost or doubled after repeated SIGKILL of a running generator query (issue #4); run with --ignored"]
 fn generator_count_survives_repeated_sigkill() {
     let Some(bootstrap) = bootstrap() else { return };
     let mut run = Run::new("generator", &bootstrap);
@@ -519,7 +518,6 @@ fn generator_count_survives_repeated_sigkill() {
 }
 
 #[test]
-#[ignore = "intermittent: an epoch of exactly-once output lost or doubled after repeated SIGKILL of a running generator query (issue #4); run with --ignored"]
 fn generator_window_count_survives_repeated_sigkill() {
     let Some(bootstrap) = bootstrap() else { return };
     let mut run = Run::new("window", &bootstrap);

@@ -1,0 +1,308 @@
+//! The exactly-once writer of [`KafkaSink`](super::KafkaSink): one Kafka
+//! transaction per epoch, committed only once the epoch's checkpoint is durable.
+//!
+//! 1. During epoch E the writer sends records in a transaction and keeps a copy.
+//! 2. At E's barrier it flushes the producer (pre-commit) and hands the copy to the
+//!    checkpoint as its state, so the manifest of E holds E's output.
+//! 3. When the coordinator says E committed, the writer adds a commit record
+//!    (its transactional id -> E) to the compacted commit topic inside the
+//!    transaction, and commits. Records that arrive between the barrier and that
+//!    commit wait in memory; epochs that end while they wait stay in every
+//!    checkpoint until their own transactions commit (`outbox` has the rules).
+//!
+//! Each writer has a deterministic transactional id (query id, sink uid,
+//! subtask), so a restarted writer's `init_transactions` fences its previous
+//! incarnation and aborts the transaction it left open.
+//!
+//! A crash before E's manifest is durable: the open transaction is aborted by
+//! that fencing, and the restarted query replays E from the previous checkpoint.
+//! A crash after the manifest is durable but before E's transaction committed:
+//! the fencing aborts it too, but the manifest holds E's output. On restart the
+//! writer reads the commit topic with `read_committed` and writes again, once,
+//! every restored epoch newer than the last commit record under its id, each with
+//! its commit record. Either way E's output is visible once.
+
+mod outbox;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::config::FromClientConfigAndContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use rtflow_runtime::state::{StateSnapshot, SubtaskState};
+use rtflow_runtime::{Data, Epoch, Record, Result, RtflowError, SinkContext, SinkWriter};
+
+use self::outbox::{Outbox, Pending, Transactions};
+use super::admin::KafkaAdmin;
+use super::sink::{send, Deliveries, KafkaMessage, KafkaSink, Serialize as SerializeFn};
+
+/// The name of the writer's state within its sink.
+const PENDING: &str = "pending";
+
+pub(crate) struct TransactionalWriter<T> {
+    producer: KafkaTransactions,
+    transactional_id: String,
+    /// The transactional id of writer `subtask` of this sink.
+    id_of: Box<dyn Fn(u32) -> String + Send>,
+    bootstrap_servers: String,
+    commit_topic: String,
+    serialize: SerializeFn<T>,
+    pending: SubtaskState<Pending>,
+    /// The epoch the state was restored from, until the restored output is settled.
+    unresolved: Option<Epoch>,
+    outbox: Outbox,
+    /// The barrier the next snapshot belongs to; none at the end of the input.
+    barrier: Option<Epoch>,
+}
+
+impl<T: Data> TransactionalWriter<T> {
+    pub(crate) fn open(sink: &KafkaSink<T>, ctx: &SinkContext) -> Result<Self> {
+        let prefix = format!("rtflow-{}-{}", ctx.query_id, ctx.uid);
+        let id_of = move |subtask: u32| format!("{prefix}-{subtask}");
+        let transactional_id = id_of(ctx.subtask as u32);
+        let producer = transactional_producer(sink, &transactional_id)?;
+        let pending = ctx.state.per_subtask::<Pending>(PENDING)?;
+        // Writers that no longer run after a parallelism change may have left a
+        // transaction open: fence them too, so it cannot commit later.
+        for (old, _) in pending.restored() {
+            if *old != ctx.subtask as u32 {
+                // Initialising is the fencing; the producer has no other use.
+                drop(transactional_producer(sink, &id_of(*old))?);
+            }
+        }
+        KafkaAdmin::new(&sink.bootstrap_servers)?.create_compacted_topic(&sink.commit_topic)?;
+        let restored = ctx.state.restored_epoch();
+        Ok(Self {
+            producer: KafkaTransactions {
+                producer,
+                in_transaction: false,
+                topic: sink.topic.clone(),
+                commit_topic: sink.commit_topic.clone(),
+                timeout: sink.flush_timeout,
+                sink: sink.name(),
+            },
+            transactional_id,
+            id_of: Box::new(id_of),
+            bootstrap_servers: sink.bootstrap_servers.clone(),
+            commit_topic: sink.commit_topic.clone(),
+            serialize: sink.serialize.clone(),
+            pending,
+            unresolved: restored,
+            outbox: Outbox::after(restored),
+            barrier: None,
+        })
+    }
+}
+
+/// A producer with `transactional_id`, initialised: any earlier producer with the
+/// same id is fenced and its open transaction aborted.
+fn transactional_producer<T: Data>(
+    sink: &KafkaSink<T>,
+    transactional_id: &str,
+) -> Result<ThreadedProducer<Deliveries>> {
+    let mut config = sink.config()?;
+    config.set("transactional.id", transactional_id);
+    let producer = ThreadedProducer::from_config_and_context(&config, Deliveries::default())
+        .map_err(|e| sink.error(format!("could not create the transactional producer: {e}")))?;
+    producer
+        .init_transactions(sink.flush_timeout)
+        .map_err(|e| {
+            sink.error(format!(
+                "could not initialise transactions for '{transactional_id}': {e}"
+            ))
+        })?;
+    Ok(producer)
+}
+
+/// The Kafka side of the writer: a transactional producer.
+struct KafkaTransactions {
+    producer: ThreadedProducer<Deliveries>,
+    in_transaction: bool,
+    topic: Option<String>,
+    commit_topic: String,
+    timeout: Duration,
+    sink: String,
+}
+
+impl KafkaTransactions {
+    fn error(&self, message: impl std::fmt::Display) -> RtflowError {
+        RtflowError::sink(&self.sink, message)
+    }
+}
+
+impl Transactions for KafkaTransactions {
+    fn send(&mut self, message: &KafkaMessage) -> Result<()> {
+        if !self.in_transaction {
+            self.producer
+                .begin_transaction()
+                .map_err(|e| self.error(format!("could not begin a transaction: {e}")))?;
+            self.in_transaction = true;
+        }
+        send(&self.producer, message, self.topic.as_deref(), &self.sink)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.producer.flush(self.timeout).map_err(|e| {
+            self.error(format!(
+                "records not acknowledged within {:?}: {e}",
+                self.timeout
+            ))
+        })?;
+        self.producer.context().check(&self.sink)
+    }
+
+    fn commit(&mut self, id: &str, epoch: Epoch) -> Result<()> {
+        let epoch_text = epoch.to_string();
+        let record = BaseRecord::to(&self.commit_topic)
+            .key(id)
+            .payload(&epoch_text)
+            .partition(0);
+        self.producer
+            .send(record)
+            .map_err(|(e, _)| self.error(format!("could not write the commit record: {e}")))?;
+        self.producer
+            .commit_transaction(self.timeout)
+            .map_err(|e| {
+                self.error(format!(
+                    "could not commit the transaction of epoch {epoch}: {e}"
+                ))
+            })?;
+        self.in_transaction = false;
+        self.producer.context().check(&self.sink)
+    }
+}
+
+impl<T> TransactionalWriter<T> {
+    /// Settles the output restored from the checkpoint: what a crash kept from
+    /// committing is written again, once. Runs on the actor's thread, after every
+    /// writer of the sink fenced its previous incarnation.
+    fn resolve_restored(&mut self) -> Result<()> {
+        let Some(epoch) = self.unresolved.take() else {
+            return Ok(());
+        };
+        let restored: Vec<_> = self
+            .pending
+            .restored()
+            .iter()
+            .filter(|(_, pending)| !pending.ended.is_empty())
+            .map(|(old, pending)| ((self.id_of)(*old), pending))
+            .collect();
+        if restored.is_empty() {
+            return Ok(());
+        }
+        let committed = committed_epochs(
+            &self.bootstrap_servers,
+            &self.commit_topic,
+            self.producer.timeout,
+        )
+        .map_err(|e| self.producer.error(e))?;
+        for (id, ended) in outbox::resolve(&restored, epoch, &committed, &mut self.producer)? {
+            tracing::info!(
+                transactional_id = %id,
+                end = ?ended.end,
+                records = ended.messages.len(),
+                "wrote again the output of a checkpointed epoch whose transaction did not commit"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The last epoch committed under each transactional id, read to the end of the
+/// commit topic with `read_committed`.
+fn committed_epochs(
+    bootstrap_servers: &str,
+    commit_topic: &str,
+    timeout: Duration,
+) -> std::result::Result<HashMap<String, Epoch>, String> {
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap_servers)
+        .set("group.id", "rtflow-commit-reader")
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .create()
+        .map_err(|e| format!("could not read the commit topic: {e}"))?;
+    let (_, end) = consumer
+        .fetch_watermarks(commit_topic, 0, timeout)
+        .map_err(|e| format!("could not read the commit topic: {e}"))?;
+    let mut committed = HashMap::new();
+    if end == 0 {
+        return Ok(committed);
+    }
+    let mut assignment = TopicPartitionList::new();
+    assignment
+        .add_partition_offset(commit_topic, 0, Offset::Beginning)
+        .map_err(|e| e.to_string())?;
+    consumer.assign(&assignment).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(message) = consumer.poll(Duration::from_millis(50)) {
+            let message = message.map_err(|e| format!("reading the commit topic: {e}"))?;
+            let epoch = std::str::from_utf8(message.payload().unwrap_or_default())
+                .ok()
+                .and_then(|text| text.parse().ok());
+            if let (Some(key), Some(epoch)) = (message.key(), epoch) {
+                committed.insert(String::from_utf8_lossy(key).into_owned(), epoch);
+            }
+        }
+        let position = consumer.position().ok().and_then(|positions| {
+            positions
+                .find_partition(commit_topic, 0)
+                .and_then(|p| p.offset().to_raw())
+        });
+        if position.is_some_and(|p| p >= end) {
+            return Ok(committed);
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "could not read the commit topic '{commit_topic}' to its end within {timeout:?}"
+            ));
+        }
+    }
+}
+
+impl<T: Data> SinkWriter<T> for TransactionalWriter<T> {
+    fn write(&mut self, record: Record<T>) -> Result<()> {
+        self.resolve_restored()?;
+        let message = (self.serialize)(&record.value);
+        self.outbox.write(message, &mut self.producer)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.resolve_restored()?;
+        self.producer.producer.context().check(&self.producer.sink)
+    }
+
+    fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {
+        self.barrier = Some(epoch);
+        self.resolve_restored()
+    }
+
+    fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+        self.resolve_restored()?;
+        let pending = self
+            .outbox
+            .end_epoch(self.barrier.take(), &mut self.producer)?;
+        self.pending.set(pending);
+        self.pending.snapshot(out)
+    }
+
+    fn on_commit(&mut self, epoch: Epoch) -> Result<()> {
+        self.outbox
+            .committed(epoch, &self.transactional_id, &mut self.producer)
+    }
+
+    fn close(&mut self, _error: Option<&RtflowError>) -> Result<()> {
+        // Whatever is still open never committed with a checkpoint: a restart
+        // replays or rewrites it, so it must not become visible.
+        if self.producer.in_transaction {
+            let _ = self
+                .producer
+                .producer
+                .abort_transaction(self.producer.timeout);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,443 @@
+//! The protocol of the transactional writer, without I/O: which transaction each
+//! message goes in, when each transaction commits, and what a restart re-sends.
+//!
+//! A producer has one transaction open at a time, but the next epoch's records
+//! arrive before the previous epoch's checkpoint is durable. So an ended epoch
+//! waits in the open transaction, flushed, until its checkpoint commits; the
+//! epochs that end behind it wait unsent, in order. Until an epoch's transaction
+//! commits, every checkpoint holds its messages: a restart from any of them can
+//! write them again if, and only if, the commit record for them is missing.
+
+use std::collections::{HashMap, VecDeque};
+
+use rtflow_runtime::{Epoch, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::kafka::KafkaMessage;
+
+/// The transactions of one producer: Kafka's, or an in-memory log in the tests.
+pub(crate) trait Transactions {
+    /// Sends `message` in the open transaction, beginning one if none is open.
+    fn send(&mut self, message: &KafkaMessage) -> Result<()>;
+
+    /// Waits until every message sent is acknowledged: the pre-commit.
+    fn flush(&mut self) -> Result<()>;
+
+    /// Commits the open transaction together with a commit record saying that
+    /// writer `id` committed `epoch`.
+    fn commit(&mut self, id: &str, epoch: Epoch) -> Result<()>;
+}
+
+/// Where an epoch's output ends, which decides the checkpoint it commits with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum End {
+    /// The barrier of this epoch: it commits with the epoch's checkpoint.
+    Barrier(Epoch),
+    /// The end of the input, after this epoch's barrier (or the restored epoch):
+    /// it commits with the first checkpoint after that epoch, the query's final one.
+    Input { after: Epoch },
+}
+
+impl End {
+    /// Whether the output is published once the checkpoint of `epoch` committed.
+    fn covered_by(self, epoch: Epoch) -> bool {
+        match self {
+            End::Barrier(end) => end <= epoch,
+            End::Input { after } => epoch > after,
+        }
+    }
+
+    /// The epoch the commit record names when the checkpoint of `committed`
+    /// publishes this output: a later restart compares it with `covered_by`.
+    fn record(self, committed: Epoch) -> Epoch {
+        match self {
+            End::Barrier(end) => end,
+            End::Input { .. } => committed,
+        }
+    }
+}
+
+/// One ended epoch's output, not yet committed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Ended {
+    pub(crate) end: End,
+    pub(crate) messages: Vec<KafkaMessage>,
+}
+
+/// The writer's checkpointed state: every ended epoch whose transaction had not
+/// committed at the barrier, oldest first.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Pending {
+    pub(crate) ended: Vec<Ended>,
+}
+
+/// The messages of one writer between their arrival and their commit.
+#[derive(Debug, Default)]
+pub(crate) struct Outbox {
+    /// Ended epochs waiting for their checkpoint, oldest first. The first is in
+    /// the producer's transaction, flushed; the others are not sent yet.
+    ended: VecDeque<Ended>,
+    /// The running epoch's messages: in the producer's transaction when nothing
+    /// ended waits, held back otherwise.
+    current: Vec<KafkaMessage>,
+    /// The last epoch whose barrier passed, or the restored epoch.
+    last_barrier: Epoch,
+}
+
+impl Outbox {
+    /// An outbox continuing after the checkpoint of `restored`.
+    pub(crate) fn after(restored: Option<Epoch>) -> Self {
+        Self {
+            last_barrier: restored.unwrap_or(0),
+            ..Self::default()
+        }
+    }
+
+    /// A record's message: sent at once unless an ended epoch waits before it.
+    pub(crate) fn write(
+        &mut self,
+        message: KafkaMessage,
+        tx: &mut impl Transactions,
+    ) -> Result<()> {
+        if self.ended.is_empty() {
+            tx.send(&message)?;
+        }
+        self.current.push(message);
+        Ok(())
+    }
+
+    /// Ends the running epoch at its barrier (`Some`) or at the end of the input
+    /// (`None`), and returns what the checkpoint must hold.
+    pub(crate) fn end_epoch(
+        &mut self,
+        barrier: Option<Epoch>,
+        tx: &mut impl Transactions,
+    ) -> Result<Pending> {
+        let end = match barrier {
+            Some(epoch) => End::Barrier(epoch),
+            None => End::Input {
+                after: self.last_barrier,
+            },
+        };
+        if let Some(epoch) = barrier {
+            self.last_barrier = epoch;
+        }
+        if !self.current.is_empty() {
+            if self.ended.is_empty() {
+                tx.flush()?;
+            }
+            self.ended.push_back(Ended {
+                end,
+                messages: std::mem::take(&mut self.current),
+            });
+        }
+        Ok(Pending {
+            ended: self.ended.iter().cloned().collect(),
+        })
+    }
+
+    /// The checkpoint of `epoch` is durable: commits every ended epoch it covers,
+    /// each in its own transaction, then starts sending what waited behind them.
+    pub(crate) fn committed(
+        &mut self,
+        epoch: Epoch,
+        id: &str,
+        tx: &mut impl Transactions,
+    ) -> Result<()> {
+        let mut in_transaction = true;
+        let mut committed_any = false;
+        while self.ended.front().is_some_and(|e| e.end.covered_by(epoch)) {
+            let ended = self.ended.pop_front().expect("front exists");
+            if !in_transaction {
+                for message in &ended.messages {
+                    tx.send(message)?;
+                }
+            }
+            tx.commit(id, ended.end.record(epoch))?;
+            in_transaction = false;
+            committed_any = true;
+        }
+        if !committed_any {
+            return Ok(());
+        }
+        match self.ended.front() {
+            Some(next) => {
+                for message in &next.messages {
+                    tx.send(message)?;
+                }
+                tx.flush()?;
+            }
+            None => {
+                for message in &self.current {
+                    tx.send(message)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes again, once, what a crash kept from committing: the ended epochs in
+/// the checkpoint restored from `epoch` whose commit record is missing from
+/// `committed` (the last epoch committed under each writer id). `restored` is
+/// by the writer id that checkpointed it.
+pub(crate) fn resolve(
+    restored: &[(String, &Pending)],
+    epoch: Epoch,
+    committed: &HashMap<String, Epoch>,
+    tx: &mut impl Transactions,
+) -> Result<Vec<(String, Ended)>> {
+    let mut rewritten = Vec::new();
+    for (id, pending) in restored {
+        let last = committed.get(id).copied();
+        for ended in &pending.ended {
+            if last.is_some_and(|last| ended.end.covered_by(last)) {
+                continue;
+            }
+            for message in &ended.messages {
+                tx.send(message)?;
+            }
+            tx.commit(id, ended.end.record(epoch))?;
+            rewritten.push((id.clone(), ended.clone()));
+        }
+    }
+    Ok(rewritten)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A broker's view of one writer id's transactions: what committed, and what
+    /// a crash aborts.
+    #[derive(Default)]
+    struct Log {
+        open: Vec<KafkaMessage>,
+        flushed: usize,
+        visible: Vec<KafkaMessage>,
+        records: HashMap<String, Epoch>,
+    }
+
+    impl Transactions for Log {
+        fn send(&mut self, message: &KafkaMessage) -> Result<()> {
+            self.open.push(message.clone());
+            Ok(())
+        }
+
+        fn flush(&mut self) -> Result<()> {
+            self.flushed = self.open.len();
+            Ok(())
+        }
+
+        fn commit(&mut self, id: &str, epoch: Epoch) -> Result<()> {
+            assert!(!self.open.is_empty(), "an empty transaction committed");
+            self.visible.append(&mut self.open);
+            self.flushed = 0;
+            let previous = self.records.insert(id.to_string(), epoch);
+            assert!(previous.is_none_or(|p| p < epoch), "commit records regress");
+            Ok(())
+        }
+    }
+
+    impl Log {
+        /// The fencing of a restarted producer aborts the open transaction.
+        fn crash(&mut self) {
+            self.open.clear();
+            self.flushed = 0;
+        }
+    }
+
+    fn message(n: u64) -> KafkaMessage {
+        KafkaMessage::new(n.to_string())
+    }
+
+    #[derive(Debug, Clone, Copy)]
+    enum Step {
+        Write,
+        Barrier,
+        /// The oldest acknowledged epoch's manifest becomes durable.
+        Durable,
+        /// The writer learns of the oldest durable epoch it was not told of.
+        Notify,
+        Crash,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            6 => Just(Step::Write),
+            2 => Just(Step::Barrier),
+            2 => Just(Step::Durable),
+            2 => Just(Step::Notify),
+            1 => Just(Step::Crash),
+        ]
+    }
+
+    /// One writer, its checkpoints and its replaying source, driven through any
+    /// interleaving of records, barriers, durable manifests, commit
+    /// notifications and crashes.
+    struct Run {
+        log: Log,
+        outbox: Outbox,
+        /// The next record the source emits.
+        position: u64,
+        epoch: Epoch,
+        /// Acknowledged epochs: the writer's state and the source position.
+        acked: VecDeque<(Epoch, Pending, u64)>,
+        durable: Option<(Epoch, Pending, u64)>,
+        unnotified: VecDeque<Epoch>,
+    }
+
+    const ID: &str = "writer-0";
+
+    impl Run {
+        fn new() -> Self {
+            Self {
+                log: Log::default(),
+                outbox: Outbox::after(None),
+                position: 0,
+                epoch: 0,
+                acked: VecDeque::new(),
+                durable: None,
+                unnotified: VecDeque::new(),
+            }
+        }
+
+        fn apply(&mut self, step: Step) {
+            match step {
+                Step::Write => {
+                    self.outbox
+                        .write(message(self.position), &mut self.log)
+                        .unwrap();
+                    self.position += 1;
+                }
+                Step::Barrier => {
+                    self.epoch += 1;
+                    let pending = self
+                        .outbox
+                        .end_epoch(Some(self.epoch), &mut self.log)
+                        .unwrap();
+                    assert_eq!(self.log.flushed, self.log.open.len(), "pre-committed");
+                    self.acked.push_back((self.epoch, pending, self.position));
+                }
+                Step::Durable => {
+                    if let Some(checkpoint) = self.acked.pop_front() {
+                        self.unnotified.push_back(checkpoint.0);
+                        self.durable = Some(checkpoint);
+                    }
+                }
+                Step::Notify => {
+                    if let Some(epoch) = self.unnotified.pop_front() {
+                        self.outbox.committed(epoch, ID, &mut self.log).unwrap();
+                    }
+                }
+                Step::Crash => self.restart(),
+            }
+        }
+
+        fn restart(&mut self) {
+            self.log.crash();
+            let (epoch, pending, position) =
+                self.durable.clone().unwrap_or((0, Pending::default(), 0));
+            let committed = self.log.records.clone();
+            resolve(
+                &[(ID.to_string(), &pending)],
+                epoch,
+                &committed,
+                &mut self.log,
+            )
+            .unwrap();
+            self.outbox = Outbox::after(self.durable.as_ref().map(|d| d.0));
+            self.position = position;
+            self.epoch = epoch;
+            self.acked.clear();
+            self.unnotified.clear();
+        }
+
+        /// The input ends; `crash` strikes after the final manifest is durable
+        /// and before the writer hears of it, and the restart ends at once.
+        fn finish(&mut self, crash: bool) {
+            let pending = self.outbox.end_epoch(None, &mut self.log).unwrap();
+            while !self.acked.is_empty() {
+                self.apply(Step::Durable);
+            }
+            self.epoch += 1;
+            self.durable = Some((self.epoch, pending, self.position));
+            self.unnotified.push_back(self.epoch);
+            if crash {
+                self.restart();
+                let pending = self.outbox.end_epoch(None, &mut self.log).unwrap();
+                assert!(pending.ended.is_empty(), "nothing replays after the end");
+                return;
+            }
+            while !self.unnotified.is_empty() {
+                self.apply(Step::Notify);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Whatever the interleaving and wherever the crashes, the committed
+        /// output is every record exactly once, in order.
+        #[test]
+        fn every_record_commits_exactly_once(
+            steps in prop::collection::vec(step(), 0..80),
+            crash_at_end in any::<bool>(),
+        ) {
+            let mut run = Run::new();
+            for step in steps {
+                run.apply(step);
+            }
+            run.finish(crash_at_end);
+            let expected: Vec<_> = (0..run.position).map(message).collect();
+            prop_assert_eq!(&run.log.visible, &expected);
+            prop_assert!(run.log.open.is_empty());
+        }
+    }
+
+    #[test]
+    fn an_epoch_ending_before_the_previous_commits_waits_unsent() {
+        let mut log = Log::default();
+        let mut outbox = Outbox::after(None);
+        outbox.write(message(0), &mut log).unwrap();
+        outbox.end_epoch(Some(1), &mut log).unwrap();
+        outbox.write(message(1), &mut log).unwrap();
+        let pending = outbox.end_epoch(Some(2), &mut log).unwrap();
+        assert_eq!(log.open, vec![message(0)]);
+        assert_eq!(
+            pending.ended.iter().map(|e| e.end).collect::<Vec<_>>(),
+            vec![End::Barrier(1), End::Barrier(2)],
+            "the checkpoint of 2 holds epoch 1 too: it has not committed"
+        );
+        outbox.committed(1, ID, &mut log).unwrap();
+        assert_eq!(log.visible, vec![message(0)]);
+        assert_eq!(log.open, vec![message(1)]);
+        outbox.committed(2, ID, &mut log).unwrap();
+        assert_eq!(log.visible, vec![message(0), message(1)]);
+        assert_eq!(log.records[ID], 2);
+    }
+
+    #[test]
+    fn a_restart_rewrites_only_the_epochs_without_a_commit_record() {
+        let pending = Pending {
+            ended: vec![
+                Ended {
+                    end: End::Barrier(4),
+                    messages: vec![message(4)],
+                },
+                Ended {
+                    end: End::Barrier(5),
+                    messages: vec![message(5)],
+                },
+            ],
+        };
+        let mut log = Log::default();
+        let committed = HashMap::from([(ID.to_string(), 4)]);
+        let rewritten = resolve(&[(ID.to_string(), &pending)], 5, &committed, &mut log).unwrap();
+        assert_eq!(rewritten.len(), 1);
+        assert_eq!(log.visible, vec![message(5)]);
+        assert_eq!(log.records[ID], 5);
+    }
+}
