@@ -7,7 +7,9 @@
 //!    top of it, each commit followed by `compact()` as the coordinator does
 //!    (compaction, timed from start to finish on its own thread, runs once a chain
 //!    holds more than 32 blobs or its deltas outweigh its base); then
-//!    `CheckpointStore::open` + `recover` of the result.
+//!    `CheckpointStore::open` + `recover` of the result. Also the part of a
+//!    checkpoint an actor does itself: `KeyedState::snapshot` of one count
+//!    actor's share (`--keys / 2` keys, `--keys / 200` of them changed).
 //! 2. **End to end**: generator (2 partitions) -> `key_by` -> `count` -> a probe
 //!    sink. First the state is built: every one of `--keys` keys once, as fast as
 //!    the query takes them (the final checkpoint then holds them all). Then the
@@ -52,6 +54,7 @@ use rtflow::checkpoint::{CheckpointStore, Delta, Entry, Manifest, StateId, State
 use rtflow::prelude::*;
 use rtflow::runtime::progress::{StreamingQueryListener, StreamingQueryProgress};
 use rtflow::runtime::record::now_nanos;
+use rtflow::runtime::state::{StateContext, StateSnapshot};
 use rtflow::runtime::{Epoch, Sink, SinkContext, SinkWriter};
 
 const PARTITIONS: u64 = 2;
@@ -282,6 +285,7 @@ struct StoreFigures {
     open: Summary,
     recover: Summary,
     chain: usize,
+    keyed_snapshot: Summary,
 }
 
 fn store_level(args: &Args) -> std::result::Result<StoreFigures, BoxError> {
@@ -337,6 +341,7 @@ fn store_level(args: &Args) -> std::result::Result<StoreFigures, BoxError> {
             .sum();
     }
     Ok(StoreFigures {
+        keyed_snapshot: keyed_snapshot(args)?,
         base_ms,
         base_bytes,
         commit: Summary::of(&commits),
@@ -347,6 +352,31 @@ fn store_level(args: &Args) -> std::result::Result<StoreFigures, BoxError> {
         recover: Summary::of(&recovers),
         chain,
     })
+}
+
+/// `KeyedState::snapshot` times of one of the query's count actors: what records
+/// behind a barrier wait for.
+fn keyed_snapshot(args: &Args) -> std::result::Result<Summary, BoxError> {
+    let share = args.keys / PARTITIONS;
+    let changed = args.changed() / PARTITIONS;
+    let ctx = StateContext::detached("count", 0, 1, 128);
+    let mut counts = ctx.keyed::<u64, u64>("counts")?;
+    for key in 0..share {
+        counts.insert(key, 1);
+    }
+    counts.snapshot(&mut StateSnapshot::default())?;
+    let mut times = Vec::new();
+    for epoch in 0..args.store_epochs {
+        for i in epoch * changed..(epoch + 1) * changed {
+            *counts.get_or_insert_with(permuted(i, share), || 0) += 1;
+        }
+        let mut snapshot = StateSnapshot::default();
+        let started = Instant::now();
+        counts.snapshot(&mut snapshot)?;
+        times.push(ms(started.elapsed()));
+        assert_eq!(snapshot.entries() as u64, changed);
+    }
+    Ok(Summary::of(&times))
 }
 
 // ---------------------------------------------------------------- the query
@@ -846,7 +876,7 @@ fn main() -> std::result::Result<(), BoxError> {
     println!(
         "{{\"bench\":\"checkpoint\",\"part\":\"store\",\"keys\":{keys},\"changed\":{changed},\
          \"base_commit_ms\":{:.1},\"base_bytes\":{},\"delta_bytes\":{},{},{},{},{},{},\
-         \"chain_blobs\":{}}}",
+         \"chain_blobs\":{},{}}}",
         store.base_ms,
         store.base_bytes,
         store.delta_bytes,
@@ -856,6 +886,7 @@ fn main() -> std::result::Result<(), BoxError> {
         store.open.json("open_ms"),
         store.recover.json("recover_ms"),
         store.chain,
+        store.keyed_snapshot.json("keyed_snapshot_ms"),
     );
 
     // 2. and 3. A running query.
@@ -946,6 +977,12 @@ fn main() -> std::result::Result<(), BoxError> {
         "  recover ({} blobs)          {}",
         store.chain,
         store.recover.text("ms")
+    );
+    eprintln!(
+        "  KeyedState::snapshot, {} of {} keys  {}",
+        changed / PARTITIONS,
+        keys / PARTITIONS,
+        store.keyed_snapshot.text("ms")
     );
     eprintln!(
         "query (generator x{PARTITIONS} -> key_by -> count -> sink, {} records/s, {} ms epochs, {} s):",

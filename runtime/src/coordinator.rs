@@ -352,10 +352,11 @@ impl Coordinator {
                 offsets,
                 snapshot,
             } => {
+                let sink_watermark = snapshot.sink_watermark;
                 let ack = Ack {
                     offsets,
-                    deltas: snapshot.deltas,
-                    sink_watermark: snapshot.sink_watermark,
+                    deltas: snapshot.into_deltas(),
+                    sink_watermark,
                 };
                 checkpoints
                     .tracker
@@ -372,10 +373,11 @@ impl Coordinator {
                     deltas: Vec::new(),
                     sink_watermark: snapshot.sink_watermark,
                 };
+                let sink_watermark = snapshot.sink_watermark;
                 let last = Ack {
                     offsets,
-                    deltas: snapshot.deltas,
-                    sink_watermark: snapshot.sink_watermark,
+                    deltas: snapshot.into_deltas(),
+                    sink_watermark,
                 };
                 checkpoints.tracker.retire(actor, last, standing)
             }

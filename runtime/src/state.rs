@@ -287,6 +287,12 @@ fn encode<T: Serialize>(id: &StateId, value: &T) -> Result<Vec<u8>> {
         .map_err(|e| RtflowError::Checkpoint(format!("cannot encode {id}: {e}")))
 }
 
+fn encode_into<T: Serialize>(id: &StateId, value: &T, buffer: &mut Vec<u8>) -> Result<()> {
+    bincode::serde::encode_into_std_write(value, buffer, bincode::config::standard())
+        .map(drop)
+        .map_err(|e| RtflowError::Checkpoint(format!("cannot encode {id}: {e}")))
+}
+
 fn decode<T: DeserializeOwned>(id: &StateId, bytes: &[u8]) -> Result<T> {
     bincode::serde::decode_from_slice(bytes, bincode::config::standard())
         .map(|(value, _)| value)
@@ -299,11 +305,18 @@ fn decode<T: DeserializeOwned>(id: &StateId, bytes: &[u8]) -> Result<T> {
 /// with the epoch's checkpoint.
 #[derive(Default)]
 pub struct StateSnapshot {
-    pub(crate) deltas: Vec<Delta>,
+    deltas: Vec<Delta>,
+    /// Keyed changes encoded at the barrier, with their entry counts: cutting
+    /// them into entries is left to the coordinator, so the actor goes on with
+    /// its records sooner.
+    captured: Vec<(usize, Capture)>,
     /// For an actor that ends in a sink: the watermark the sink had reached at the
     /// barrier (`Some(None)` before its first).
     pub(crate) sink_watermark: Option<Option<EventTime>>,
 }
+
+/// Changes encoded at a barrier into one buffer, cut into entries when called.
+type Capture = Box<dyn FnOnce() -> Delta + Send>;
 
 impl StateSnapshot {
     fn push(&mut self, delta: Delta) {
@@ -312,9 +325,24 @@ impl StateSnapshot {
         }
     }
 
+    fn capture(&mut self, entries: usize, encode: Capture) {
+        if entries > 0 {
+            self.captured.push((entries, encode));
+        }
+    }
+
     /// Entries written so far (benchmarks and tests).
     pub fn entries(&self) -> usize {
-        self.deltas.iter().map(|d| d.entries.len()).sum()
+        let encoded: usize = self.deltas.iter().map(|d| d.entries.len()).sum();
+        encoded + self.captured.iter().map(|(n, _)| n).sum::<usize>()
+    }
+
+    /// The changes as the checkpoint stores them; the captured ones are cut into
+    /// entries on the calling thread.
+    pub(crate) fn into_deltas(self) -> Vec<Delta> {
+        let mut deltas = self.deltas;
+        deltas.extend(self.captured.into_iter().map(|(_, cut)| cut()));
+        deltas
     }
 }
 
@@ -407,36 +435,56 @@ where
             .filter_map(|(key, slot)| slot.value.as_ref().map(|value| (key, value)))
     }
 
-    /// Hands the keys changed since the last snapshot to `out`.
+    /// Hands the keys changed since the last snapshot to `out`. They are encoded
+    /// into one buffer here; cutting it into entries is left to the coordinator.
     pub fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        let mut entries = Vec::with_capacity(self.changed.len());
-        for key in std::mem::take(&mut self.changed) {
+        let changed = std::mem::take(&mut self.changed);
+        let mut buffer = Vec::with_capacity(changed.len() * 16);
+        // Per entry: its key group, where its key ends, where its value ends.
+        let mut spans = Vec::with_capacity(changed.len());
+        for key in changed {
             let group = key_group(stable_hash(&key), self.key_groups) as u32;
+            encode_into(&self.id, &key, &mut buffer)?;
+            let key_end = buffer.len();
             let slot = self
                 .entries
                 .get_mut(&key)
                 .expect("changed keys stay until snapshot");
             slot.changed = false;
-            let value = slot
-                .value
-                .as_ref()
-                .map(|v| encode(&self.id, v))
-                .transpose()?;
-            if value.is_none() {
-                self.entries.remove(&key);
-            }
-            entries.push(Entry {
-                group,
-                key: encode(&self.id, &key)?,
-                value,
-            });
+            let value_end = match &slot.value {
+                Some(value) => {
+                    encode_into(&self.id, value, &mut buffer)?;
+                    Some(buffer.len())
+                }
+                None => {
+                    self.entries.remove(&key);
+                    None
+                }
+            };
+            spans.push((group, key_end, value_end));
         }
-        out.push(Delta {
-            state: self.id.clone(),
-            meta: self.meta.clone(),
-            part: self.part,
-            entries,
-        });
+        let (state, meta, part) = (self.id.clone(), self.meta.clone(), self.part);
+        out.capture(
+            spans.len(),
+            Box::new(move || {
+                let mut start = 0;
+                let entries = spans
+                    .into_iter()
+                    .map(|(group, key_end, value_end)| {
+                        let key = buffer[start..key_end].to_vec();
+                        start = value_end.unwrap_or(key_end);
+                        let value = value_end.map(|end| buffer[key_end..end].to_vec());
+                        Entry { group, key, value }
+                    })
+                    .collect();
+                Delta {
+                    state,
+                    meta,
+                    part,
+                    entries,
+                }
+            }),
+        );
         Ok(())
     }
 
