@@ -492,69 +492,15 @@ fn kafka_count_survives_repeated_sigkill() {
     run.check(&expected);
 }
 
-#[test]
-fn generator_count_survives_repeated_sigkill() {
-    let Some(bootstrap) = bootstrap() else { return };
-    let mut run = Run::new("generator", &bootstrap);
+/// Kills a generator `mode` child at `KILLS` moments of its running query, then
+/// lets a last run read the rest of the input and end by itself.
+fn kill_repeatedly_then_finish(mode: &'static str, bootstrap: &str) -> Run {
+    let mut run = Run::new(mode, bootstrap);
     let mut schedule = Schedule::new();
     for _ in 0..KILLS {
         kill_while_running(&mut run, &mut schedule);
     }
     assert_killed_runs_progressed(&run);
-    // The last run reads the rest of the generator's input and ends by itself.
-    let child = run.spawn(None);
-    assert!(
-        run.wait(child, Duration::from_secs(120)),
-        "the final run succeeds; see {}",
-        run.log(run.round).display()
-    );
-    let mut per_key = BTreeMap::new();
-    for partition in 0..GENERATOR_PARTITIONS {
-        for offset in 0..GENERATOR_ROWS {
-            *per_key.entry(generator_key(partition, offset)).or_insert(0) += 1;
-        }
-    }
-    run.check(&expected_counts(&per_key));
-}
-
-#[test]
-fn generator_window_count_survives_repeated_sigkill() {
-    let Some(bootstrap) = bootstrap() else { return };
-    let mut run = Run::new("window", &bootstrap);
-    let mut schedule = Schedule::new();
-    for _ in 0..KILLS {
-        kill_while_running(&mut run, &mut schedule);
-    }
-    assert_killed_runs_progressed(&run);
-    let child = run.spawn(None);
-    assert!(
-        run.wait(child, Duration::from_secs(120)),
-        "the final run succeeds; see {}",
-        run.log(run.round).display()
-    );
-    // Event times only grow within a partition and a restored window operator
-    // judges replayed records by its watermark at the barrier, so no record is
-    // late: every (key, window) counts all its records, once each.
-    let mut per_window = BTreeMap::new();
-    for partition in 0..GENERATOR_PARTITIONS {
-        for offset in 0..GENERATOR_ROWS {
-            *per_window.entry(window_key(partition, offset)).or_insert(0) += 1;
-        }
-    }
-    run.check(&expected_counts(&per_window));
-}
-
-#[test]
-fn generator_stream_join_survives_repeated_sigkill() {
-    let Some(bootstrap) = bootstrap() else { return };
-    let started = Instant::now();
-    let mut run = Run::new("join", &bootstrap);
-    let mut schedule = Schedule::new();
-    for _ in 0..KILLS {
-        kill_while_running(&mut run, &mut schedule);
-    }
-    assert_killed_runs_progressed(&run);
-    // The last run reads the rest of both generators and ends by itself.
     let child = run.spawn(None);
     assert!(
         run.wait(child, Duration::from_secs(120)),
@@ -565,6 +511,42 @@ fn generator_stream_join_survives_repeated_sigkill() {
         run.log_contains(run.round, "resuming from the last committed checkpoint"),
         "the final run resumed from a checkpoint"
     );
+    run
+}
+
+/// How many generator rows have each key `key_of(partition, offset)`.
+fn generator_counts(key_of: fn(usize, u64) -> String) -> BTreeMap<String, usize> {
+    let mut per_key = BTreeMap::new();
+    for partition in 0..GENERATOR_PARTITIONS {
+        for offset in 0..GENERATOR_ROWS {
+            *per_key.entry(key_of(partition, offset)).or_insert(0) += 1;
+        }
+    }
+    per_key
+}
+
+#[test]
+fn generator_count_survives_repeated_sigkill() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let run = kill_repeatedly_then_finish("generator", &bootstrap);
+    run.check(&expected_counts(&generator_counts(generator_key)));
+}
+
+#[test]
+fn generator_window_count_survives_repeated_sigkill() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let run = kill_repeatedly_then_finish("window", &bootstrap);
+    // Event times only grow within a partition and a restored window operator
+    // judges replayed records by its watermark at the barrier, so no record is
+    // late: every (key, window) counts all its records, once each.
+    run.check(&expected_counts(&generator_counts(window_key)));
+}
+
+#[test]
+fn generator_stream_join_survives_repeated_sigkill() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let started = Instant::now();
+    let run = kill_repeatedly_then_finish("join", &bootstrap);
     // The batch reference: every pair of rows with equal keys and the right
     // row's time in [left - before, left + after]. Times only grow within a
     // partition and a restored join judges replayed rows by its own watermark
