@@ -15,6 +15,8 @@
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
@@ -372,4 +374,35 @@ fn without_a_watermark_every_key_is_kept() {
         [0, 1, 2, 3, 7],
         "no key forgotten"
     );
+}
+
+/// A restart at a higher parallelism gives keys to instances that had no
+/// watermark of their own: they judge lateness by the checkpointed one all the
+/// same, so replayed or new records behind it are dropped, not let through.
+#[test]
+fn a_restart_at_another_parallelism_keeps_the_checkpointed_watermark() {
+    let parallelism = Arc::new(AtomicUsize::new(1));
+    let chosen = parallelism.clone();
+    let mut harness = DataflowHarness::new("dedup-rescale", 1, move |_, input: Stream<Event>| {
+        input
+            .with_watermark(|(_, time, _)| *time, Duration::from_millis(100))
+            .drop_duplicates(|(id, time, _)| (*id, *time))
+            .parallelism(chosen.load(Ordering::Relaxed))
+    });
+    harness.start().unwrap();
+    harness.push(0, (1, 1500, 0)).unwrap();
+    wait_for_watermark(&harness, 1400);
+    harness.stop().unwrap();
+
+    parallelism.store(3, Ordering::Relaxed);
+    harness.start().unwrap();
+    for id in 100..130 {
+        harness.push(0, (id, 1000, 0)).unwrap();
+    }
+    harness.push(0, (2, 1600, 0)).unwrap();
+    harness.finish().unwrap();
+    let mut committed = harness.committed();
+    committed.sort();
+    assert_eq!(committed, [(1, 1500, 0), (2, 1600, 0)]);
+    assert_eq!(harness.metrics().unwrap().late_records(), 30);
 }

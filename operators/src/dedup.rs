@@ -24,12 +24,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rtflow_runtime::state::{KeyedState, StateSnapshot, SubtaskState};
+use rtflow_runtime::state::{KeyedState, StateSnapshot};
 use rtflow_runtime::{
     Collector, Data, EventTime, Operator, OperatorContext, Record, Result, Stream,
 };
 
 use crate::aggregate::StateKey;
+use crate::lateness::Lateness;
 
 /// The kind (allowlist and checkpoint name) of `drop_duplicates`.
 pub const DROP_DUPLICATES: &str = "drop_duplicates";
@@ -38,49 +39,6 @@ pub const DROP_DUPLICATES_WITHIN_WATERMARK: &str = "drop_duplicates_within_water
 
 /// The name of the deduplication state within its operator.
 const SEEN: &str = "seen";
-/// The name of an operator instance's watermark within its operator.
-const WATERMARK: &str = "watermark";
-
-/// The watermark an operator instance has received, against which it drops late
-/// records, checkpointed with the state it bounds.
-///
-/// After a restore, lateness must be judged as it was at the barrier: a key
-/// the checkpoint no longer holds was evicted because the watermark had passed
-/// it, and a replayed record of that key must be late again rather than let
-/// through as new. The query's restored watermark cannot serve: it is the
-/// sinks' lowest at the barrier, which can trail this operator's own input
-/// watermark. An instance that restores several (after a change of
-/// parallelism) takes the least.
-pub(crate) struct Lateness {
-    current: Option<EventTime>,
-    state: SubtaskState<EventTime>,
-}
-
-impl Lateness {
-    pub(crate) fn restore(ctx: &OperatorContext) -> Result<Self> {
-        let state = ctx.state.per_subtask(WATERMARK)?;
-        Ok(Self {
-            current: state.restored().iter().map(|(_, w)| *w).min(),
-            state,
-        })
-    }
-
-    /// Whether a record at `time` is behind the watermark.
-    #[inline]
-    pub(crate) fn is_late(&self, time: EventTime) -> bool {
-        self.current.is_some_and(|watermark| time < watermark)
-    }
-
-    pub(crate) fn advance(&mut self, watermark: EventTime) {
-        self.current = Some(watermark);
-        self.state.set(watermark);
-    }
-
-    pub(crate) fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        self.state.snapshot(out)
-    }
-}
-
 /// When keys expire, in event time: which keys to look at when the watermark
 /// passes a time, without scanning the whole state.
 ///

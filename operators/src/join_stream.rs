@@ -27,7 +27,8 @@ use rtflow_runtime::{
 use serde::{Deserialize, Serialize};
 
 use crate::aggregate::{StateKey, StateValue};
-use crate::dedup::{Expiries, Lateness};
+use crate::dedup::Expiries;
+use crate::lateness::Lateness;
 use crate::map::Map;
 
 /// The kind (allowlist and checkpoint name) of the inner stream-stream join.

@@ -24,6 +24,7 @@ mod filter;
 mod flat_map;
 mod join;
 mod join_stream;
+mod lateness;
 mod map;
 pub mod process;
 mod window;

@@ -42,13 +42,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rtflow_runtime::record::EventTime;
-use rtflow_runtime::state::{KeyedState, StateSnapshot, SubtaskState};
+use rtflow_runtime::state::{KeyedState, StateSnapshot};
 use rtflow_runtime::{
     Collector, Data, KeyedStream, Operator, OperatorContext, Record, Result, Stream,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::aggregate::{StateKey, StateValue};
+use crate::lateness::Lateness;
 
 /// A window of event time: `[start, end)`, in milliseconds since the Unix epoch.
 ///
@@ -290,8 +291,7 @@ impl<K: StateKey, T: Data> WindowedStream<K, T> {
             windowing: windowing.0,
             aggregate: aggregate.clone(),
             windows: None,
-            watermark_state: None,
-            watermark: EventTime::MIN,
+            lateness: None,
             expiry: BTreeMap::new(),
         })
     }
@@ -419,7 +419,6 @@ type Panes<Acc> = Vec<(Window, Acc)>;
 
 /// The names of the operator's states.
 const WINDOWS: &str = "windows";
-const WATERMARK: &str = "watermark";
 
 /// The windowed-aggregate operator.
 struct WindowAggregate<K, T, A: AggregateFunction<T>> {
@@ -428,8 +427,7 @@ struct WindowAggregate<K, T, A: AggregateFunction<T>> {
     aggregate: Arc<A>,
     windows: Option<KeyedState<K, Panes<A::Acc>>>,
     /// The watermark this instance closed windows at, checkpointed.
-    watermark_state: Option<SubtaskState<EventTime>>,
-    watermark: EventTime,
+    lateness: Option<Lateness>,
     /// Keys by the end of a window they opened: which keys to look at when the
     /// watermark passes that end. Rebuilt from the windows on start; an entry
     /// whose window merged into a longer session is looked at and passed over.
@@ -442,6 +440,15 @@ where
     T: Data,
     A: AggregateFunction<T>,
 {
+    /// The watermark windows close at.
+    #[inline]
+    fn watermark(&self) -> EventTime {
+        self.lateness
+            .as_ref()
+            .expect("started before the first record")
+            .watermark()
+    }
+
     /// Adds `record` to its open sliding windows and emits their aggregates.
     fn add_sliding(
         &mut self,
@@ -455,7 +462,7 @@ where
         // Windows containing `time` start at `last`, `last - slide`, ... down to
         // the first start after `time - size`. Only the open ones take the record.
         let count = (size - (time - last) + slide - 1) / slide;
-        let watermark = self.watermark;
+        let watermark = self.watermark();
         let mut starts = (0..count)
             .rev()
             .map(|i| last - i * slide)
@@ -497,7 +504,7 @@ where
         out: &mut Collector<'_, (K, Window, A::Out)>,
     ) -> Result<()> {
         let time = record.meta.event_time;
-        if time < self.watermark {
+        if time < self.watermark() {
             out.drop_late();
             return Ok(());
         }
@@ -539,8 +546,8 @@ where
 
     /// Drops the windows that end at or before the watermark.
     fn evict(&mut self) {
+        let watermark = self.watermark();
         let state = self.windows.as_mut().expect("started");
-        let watermark = self.watermark;
         while let Some(entry) = self.expiry.first_entry() {
             if *entry.key() > watermark {
                 break;
@@ -572,30 +579,19 @@ where
     T: Data,
     A: AggregateFunction<T>,
 {
+    fn stateful() -> bool {
+        true
+    }
+
     fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
         let windows: KeyedState<K, Panes<A::Acc>> = ctx.state.keyed(WINDOWS)?;
-        let mut watermark_state = ctx.state.per_subtask::<EventTime>(WATERMARK)?;
-        // The watermark this operator had at the barrier, not the checkpoint's (the
-        // sinks' lowest, which can trail it): the records replayed after the
-        // barrier are judged late or not as they were before it. After a
-        // rescale an instance takes keys from several old ones: the highest of
-        // their watermarks reopens none of the windows any of them closed.
-        let restored = watermark_state
-            .restored()
-            .iter()
-            .map(|(_, watermark)| *watermark)
-            .max();
-        if let Some(watermark) = restored {
-            self.watermark = watermark;
-            watermark_state.set(watermark);
-        }
+        self.lateness = Some(Lateness::restore(ctx)?);
         for (key, panes) in windows.iter() {
             for (window, _) in panes {
                 self.expiry.entry(window.end).or_default().push(key.clone());
             }
         }
         self.windows = Some(windows);
-        self.watermark_state = Some(watermark_state);
         self.evict();
         Ok(())
     }
@@ -618,12 +614,7 @@ where
         watermark: EventTime,
         _out: &mut Collector<'_, (K, Window, A::Out)>,
     ) -> Result<()> {
-        if watermark > self.watermark {
-            self.watermark = watermark;
-            self.watermark_state
-                .as_mut()
-                .expect("started")
-                .set(watermark);
+        if self.lateness.as_mut().expect("started").advance(watermark) {
             self.evict();
         }
         Ok(())
@@ -633,8 +624,8 @@ where
         if let Some(windows) = &mut self.windows {
             windows.snapshot(out)?;
         }
-        if let Some(watermark) = &mut self.watermark_state {
-            watermark.snapshot(out)?;
+        if let Some(lateness) = &mut self.lateness {
+            lateness.snapshot(out)?;
         }
         Ok(())
     }

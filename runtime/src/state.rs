@@ -215,6 +215,25 @@ impl StateContext {
         Ok(state)
     }
 
+    /// What the checkpoint held for per-subtask state `name` in every old
+    /// instance, by old subtask, whichever instance asks: for values each
+    /// instance needs after a parallelism change, such as an operator's input
+    /// watermark. Write the state through [`per_subtask`](Self::per_subtask).
+    pub fn restored_by_every_subtask<V>(&self, name: &str) -> Result<Vec<(u32, V)>>
+    where
+        V: Serialize + DeserializeOwned,
+    {
+        let (id, _, grouped) = self.claim(name, type_name::<V>())?;
+        let mut restored = Vec::new();
+        for entry in grouped.iter().flat_map(|g| g.entries(|_| true)) {
+            if let Some(bytes) = &entry.value {
+                restored.push((entry.group, decode(&id, bytes)?));
+            }
+        }
+        restored.sort_by_key(|(subtask, _)| *subtask);
+        Ok(restored)
+    }
+
     /// One value per instance (a sink's pending transaction, a reader's position).
     /// When parallelism changed, an instance also restores the values of the old
     /// instances that map to it.
