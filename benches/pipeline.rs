@@ -23,49 +23,12 @@
 use std::time::{Duration, Instant};
 
 use rtflow::prelude::*;
-use rtflow::{LatencyReport, Percentiles};
+use rtflow::LatencyReport;
+
+mod common;
+use common::{latency_fields, median, micros_text, Args};
 
 const PARTITIONS: u64 = 2;
-
-struct Args {
-    /// Rows over all generator partitions in a throughput run.
-    records: u64,
-    /// Throughput runs per configuration; the median is reported.
-    runs: u64,
-    /// Rows per second over all partitions in the latency run.
-    rate: u64,
-    /// Length of the latency run.
-    seconds: u64,
-}
-
-impl Args {
-    /// Reads `--records N`, `--runs N`, `--rate N`, `--seconds N`; ignores anything
-    /// else, such as the `--bench` that `cargo bench` passes.
-    fn parse() -> Self {
-        let mut args = Self {
-            records: 20_000_000,
-            runs: 3,
-            rate: 100_000,
-            seconds: 10,
-        };
-        let mut words = std::env::args().skip(1);
-        while let Some(flag) = words.next() {
-            let value = match flag.as_str() {
-                "--records" => &mut args.records,
-                "--runs" => &mut args.runs,
-                "--rate" => &mut args.rate,
-                "--seconds" => &mut args.seconds,
-                _ => continue,
-            };
-            let Some(parsed) = words.next().and_then(|v| v.parse().ok()).filter(|v| *v > 0) else {
-                eprintln!("{flag} takes a positive integer");
-                std::process::exit(2);
-            };
-            *value = parsed;
-        }
-        args
-    }
-}
 
 /// Starts generator -> map -> filter -> sink, the generator's pace set by `source`.
 fn start(source: GeneratorSource<u64>, chaining: bool) -> Result<StreamingQuery> {
@@ -101,8 +64,7 @@ fn throughput(args: &Args, chaining: bool) -> Result<f64> {
             "rows generated"
         );
     }
-    seconds.sort_by(f64::total_cmp);
-    Ok(seconds[seconds.len() / 2])
+    Ok(median(seconds))
 }
 
 /// Sink latencies after `args.seconds` at `args.rate` rows/s.
@@ -116,17 +78,14 @@ fn latency(args: &Args, chaining: bool) -> Result<LatencyReport> {
     Ok(query.metrics().latency)
 }
 
-/// `p50 / p90 / p99 / max` in microseconds.
-fn micros(p: &Percentiles) -> [f64; 4] {
-    [p.p50, p.p90, p.p99, p.max].map(|ms| ms * 1000.0)
-}
-
 fn main() -> Result<()> {
-    let args = Args::parse();
-    eprintln!(
-        "command: cargo bench --bench pipeline -- --records {} --runs {} --rate {} --seconds {}",
-        args.records, args.runs, args.rate, args.seconds
-    );
+    let args = Args::parse(Args {
+        records: 20_000_000,
+        runs: 3,
+        rate: 100_000,
+        seconds: 10,
+    });
+    eprintln!("command: {}", args.command("pipeline"));
     let records = args.records / PARTITIONS * PARTITIONS;
     let mut table = Vec::new();
     for chaining in [true, false] {
@@ -140,16 +99,12 @@ fn main() -> Result<()> {
         );
 
         let report = latency(&args, chaining)?;
-        let [p50, p90, p99, max] = micros(&report.processing);
-        let [e50, e90, e99, emax] = micros(&report.end_to_end);
         println!(
             "{{\"bench\":\"pipeline\",\"mode\":\"latency\",\"chaining\":{chaining},\
-             \"rate\":{},\"seconds\":{},\"count\":{},\
-             \"processing_p50_us\":{p50:.1},\"processing_p90_us\":{p90:.1},\
-             \"processing_p99_us\":{p99:.1},\"processing_max_us\":{max:.1},\
-             \"e2e_p50_us\":{e50:.1},\"e2e_p90_us\":{e90:.1},\
-             \"e2e_p99_us\":{e99:.1},\"e2e_max_us\":{emax:.1}}}",
-            args.rate, args.seconds, report.processing.count
+             \"rate\":{},\"seconds\":{},{}}}",
+            args.rate,
+            args.seconds,
+            latency_fields(&report)
         );
         table.push((chaining, per_sec, report));
     }
@@ -168,14 +123,13 @@ fn main() -> Result<()> {
         "end-to-end p50/p90/p99/max"
     );
     for (chaining, per_sec, report) in table {
-        let row = |p: &Percentiles| micros(p).map(|us| format!("{us:.1}")).join(" / ");
         eprintln!(
             "{:<9}{:>13.0}{:>11}  {:>34}  {:>34}",
             if chaining { "on" } else { "off" },
             per_sec,
             report.processing.count,
-            row(&report.processing),
-            row(&report.end_to_end)
+            micros_text(&report.processing),
+            micros_text(&report.end_to_end)
         );
     }
     Ok(())

@@ -28,45 +28,10 @@ use rtflow::prelude::*;
 use rtflow::runtime::record::{nanos_to_event_time, now_nanos};
 use rtflow::LatencyReport;
 
+mod common;
+use common::{latency_fields, median, Args};
+
 const PARTITIONS: usize = 2;
-
-struct Args {
-    /// Rows per side in a throughput run.
-    records: u64,
-    runs: u64,
-    /// Rows per second per side in the latency run.
-    rate: u64,
-    seconds: u64,
-}
-
-impl Args {
-    /// Reads `--records N`, `--runs N`, `--rate N`, `--seconds N`; ignores
-    /// anything else, such as the `--bench` that `cargo bench` passes.
-    fn parse() -> Self {
-        let mut args = Self {
-            records: 2_000_000,
-            runs: 3,
-            rate: 20_000,
-            seconds: 10,
-        };
-        let mut words = std::env::args().skip(1);
-        while let Some(flag) = words.next() {
-            let value = match flag.as_str() {
-                "--records" => &mut args.records,
-                "--runs" => &mut args.runs,
-                "--rate" => &mut args.rate,
-                "--seconds" => &mut args.seconds,
-                _ => continue,
-            };
-            let Some(parsed) = words.next().and_then(|v| v.parse().ok()).filter(|v| *v > 0) else {
-                eprintln!("{flag} takes a positive integer");
-                std::process::exit(2);
-            };
-            *value = parsed;
-        }
-        args
-    }
-}
 
 /// `(key, event time in ms)`.
 type Row = (u64, i64);
@@ -125,8 +90,7 @@ fn throughput(args: &Args) -> Result<(f64, u64)> {
         seconds.push(started.elapsed().as_secs_f64());
         last_pairs = pairs.load(Ordering::Relaxed);
     }
-    seconds.sort_by(f64::total_cmp);
-    Ok((seconds[seconds.len() / 2], last_pairs))
+    Ok((median(seconds), last_pairs))
 }
 
 /// Sink latencies after `args.seconds` at `args.rate` rows/s per side.
@@ -146,11 +110,13 @@ fn latency(args: &Args) -> Result<(LatencyReport, u64)> {
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
-    eprintln!(
-        "command: cargo bench --bench stream_join -- --records {} --runs {} --rate {} --seconds {}",
-        args.records, args.runs, args.rate, args.seconds
-    );
+    let args = Args::parse(Args {
+        records: 2_000_000,
+        runs: 3,
+        rate: 20_000,
+        seconds: 10,
+    });
+    eprintln!("command: {}", args.command("stream_join"));
     let (seconds, pairs) = throughput(&args)?;
     let records = args.records / PARTITIONS as u64 * PARTITIONS as u64 * 2;
     println!(
@@ -160,18 +126,12 @@ fn main() -> Result<()> {
         records as f64 / seconds
     );
     let (report, pairs) = latency(&args)?;
-    let p = &report.processing;
     println!(
         "{{\"bench\":\"stream_join\",\"mode\":\"latency\",\"rate_per_side\":{},\"seconds\":{},\
-         \"pairs\":{pairs},\"count\":{},\"processing_p50_us\":{:.1},\"processing_p90_us\":{:.1},\
-         \"processing_p99_us\":{:.1},\"processing_max_us\":{:.1}}}",
+         \"pairs\":{pairs},{}}}",
         args.rate,
         args.seconds,
-        p.count,
-        p.p50 * 1000.0,
-        p.p90 * 1000.0,
-        p.p99 * 1000.0,
-        p.max * 1000.0
+        latency_fields(&report)
     );
     Ok(())
 }

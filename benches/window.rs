@@ -27,50 +27,13 @@ use std::time::{Duration, Instant};
 
 use rtflow::prelude::*;
 use rtflow::runtime::record::now_nanos;
-use rtflow::{LatencyReport, Percentiles};
+use rtflow::LatencyReport;
+
+mod common;
+use common::{latency_fields, median, micros_text, Args};
 
 const PARTITIONS: u64 = 2;
 const KEYS: u64 = 10_000;
-
-struct Args {
-    /// Rows over all generator partitions in a throughput run.
-    records: u64,
-    /// Throughput runs; the median is reported.
-    runs: u64,
-    /// Rows per second over all partitions in the latency run.
-    rate: u64,
-    /// Length of the latency run.
-    seconds: u64,
-}
-
-impl Args {
-    /// Reads `--records N`, `--runs N`, `--rate N`, `--seconds N`; ignores anything
-    /// else, such as the `--bench` that `cargo bench` passes.
-    fn parse() -> Self {
-        let mut args = Self {
-            records: 5_000_000,
-            runs: 3,
-            rate: 100_000,
-            seconds: 10,
-        };
-        let mut words = std::env::args().skip(1);
-        while let Some(flag) = words.next() {
-            let value = match flag.as_str() {
-                "--records" => &mut args.records,
-                "--runs" => &mut args.runs,
-                "--rate" => &mut args.rate,
-                "--seconds" => &mut args.seconds,
-                _ => continue,
-            };
-            let Some(parsed) = words.next().and_then(|v| v.parse().ok()).filter(|v| *v > 0) else {
-                eprintln!("{flag} takes a positive integer");
-                std::process::exit(2);
-            };
-            *value = parsed;
-        }
-        args
-    }
-}
 
 /// `(key, event time in ms)`: keys dealt in turn over both partitions.
 fn row(partition: usize, offset: u64) -> (u64, i64) {
@@ -124,8 +87,7 @@ fn throughput(args: &Args) -> Result<f64> {
         );
         assert_eq!(query.metrics().late_records(), 0, "no row is late");
     }
-    seconds.sort_by(f64::total_cmp);
-    Ok(seconds[seconds.len() / 2])
+    Ok(median(seconds))
 }
 
 /// Sink latencies after `args.seconds` at `args.rate` rows/s.
@@ -136,17 +98,14 @@ fn latency(args: &Args) -> Result<LatencyReport> {
     Ok(query.metrics().latency)
 }
 
-/// `p50 / p90 / p99 / max` in microseconds.
-fn micros(p: &Percentiles) -> [f64; 4] {
-    [p.p50, p.p90, p.p99, p.max].map(|ms| ms * 1000.0)
-}
-
 fn main() -> Result<()> {
-    let args = Args::parse();
-    eprintln!(
-        "command: cargo bench --bench window -- --records {} --runs {} --rate {} --seconds {}",
-        args.records, args.runs, args.rate, args.seconds
-    );
+    let args = Args::parse(Args {
+        records: 5_000_000,
+        runs: 3,
+        rate: 100_000,
+        seconds: 10,
+    });
+    eprintln!("command: {}", args.command("window"));
     let records = args.records / PARTITIONS * PARTITIONS;
     let seconds = throughput(&args)?;
     let per_sec = records as f64 / seconds;
@@ -157,18 +116,13 @@ fn main() -> Result<()> {
     );
 
     let report = latency(&args)?;
-    let [p50, p90, p99, max] = micros(&report.processing);
-    let [e50, e90, e99, emax] = micros(&report.end_to_end);
     println!(
-        "{{\"bench\":\"window\",\"mode\":\"latency\",\"rate\":{},\"seconds\":{},\"count\":{},\
-         \"processing_p50_us\":{p50:.1},\"processing_p90_us\":{p90:.1},\
-         \"processing_p99_us\":{p99:.1},\"processing_max_us\":{max:.1},\
-         \"e2e_p50_us\":{e50:.1},\"e2e_p90_us\":{e90:.1},\
-         \"e2e_p99_us\":{e99:.1},\"e2e_max_us\":{emax:.1}}}",
-        args.rate, args.seconds, report.processing.count
+        "{{\"bench\":\"window\",\"mode\":\"latency\",\"rate\":{},\"seconds\":{},{}}}",
+        args.rate,
+        args.seconds,
+        latency_fields(&report)
     );
 
-    let row = |p: &Percentiles| micros(p).map(|us| format!("{us:.1}")).join(" / ");
     eprintln!(
         "\ngenerator({PARTITIONS} partitions) -> watermark -> key_by ({KEYS} keys) -> \
          sliding window 10 s / 2 s -> count -> sink"
@@ -185,8 +139,8 @@ fn main() -> Result<()> {
         args.rate,
         args.seconds,
         report.processing.count,
-        row(&report.processing),
-        row(&report.end_to_end)
+        micros_text(&report.processing),
+        micros_text(&report.end_to_end)
     );
     Ok(())
 }
