@@ -26,7 +26,7 @@ use rtflow::prelude::*;
 use rtflow::LatencyReport;
 
 mod common;
-use common::{latency_fields, median, micros_text, Args};
+use common::{fresh_location, latency_fields, median, micros_text, Args};
 
 const PARTITIONS: u64 = 2;
 
@@ -40,7 +40,7 @@ fn start(source: GeneratorSource<u64>, chaining: bool) -> Result<StreamingQuery>
         .sink(ForeachSink::from_fn(|_| Ok(())));
     flow.start(
         QueryConfig::new("pipeline")
-            .checkpoint_location(std::env::temp_dir().join("rtflow-bench-pipeline"))
+            .checkpoint_location(fresh_location("pipeline"))
             .trigger(Trigger::real_time("30 seconds"))
             .operator_chaining(chaining),
     )

@@ -22,7 +22,6 @@
 //! cargo bench --bench window -- --records 5000000 --runs 3 --rate 100000 --seconds 10
 //! ```
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rtflow::prelude::*;
@@ -30,7 +29,7 @@ use rtflow::runtime::record::now_nanos;
 use rtflow::LatencyReport;
 
 mod common;
-use common::{latency_fields, median, micros_text, Args};
+use common::{fresh_location, latency_fields, median, micros_text, Args};
 
 const PARTITIONS: u64 = 2;
 const KEYS: u64 = 10_000;
@@ -54,20 +53,9 @@ fn start(source: GeneratorSource<(u64, i64)>) -> Result<StreamingQuery> {
         ))
         .count()
         .sink(ForeachSink::from_fn(|_| Ok(())));
-    // A fresh checkpoint location per run: a run must not resume the previous
-    // one's offsets and windows.
-    static RUNS: AtomicUsize = AtomicUsize::new(0);
-    let location = std::env::temp_dir()
-        .join("rtflow-bench-window")
-        .join(format!(
-            "{}-{}",
-            std::process::id(),
-            RUNS.fetch_add(1, Ordering::Relaxed)
-        ));
-    let _ = std::fs::remove_dir_all(&location);
     flow.start(
         QueryConfig::new("window")
-            .checkpoint_location(location)
+            .checkpoint_location(fresh_location("window"))
             .trigger(Trigger::real_time("30 seconds")),
     )
 }

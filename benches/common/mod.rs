@@ -4,6 +4,9 @@
 // Each bench compiles this module on its own and uses only part of it.
 #![allow(dead_code)]
 
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use rtflow::{LatencyReport, Percentiles};
 
 /// The flags of a throughput run followed by a fixed-rate latency run.
@@ -80,4 +83,19 @@ pub fn latency_fields(report: &LatencyReport) -> String {
          \"e2e_p99_us\":{e99:.1},\"e2e_max_us\":{emax:.1}",
         report.processing.count
     )
+}
+
+/// A fresh checkpoint location for a run of `bench`: a run must not resume the
+/// previous one's offsets and state.
+pub fn fresh_location(bench: &str) -> PathBuf {
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+    let location = std::env::temp_dir()
+        .join(format!("rtflow-bench-{bench}"))
+        .join(format!(
+            "{}-{}",
+            std::process::id(),
+            RUNS.fetch_add(1, Ordering::Relaxed)
+        ));
+    let _ = std::fs::remove_dir_all(&location);
+    location
 }
