@@ -96,3 +96,69 @@ fn every_count_is_committed_exactly_once_across_a_restart() {
     query.stop().unwrap();
     assert_eq!(query.exception(), None);
 }
+
+#[test]
+fn an_unreachable_broker_fails_the_exactly_once_sink_at_start_within_seconds() {
+    if bootstrap().is_none() {
+        return;
+    }
+    let started = std::time::Instant::now();
+    let flow = Dataflow::new("exactly-once-unreachable");
+    flow.source(MemorySource::<u64>::new(1)).sink(
+        KafkaSink::new("127.0.0.1:1", "anything", |n: &u64| {
+            KafkaMessage::new(n.to_string())
+        })
+        .delivery(DeliveryGuarantee::ExactlyOnce)
+        .flush_timeout(Duration::from_secs(2)),
+    );
+    let error = flow
+        .start(checkpointed("exactly-once-unreachable"))
+        .unwrap_err();
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    assert!(
+        error
+            .to_string()
+            .contains("check that the broker is running"),
+        "{error}"
+    );
+    assert!(
+        started.elapsed() < TIMEOUT,
+        "no hang: {:?}",
+        started.elapsed()
+    );
+}
+
+/// A producer that takes over the writer's transactional id (as the writer's
+/// restarted incarnation would) fences it: the fenced writer fails the query
+/// rather than commit anything more.
+#[test]
+fn a_fenced_writer_fails_the_query() {
+    use rdkafka::producer::{BaseProducer, Producer};
+    let Some(bootstrap) = bootstrap() else { return };
+    let input = topic(&bootstrap, "rtflow-eos-fenced-in", 3);
+    let output = topic(&bootstrap, "rtflow-eos-fenced-out", 1);
+    produce(&bootstrap, &input, records(0, 30));
+    let query = start(
+        &bootstrap,
+        &input,
+        &output,
+        checkpointed("exactly-once-fenced"),
+    );
+    consume(&bootstrap, &output, 1, 1, TIMEOUT);
+    let successor: BaseProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .set(
+            "transactional.id",
+            format!("rtflow-{}-kafka-sink-0-0", query.id()),
+        )
+        .create()
+        .unwrap();
+    successor.init_transactions(TIMEOUT).unwrap();
+    produce(&bootstrap, &input, records(30, 60));
+    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    assert!(
+        error.to_string().contains("fenced it"),
+        "the error says the writer was fenced: {error}"
+    );
+}

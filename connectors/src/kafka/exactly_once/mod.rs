@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::config::FromClientConfigAndContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::state::{StateSnapshot, SubtaskState};
@@ -77,6 +78,7 @@ impl<T: Data> TransactionalWriter<T> {
         Ok(Self {
             producer: KafkaTransactions {
                 producer,
+                transactional_id: transactional_id.clone(),
                 in_transaction: false,
                 topic: sink.topic.clone(),
                 commit_topic: sink.commit_topic.clone(),
@@ -119,6 +121,7 @@ fn transactional_producer<T: Data>(
 /// The Kafka side of the writer: a transactional producer.
 struct KafkaTransactions {
     producer: ThreadedProducer<Deliveries>,
+    transactional_id: String,
     in_transaction: bool,
     topic: Option<String>,
     commit_topic: String,
@@ -127,8 +130,36 @@ struct KafkaTransactions {
 }
 
 impl KafkaTransactions {
+    /// The writer's error: the producer's fatal error when it has one, since
+    /// whatever failed on the way (a send, a flush, a commit) is only its echo.
     fn error(&self, message: impl std::fmt::Display) -> RtflowError {
-        RtflowError::sink(&self.sink, message)
+        let Some((code, reason)) = self.producer.client().fatal_error() else {
+            return RtflowError::sink(&self.sink, message);
+        };
+        let why = match code {
+            RDKafkaErrorCode::Fenced
+            | RDKafkaErrorCode::ProducerFenced
+            | RDKafkaErrorCode::InvalidProducerEpoch => {
+                "; a newer producer with the same transactional id fenced it: is another \
+                 run of this query writing to the sink?"
+            }
+            _ => "",
+        };
+        RtflowError::sink(
+            &self.sink,
+            format!(
+                "the transactional producer '{}' failed: {reason}{why}",
+                self.transactional_id
+            ),
+        )
+    }
+
+    /// Delivery failures reported so far, explained by `error`.
+    fn check(&self) -> Result<()> {
+        self.producer
+            .context()
+            .check(&self.sink)
+            .map_err(|failure| self.error(failure))
     }
 }
 
@@ -141,6 +172,7 @@ impl Transactions for KafkaTransactions {
             self.in_transaction = true;
         }
         send(&self.producer, message, self.topic.as_deref(), &self.sink)
+            .map_err(|failure| self.error(failure))
     }
 
     fn flush(&mut self) -> Result<()> {
@@ -150,7 +182,7 @@ impl Transactions for KafkaTransactions {
                 self.timeout
             ))
         })?;
-        self.producer.context().check(&self.sink)
+        self.check()
     }
 
     fn commit(&mut self, id: &str, epoch: Epoch) -> Result<()> {
@@ -170,7 +202,7 @@ impl Transactions for KafkaTransactions {
                 ))
             })?;
         self.in_transaction = false;
-        self.producer.context().check(&self.sink)
+        self.check()
     }
 }
 
@@ -272,7 +304,7 @@ impl<T: Data> SinkWriter<T> for TransactionalWriter<T> {
 
     fn flush(&mut self) -> Result<()> {
         self.resolve_restored()?;
-        self.producer.producer.context().check(&self.producer.sink)
+        self.producer.check()
     }
 
     fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {
