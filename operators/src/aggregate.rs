@@ -108,4 +108,11 @@ where
             None => Ok(()),
         }
     }
+
+    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
+        match &mut self.state {
+            Some(state) => state.continue_snapshot(budget, out),
+            None => Ok(true),
+        }
+    }
 }

@@ -157,6 +157,13 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
         }
         Ok(())
     }
+
+    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
+        match &mut self.seen {
+            Some(seen) => seen.continue_snapshot(budget, out),
+            None => Ok(true),
+        }
+    }
 }
 
 /// Deduplication as builder methods on any stream. Each shuffles the stream by

@@ -320,6 +320,13 @@ where
         }
         Ok(())
     }
+
+    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
+        match &mut self.rows {
+            Some(rows) => rows.continue_snapshot(budget, out),
+            None => Ok(true),
+        }
+    }
 }
 
 /// Stream-stream joins as builder methods on any stream (the left side).

@@ -629,4 +629,11 @@ where
         }
         Ok(())
     }
+
+    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
+        match &mut self.windows {
+            Some(windows) => windows.continue_snapshot(budget, out),
+            None => Ok(true),
+        }
+    }
 }

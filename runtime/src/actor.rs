@@ -42,6 +42,16 @@ pub(crate) enum Report {
     },
 }
 
+/// A barrier passed on but not yet acknowledged: its snapshots are incomplete.
+pub(crate) struct Unacked {
+    epoch: Epoch,
+    offsets: Offsets,
+}
+
+/// How many entries an incomplete snapshot encodes between two looks at the
+/// mailbox: what a record arriving meanwhile waits for at most.
+const SNAPSHOT_SLICE: usize = 256;
+
 /// Delivers reports to the coordinator.
 pub(crate) type Reporter = Arc<dyn Fn(Report) + Send + Sync>;
 
@@ -80,10 +90,41 @@ impl ActorEnv {
         std::mem::take(&mut *snapshot)
     }
 
-    /// Passes the barrier of `epoch` on, then acknowledges it with the state the
-    /// actor's operators snapshotted on the way.
-    fn barrier<T>(&self, epoch: Epoch, offsets: Offsets, emit: &mut dyn Emit<T>) -> Result<()> {
+    /// Passes the barrier of `epoch` on. Once the snapshots the actor's operators
+    /// took on the way are complete, acknowledges it with them: at once, or
+    /// through [`continue_snapshot`](Self::continue_snapshot) between records.
+    /// An earlier barrier still unacknowledged is settled first.
+    fn barrier<T>(
+        &self,
+        epoch: Epoch,
+        offsets: Offsets,
+        unacked: &mut Option<Unacked>,
+        emit: &mut dyn Emit<T>,
+    ) -> Result<()> {
+        self.continue_snapshot(unacked, usize::MAX, emit)?;
         emit.barrier(epoch)?;
+        *unacked = Some(Unacked { epoch, offsets });
+        self.continue_snapshot(unacked, 0, emit)
+    }
+
+    /// Continues the snapshots of the unacknowledged barrier by about `budget`
+    /// entries (`usize::MAX`: to the end), and acknowledges it once they are
+    /// complete.
+    fn continue_snapshot<T>(
+        &self,
+        unacked: &mut Option<Unacked>,
+        budget: usize,
+        emit: &mut dyn Emit<T>,
+    ) -> Result<()> {
+        if unacked.is_none() {
+            return Ok(());
+        }
+        while !emit.continue_snapshot(budget)? {
+            if budget != usize::MAX {
+                return Ok(());
+            }
+        }
+        let Unacked { epoch, offsets } = unacked.take().expect("checked above");
         (self.report)(Report::Barrier {
             actor: self.actor,
             epoch,
@@ -95,8 +136,16 @@ impl ActorEnv {
 
     /// Ends the actor's output (its last snapshot included), reports it finished,
     /// then lets its sink wait for the final commit.
-    fn end<T>(&self, offsets: impl FnOnce() -> Offsets, emit: &mut dyn Emit<T>) -> Result<()> {
+    fn end<T>(
+        &self,
+        offsets: impl FnOnce() -> Offsets,
+        unacked: &mut Option<Unacked>,
+        emit: &mut dyn Emit<T>,
+    ) -> Result<()> {
+        self.continue_snapshot(unacked, usize::MAX, emit)?;
         emit.end()?;
+        // The end's snapshot goes with the last report: complete it now.
+        while !emit.continue_snapshot(usize::MAX)? {}
         (self.report)(Report::Finished {
             actor: self.actor,
             offsets: offsets(),
@@ -125,16 +174,18 @@ fn source_loop<T: Data>(
     env: &ActorEnv,
 ) -> Result<()> {
     let mut out = SourceOutput::new(env.max_records);
+    let mut unacked = None;
     loop {
         env.check_cancel()?;
         if env.stop.load(Ordering::Relaxed) {
-            return env.end(|| reader.offsets(), emit);
+            return env.end(|| reader.offsets(), &mut unacked, emit);
         }
         // Between two polls every record read so far has been emitted, so the
         // reader's offsets are exactly where the epoch ends.
         for epoch in env.barriers.iter().flat_map(|b| b.try_iter()) {
-            env.barrier(epoch, reader.offsets(), emit)?;
+            env.barrier(epoch, reader.offsets(), &mut unacked, emit)?;
         }
+        env.continue_snapshot(&mut unacked, SNAPSHOT_SLICE, emit)?;
         let status = reader.poll(&mut out, IDLE_WAIT)?;
         if !out.is_empty() {
             let read = out.drain_into(emit)?;
@@ -145,7 +196,7 @@ fn source_loop<T: Data>(
         // Also when idle: a sink learns of asynchronous failures when flushed.
         emit.flush()?;
         if status == SourceStatus::Finished {
-            return env.end(|| reader.offsets(), emit);
+            return env.end(|| reader.offsets(), &mut unacked, emit);
         }
     }
 }
@@ -179,28 +230,37 @@ fn inbox_loop<T: Data>(
 ) -> Result<()> {
     let mut inputs = Inputs::new(lanes.len());
     let mut select = readable_lanes(lanes, &inputs);
+    let mut unacked = None;
     loop {
         env.check_cancel()?;
         let mut budget = DRAIN_BUDGET;
         let mut lanes_changed = false;
+        // An incomplete snapshot is worked on whenever no message waits.
+        let wait = if unacked.is_some() {
+            Duration::ZERO
+        } else {
+            IDLE_WAIT
+        };
         // One lane (a forward edge) is waited on directly: a plain receive wakes
         // faster than a select.
         if let [lane] = lanes {
-            let message = match lane.recv_timeout(IDLE_WAIT) {
+            let message = match lane.recv_timeout(wait) {
                 Ok(message) => message,
                 Err(RecvTimeoutError::Timeout) => {
                     emit.flush()?;
+                    env.continue_snapshot(&mut unacked, SNAPSHOT_SLICE, emit)?;
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => return Err(RtflowError::Cancelled),
             };
             budget -= 1;
-            match handle(0, message, &mut inputs, emit, env)? {
+            match handle(0, message, &mut inputs, &mut unacked, emit, env)? {
                 Step::Continue | Step::LanesChanged => {}
-                Step::Finished => return env.end(Offsets::new, emit),
+                Step::Finished => return env.end(Offsets::new, &mut unacked, emit),
             }
-        } else if select.ready_timeout(IDLE_WAIT).is_err() {
+        } else if select.ready_timeout(wait).is_err() {
             emit.flush()?;
+            env.continue_snapshot(&mut unacked, SNAPSHOT_SLICE, emit)?;
             continue;
         }
         while budget > 0 {
@@ -217,10 +277,10 @@ fn inbox_loop<T: Data>(
                 };
                 received = true;
                 budget = budget.saturating_sub(1);
-                match handle(lane, message, &mut inputs, emit, env)? {
+                match handle(lane, message, &mut inputs, &mut unacked, emit, env)? {
                     Step::Continue => {}
                     Step::LanesChanged => lanes_changed = true,
-                    Step::Finished => return env.end(Offsets::new, emit),
+                    Step::Finished => return env.end(Offsets::new, &mut unacked, emit),
                 }
             }
             if !received {
@@ -228,6 +288,7 @@ fn inbox_loop<T: Data>(
             }
         }
         emit.flush()?;
+        env.continue_snapshot(&mut unacked, SNAPSHOT_SLICE, emit)?;
         if lanes_changed {
             select = readable_lanes(lanes, &inputs);
         }
@@ -238,6 +299,7 @@ fn handle<T>(
     lane: usize,
     message: Message<T>,
     inputs: &mut Inputs,
+    unacked: &mut Option<Unacked>,
     emit: &mut dyn Emit<T>,
     env: &ActorEnv,
 ) -> Result<Step> {
@@ -264,7 +326,7 @@ fn handle<T>(
         }
         Message::Barrier(epoch) => {
             if let Alignment::Aligned(epoch) = inputs.on_barrier(lane, epoch) {
-                env.barrier(epoch, Offsets::new(), emit)?;
+                env.barrier(epoch, Offsets::new(), unacked, emit)?;
             }
             Ok(Step::LanesChanged)
         }
@@ -275,7 +337,7 @@ fn handle<T>(
                 return Ok(Step::Finished);
             }
             if let Some(epoch) = aligned {
-                env.barrier(epoch, Offsets::new(), emit)?;
+                env.barrier(epoch, Offsets::new(), unacked, emit)?;
             }
             if let Some(watermark) = watermark {
                 emit.watermark(watermark)?;

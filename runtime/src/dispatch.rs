@@ -297,6 +297,14 @@ impl<T: Data> Emit<T> for Fanout<T> {
         self.outputs.iter_mut().try_for_each(|o| o.barrier(epoch))
     }
 
+    fn continue_snapshot(&mut self, budget: usize) -> Result<bool> {
+        let mut done = true;
+        for output in &mut self.outputs {
+            done &= output.continue_snapshot(budget)?;
+        }
+        Ok(done)
+    }
+
     fn flush(&mut self) -> Result<()> {
         self.outputs.iter_mut().try_for_each(|o| o.flush())
     }

@@ -27,6 +27,11 @@ pub trait Emit<T>: Send {
     fn idle(&mut self) -> Result<()>;
     /// Takes the barrier that ends `epoch`.
     fn barrier(&mut self, epoch: Epoch) -> Result<()>;
+    /// Continues the snapshots taken at the last barrier by about `budget`
+    /// entries each; returns whether all are complete.
+    fn continue_snapshot(&mut self, _budget: usize) -> Result<bool> {
+        Ok(true)
+    }
     /// The actor drained what its mailbox held: push buffered records on now, so
     /// batching never waits for a batch to fill.
     fn flush(&mut self) -> Result<()>;
@@ -184,6 +189,15 @@ pub trait Operator<In, Out>: Send + 'static {
         Ok(())
     }
 
+    /// Called after `snapshot`, between records, until it returns `true`: encode
+    /// about `budget` more entries of a snapshot that `snapshot` only set aside,
+    /// and hand them to `out` once complete. An operator with
+    /// [`KeyedState`](crate::state::KeyedState) passes the call on to it; records
+    /// then never wait for their state to be encoded.
+    fn continue_snapshot(&mut self, _budget: usize, _out: &mut StateSnapshot) -> Result<bool> {
+        Ok(true)
+    }
+
     /// Called once when every input has ended, before the end is passed downstream.
     fn on_close(&mut self, _out: &mut Collector<'_, Out>) -> Result<()> {
         Ok(())
@@ -278,6 +292,13 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {
         self.snapshot()?;
         self.next.barrier(epoch)
+    }
+
+    fn continue_snapshot(&mut self, budget: usize) -> Result<bool> {
+        let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
+        let done = self.operator.continue_snapshot(budget, &mut snapshot)?;
+        drop(snapshot);
+        Ok(self.next.continue_snapshot(budget)? && done)
     }
 
     fn flush(&mut self) -> Result<()> {

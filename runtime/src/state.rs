@@ -192,7 +192,9 @@ impl StateContext {
             part: self.subtask as u32,
             key_groups,
             entries: HashMap::new(),
+            tag: CAPTURED + 1,
             changed: Vec::new(),
+            capture: None,
             live: 0,
         };
         let mine =
@@ -207,7 +209,7 @@ impl StateContext {
                     key,
                     Slot {
                         value,
-                        changed: false,
+                        changed_in: CAPTURED,
                     },
                 );
             }
@@ -328,14 +330,14 @@ pub struct StateSnapshot {
     /// Keyed changes encoded at the barrier, with their entry counts: cutting
     /// them into entries is left to the coordinator, so the actor goes on with
     /// its records sooner.
-    captured: Vec<(usize, Capture)>,
+    captured: Vec<(usize, Cut)>,
     /// For an actor that ends in a sink: the watermark the sink had reached at the
     /// barrier (`Some(None)` before its first).
     pub(crate) sink_watermark: Option<Option<EventTime>>,
 }
 
 /// Changes encoded at a barrier into one buffer, cut into entries when called.
-type Capture = Box<dyn FnOnce() -> Delta + Send>;
+type Cut = Box<dyn FnOnce() -> Delta + Send>;
 
 impl StateSnapshot {
     fn push(&mut self, delta: Delta) {
@@ -344,7 +346,7 @@ impl StateSnapshot {
         }
     }
 
-    fn capture(&mut self, entries: usize, encode: Capture) {
+    fn capture(&mut self, entries: usize, encode: Cut) {
         if entries > 0 {
             self.captured.push((entries, encode));
         }
@@ -366,23 +368,126 @@ impl StateSnapshot {
 }
 
 struct Slot<V> {
-    /// `None`: deleted since the last snapshot.
+    /// `None`: deleted, and not yet captured by a snapshot.
     value: Option<V>,
-    changed: bool,
+    /// The tag of the epoch that last changed it, until a snapshot captured the
+    /// change; [`CAPTURED`] then.
+    changed_in: u64,
 }
+
+/// The `changed_in` of a slot whose last change a snapshot holds.
+const CAPTURED: u64 = 0;
 
 /// A value per key, held in memory and checkpointed incrementally: a snapshot
 /// writes only the keys changed since the previous one.
+///
+/// A snapshot is taken in two steps so that records do not wait for it. At the
+/// barrier, [`snapshot`](Self::snapshot) only sets the epoch's changed keys
+/// aside. [`continue_snapshot`](Self::continue_snapshot) then encodes them a
+/// slice at a time between records; a key that a record is about to change
+/// first is encoded then, with its value at the barrier (copy on write).
 pub struct KeyedState<K, V> {
     id: StateId,
     meta: StateMeta,
     part: u32,
     key_groups: usize,
     entries: HashMap<K, Slot<V>>,
-    /// Keys changed since the last snapshot, each once.
+    /// The tag of the running epoch's changes.
+    tag: u64,
+    /// Keys changed in the running epoch, each once.
     changed: Vec<K>,
+    /// The snapshot taken at the last barrier, until it is complete.
+    capture: Option<Capture<K>>,
     /// Keys with a value.
     live: usize,
+}
+
+/// The changes of one epoch on their way into a snapshot.
+struct Capture<K> {
+    /// The tag of the epoch captured.
+    tag: u64,
+    /// Keys changed in that epoch and not encoded yet.
+    pending: Vec<K>,
+    /// Keys and values, encoded one after the other.
+    buffer: Vec<u8>,
+    /// Per entry: its key group, where its key ends, where its value ends.
+    spans: Vec<(u32, usize, Option<usize>)>,
+    /// An encoding failure, reported when the capture completes.
+    failure: Option<RtflowError>,
+}
+
+impl<K: Hash + Serialize> Capture<K> {
+    fn new(tag: u64, pending: Vec<K>) -> Self {
+        Self {
+            tag,
+            buffer: Vec::with_capacity(pending.len() * 16),
+            spans: Vec::with_capacity(pending.len()),
+            pending,
+            failure: None,
+        }
+    }
+
+    /// Encodes `key` with `value` (`None`: deleted).
+    fn record<V: Serialize>(
+        &mut self,
+        id: &StateId,
+        key_groups: usize,
+        key: &K,
+        value: Option<&V>,
+    ) {
+        let group = key_group(stable_hash(key), key_groups) as u32;
+        let encoded = encode_into(id, key, &mut self.buffer).and_then(|()| {
+            let key_end = self.buffer.len();
+            let value_end = match value {
+                Some(value) => {
+                    encode_into(id, value, &mut self.buffer)?;
+                    Some(self.buffer.len())
+                }
+                None => None,
+            };
+            self.spans.push((group, key_end, value_end));
+            Ok(())
+        });
+        if let Err(error) = encoded {
+            self.failure.get_or_insert(error);
+        }
+    }
+
+    /// The encoded entries, to be cut apart off the operator's thread.
+    fn finish(
+        self,
+        state: StateId,
+        meta: StateMeta,
+        part: u32,
+        out: &mut StateSnapshot,
+    ) -> Result<()> {
+        if let Some(error) = self.failure {
+            return Err(error);
+        }
+        let (buffer, spans) = (self.buffer, self.spans);
+        out.capture(
+            spans.len(),
+            Box::new(move || {
+                let mut start = 0;
+                let entries = spans
+                    .into_iter()
+                    .map(|(group, key_end, value_end)| {
+                        let key = buffer[start..key_end].to_vec();
+                        start = value_end.unwrap_or(key_end);
+                        let value = value_end.map(|end| buffer[key_end..end].to_vec());
+                        Entry { group, key, value }
+                    })
+                    .collect();
+                Delta {
+                    state,
+                    meta,
+                    part,
+                    entries,
+                }
+            }),
+        );
+        Ok(())
+    }
 }
 
 impl<K, V> KeyedState<K, V>
@@ -399,12 +504,8 @@ where
     /// The value of `key`, to change in place; the key counts as changed.
     #[inline]
     pub fn get_mut(&mut self, key: &K) -> Option<&mut V> {
-        let slot = self.entries.get_mut(key)?;
-        slot.value.as_ref()?;
-        if !slot.changed {
-            slot.changed = true;
-            self.changed.push(key.clone());
-        }
+        self.get(key)?;
+        let (slot, _) = self.mark(key.clone());
         slot.value.as_mut()
     }
 
@@ -454,76 +555,73 @@ where
             .filter_map(|(key, slot)| slot.value.as_ref().map(|value| (key, value)))
     }
 
-    /// Hands the keys changed since the last snapshot to `out`. They are encoded
-    /// into one buffer here; cutting it into entries is left to the coordinator.
+    /// Takes a snapshot of the keys changed since the previous one: sets them
+    /// aside for [`continue_snapshot`](Self::continue_snapshot), which hands
+    /// them to `out` once encoded. A snapshot still incomplete is completed first.
     pub fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+        self.continue_snapshot(usize::MAX, out)?;
         let changed = std::mem::take(&mut self.changed);
-        let mut buffer = Vec::with_capacity(changed.len() * 16);
-        // Per entry: its key group, where its key ends, where its value ends.
-        let mut spans = Vec::with_capacity(changed.len());
-        for key in changed {
-            let group = key_group(stable_hash(&key), self.key_groups) as u32;
-            encode_into(&self.id, &key, &mut buffer)?;
-            let key_end = buffer.len();
-            let slot = self
-                .entries
-                .get_mut(&key)
-                .expect("changed keys stay until snapshot");
-            slot.changed = false;
-            let value_end = match &slot.value {
-                Some(value) => {
-                    encode_into(&self.id, value, &mut buffer)?;
-                    Some(buffer.len())
-                }
-                None => {
-                    self.entries.remove(&key);
-                    None
-                }
-            };
-            spans.push((group, key_end, value_end));
-        }
-        let (state, meta, part) = (self.id.clone(), self.meta.clone(), self.part);
-        out.capture(
-            spans.len(),
-            Box::new(move || {
-                let mut start = 0;
-                let entries = spans
-                    .into_iter()
-                    .map(|(group, key_end, value_end)| {
-                        let key = buffer[start..key_end].to_vec();
-                        start = value_end.unwrap_or(key_end);
-                        let value = value_end.map(|end| buffer[key_end..end].to_vec());
-                        Entry { group, key, value }
-                    })
-                    .collect();
-                Delta {
-                    state,
-                    meta,
-                    part,
-                    entries,
-                }
-            }),
-        );
+        self.capture = Some(Capture::new(self.tag, changed));
+        self.tag += 1;
         Ok(())
     }
 
+    /// Encodes up to `budget` more keys of the snapshot taken at the last
+    /// barrier; once all are, hands them to `out` and returns `true`.
+    pub fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
+        let Some(capture) = &mut self.capture else {
+            return Ok(true);
+        };
+        for _ in 0..budget {
+            let Some(key) = capture.pending.pop() else {
+                break;
+            };
+            // A key changed again since the barrier was captured then.
+            let Some(slot) = self.entries.get_mut(&key) else {
+                continue;
+            };
+            if slot.changed_in != capture.tag {
+                continue;
+            }
+            slot.changed_in = CAPTURED;
+            capture.record(&self.id, self.key_groups, &key, slot.value.as_ref());
+            if slot.value.is_none() {
+                self.entries.remove(&key);
+            }
+        }
+        if !capture.pending.is_empty() {
+            return Ok(false);
+        }
+        let capture = self.capture.take().expect("checked above");
+        capture.finish(self.id.clone(), self.meta.clone(), self.part, out)?;
+        Ok(true)
+    }
+
     /// Marks `key` changed; returns its slot and the live-key count to adjust.
+    /// The first change of an epoch to a key that the incomplete snapshot has
+    /// not encoded yet encodes it first.
     #[inline]
     fn mark(&mut self, key: K) -> (&mut Slot<V>, &mut usize) {
         let slot = match self.entries.entry(key) {
             MapEntry::Occupied(occupied) => {
-                if !occupied.get().changed {
-                    self.changed.push(occupied.key().clone());
+                if occupied.get().changed_in != self.tag {
+                    let (key, slot) = (occupied.key(), occupied.get());
+                    if let Some(capture) = &mut self.capture {
+                        if slot.changed_in == capture.tag {
+                            capture.record(&self.id, self.key_groups, key, slot.value.as_ref());
+                        }
+                    }
+                    self.changed.push(key.clone());
                 }
                 let slot = occupied.into_mut();
-                slot.changed = true;
+                slot.changed_in = self.tag;
                 slot
             }
             MapEntry::Vacant(vacant) => {
                 self.changed.push(vacant.key().clone());
                 vacant.insert(Slot {
                     value: None,
-                    changed: true,
+                    changed_in: self.tag,
                 })
             }
         };
@@ -599,5 +697,165 @@ impl<V: Serialize> SubtaskState<V> {
             entries,
         });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// What a snapshot holds: key -> value (`None`: deleted).
+    fn contents(out: StateSnapshot) -> BTreeMap<u64, Option<u64>> {
+        let id = StateId::new("test", "counts");
+        out.into_deltas()
+            .into_iter()
+            .flat_map(|delta| delta.entries)
+            .map(|entry| {
+                let key = decode(&id, &entry.key).unwrap();
+                let value = entry.value.map(|bytes| decode(&id, &bytes).unwrap());
+                (key, value)
+            })
+            .collect()
+    }
+
+    fn counts() -> KeyedState<u64, u64> {
+        StateContext::detached("count", 0, 1, 128)
+            .keyed("counts")
+            .unwrap()
+    }
+
+    #[test]
+    fn a_key_changed_before_the_snapshot_encoded_it_is_snapshotted_as_at_the_barrier() {
+        let mut state = counts();
+        for key in 1..=3 {
+            state.insert(key, key * 10);
+        }
+        let mut at_barrier = StateSnapshot::default();
+        state.snapshot(&mut at_barrier).unwrap();
+        assert!(!state.continue_snapshot(1, &mut at_barrier).unwrap());
+        state.insert(1, 11);
+        state.remove(&2);
+        state.insert(4, 40);
+        assert!(state
+            .continue_snapshot(usize::MAX, &mut at_barrier)
+            .unwrap());
+        assert_eq!(
+            contents(at_barrier),
+            BTreeMap::from([(1, Some(10)), (2, Some(20)), (3, Some(30))])
+        );
+
+        let mut next = StateSnapshot::default();
+        state.snapshot(&mut next).unwrap();
+        assert!(state.continue_snapshot(usize::MAX, &mut next).unwrap());
+        assert_eq!(
+            contents(next),
+            BTreeMap::from([(1, Some(11)), (2, None), (4, Some(40))])
+        );
+        assert_eq!(state.len(), 3);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Act {
+        Insert(u64, u64),
+        Add(u64),
+        Remove(u64),
+        Barrier,
+        /// Encodes this many more keys of the incomplete snapshot.
+        Continue(usize),
+    }
+
+    fn act() -> impl Strategy<Value = Act> {
+        prop_oneof![
+            4 => (0..20u64, 0..100u64).prop_map(|(k, v)| Act::Insert(k, v)),
+            4 => (0..20u64).prop_map(Act::Add),
+            2 => (0..20u64).prop_map(Act::Remove),
+            1 => Just(Act::Barrier),
+            2 => (0..8usize).prop_map(Act::Continue),
+        ]
+    }
+
+    /// A snapshot taken at a barrier and the state before and at that barrier.
+    type Open = (StateSnapshot, BTreeMap<u64, u64>, BTreeMap<u64, u64>);
+
+    /// Completes the open snapshot; checks it holds every key changed in its
+    /// epoch and that applying it to `rebuilt` gives the state at its barrier.
+    fn settle(
+        open: &mut Option<Open>,
+        state: &mut KeyedState<u64, u64>,
+        rebuilt: &mut BTreeMap<u64, u64>,
+    ) {
+        let Some((mut out, before, after)) = open.take() else {
+            return;
+        };
+        assert!(state.continue_snapshot(usize::MAX, &mut out).unwrap());
+        let held = contents(out);
+        for (key, value) in &held {
+            match value {
+                Some(value) => rebuilt.insert(*key, *value),
+                None => rebuilt.remove(key),
+            };
+        }
+        assert_eq!(
+            *rebuilt, after,
+            "replayed snapshots rebuild the barrier's state"
+        );
+        let changed = before
+            .keys()
+            .chain(after.keys())
+            .filter(|key| before.get(key) != after.get(key));
+        for key in changed {
+            assert!(held.contains_key(key), "changed key {key} is held");
+        }
+    }
+
+    proptest! {
+        /// However records and snapshot slices interleave, each snapshot holds
+        /// exactly the keys changed in its epoch, with their values at its
+        /// barrier, and replaying the snapshots rebuilds the state.
+        #[test]
+        fn snapshots_hold_each_epoch_as_it_was_at_its_barrier(
+            acts in prop::collection::vec(act(), 0..200),
+        ) {
+            let mut state = counts();
+            let mut model: BTreeMap<u64, u64> = BTreeMap::new();
+            let mut at_last_barrier: BTreeMap<u64, u64> = BTreeMap::new();
+            let mut rebuilt: BTreeMap<u64, u64> = BTreeMap::new();
+            let mut open: Option<Open> = None;
+            for act in acts {
+                match act {
+                    Act::Insert(key, value) => {
+                        state.insert(key, value);
+                        model.insert(key, value);
+                    }
+                    Act::Add(key) => {
+                        *state.get_or_insert_with(key, || 0) += 1;
+                        *model.entry(key).or_insert(0) += 1;
+                    }
+                    Act::Remove(key) => {
+                        prop_assert_eq!(state.remove(&key), model.remove(&key));
+                    }
+                    Act::Barrier => {
+                        settle(&mut open, &mut state, &mut rebuilt);
+                        let mut out = StateSnapshot::default();
+                        state.snapshot(&mut out).unwrap();
+                        let before = std::mem::replace(&mut at_last_barrier, model.clone());
+                        open = Some((out, before, model.clone()));
+                    }
+                    Act::Continue(budget) => {
+                        if let Some((out, _, _)) = &mut open {
+                            if state.continue_snapshot(budget, out).unwrap() {
+                                settle(&mut open, &mut state, &mut rebuilt);
+                            }
+                        }
+                    }
+                }
+                prop_assert_eq!(state.len(), model.len());
+            }
+            settle(&mut open, &mut state, &mut rebuilt);
+        }
     }
 }

@@ -432,6 +432,17 @@ where
         }
         store.timers.snapshot(out)
     }
+
+    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
+        let Some(store) = &mut self.store else {
+            return Ok(true);
+        };
+        let mut done = store.timers.continue_snapshot(budget, out)?;
+        for state in &mut store.states {
+            done &= state.continue_snapshot(budget, out)?;
+        }
+        Ok(done)
+    }
 }
 
 /// The keyed process operator as a builder method on a keyed stream.

@@ -213,6 +213,7 @@ pub(crate) trait AnyState<K>: Send {
     fn name(&self) -> &'static str;
     fn as_any(&mut self) -> &mut dyn Any;
     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()>;
+    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool>;
     /// Deletes what of `key` expired at `now`; returns the next expiry left.
     fn sweep(&mut self, key: &K, now: ProcessingTime) -> Option<ProcessingTime>;
 }
@@ -228,6 +229,10 @@ impl<K: StateKey, C: Cell> AnyState<K> for Declared<K, C> {
 
     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         self.state.snapshot(out)
+    }
+
+    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
+        self.state.continue_snapshot(budget, out)
     }
 
     fn sweep(&mut self, key: &K, now: ProcessingTime) -> Option<ProcessingTime> {

@@ -229,4 +229,12 @@ impl<K: StateKey> Timers<K> {
     pub(crate) fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         self.rows.snapshot(out)
     }
+
+    pub(crate) fn continue_snapshot(
+        &mut self,
+        budget: usize,
+        out: &mut StateSnapshot,
+    ) -> Result<bool> {
+        self.rows.continue_snapshot(budget, out)
+    }
 }
