@@ -9,7 +9,7 @@
 //!    holds more than 32 blobs or its deltas outweigh its base); then
 //!    `CheckpointStore::open` + `recover` of the result. Also the part of a
 //!    checkpoint an actor does itself, on one count actor's share (`--keys / 2`
-//!    keys, `--keys / 200` of them changed): `KeyedState::snapshot` at the
+//!    keys, `--keys / 200` of them changed): `KeyedState::begin_snapshot` at the
 //!    barrier, then `continue_snapshot` encoding every changed key (which the
 //!    actor does in slices between records).
 //! 2. **End to end**: generator (2 partitions) -> `key_by` -> `count` -> a probe
@@ -367,9 +367,7 @@ fn keyed_snapshot(args: &Args) -> std::result::Result<(Summary, Summary), BoxErr
     for key in 0..share {
         counts.insert(key, 1);
     }
-    let mut full = StateSnapshot::default();
-    counts.snapshot(&mut full)?;
-    counts.continue_snapshot(usize::MAX, &mut full)?;
+    counts.snapshot(&mut StateSnapshot::default())?;
     let (mut barrier, mut encoding) = (Vec::new(), Vec::new());
     for epoch in 0..args.store_epochs {
         for i in epoch * changed..(epoch + 1) * changed {
@@ -377,7 +375,7 @@ fn keyed_snapshot(args: &Args) -> std::result::Result<(Summary, Summary), BoxErr
         }
         let mut snapshot = StateSnapshot::default();
         let started = Instant::now();
-        counts.snapshot(&mut snapshot)?;
+        counts.begin_snapshot(&mut snapshot)?;
         barrier.push(ms(started.elapsed()));
         let started = Instant::now();
         assert!(counts.continue_snapshot(usize::MAX, &mut snapshot)?);

@@ -9,6 +9,7 @@ use std::time::Duration;
 use common::{config, sorted, TIMEOUT};
 use rtflow::checkpoint::CheckpointStore;
 use rtflow::prelude::*;
+use rtflow::runtime::state::{KeyedState, StateSnapshot};
 
 /// Epochs end every 100 ms.
 fn checkpointed(name: &str) -> QueryConfig {
@@ -304,4 +305,55 @@ fn a_changed_key_group_count_fails_at_start() {
     );
     assert!(error.to_string().contains("128 key groups"), "{error}");
     assert!(error.to_string().contains("64"), "{error}");
+}
+
+/// Begins keyed snapshots but never continues them: its checkpoints would miss
+/// every change.
+struct ForgetfulCount(Option<KeyedState<String, u64>>);
+
+impl Operator<String, u64> for ForgetfulCount {
+    fn on_start(&mut self, ctx: &OperatorContext) -> rtflow::Result<()> {
+        self.0 = Some(ctx.state.keyed("counts")?);
+        Ok(())
+    }
+
+    fn process(
+        &mut self,
+        record: Record<String>,
+        out: &mut Collector<'_, u64>,
+    ) -> rtflow::Result<()> {
+        let count = self
+            .0
+            .as_mut()
+            .expect("started")
+            .get_or_insert_with(record.value, || 0);
+        *count += 1;
+        let count = *count;
+        out.emit(count)
+    }
+
+    fn snapshot(&mut self, out: &mut StateSnapshot) -> rtflow::Result<()> {
+        self.0.as_mut().expect("started").begin_snapshot(out)
+    }
+}
+
+#[test]
+fn a_keyed_snapshot_begun_and_never_continued_fails_the_query() {
+    let flow = Dataflow::new("forgetful");
+    let input = MemorySource::new(1);
+    flow.source(input.clone())
+        .transform("forgetful_count", |_| ForgetfulCount(None))
+        .sink(MemorySink::new());
+    let query = flow
+        .start(checkpointed("forgetful").allowlist_check(false))
+        .unwrap();
+    input.push_all(0, words(10)).unwrap();
+    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
+    assert_eq!(error.error_class(), "CHECKPOINT_FAILED");
+    assert!(
+        error
+            .to_string()
+            .contains("continue_snapshot did not complete"),
+        "{error}"
+    );
 }

@@ -104,7 +104,7 @@ where
 
     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         match &mut self.state {
-            Some(state) => state.snapshot(out),
+            Some(state) => state.begin_snapshot(out),
             None => Ok(()),
         }
     }

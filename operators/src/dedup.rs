@@ -152,7 +152,7 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
 
     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         if let (Some(seen), Some(lateness)) = (&mut self.seen, &mut self.lateness) {
-            seen.snapshot(out)?;
+            seen.begin_snapshot(out)?;
             lateness.snapshot(out)?;
         }
         Ok(())

@@ -315,7 +315,7 @@ where
 
     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         if let (Some(rows), Some(lateness)) = (&mut self.rows, &mut self.lateness) {
-            rows.snapshot(out)?;
+            rows.begin_snapshot(out)?;
             lateness.snapshot(out)?;
         }
         Ok(())

@@ -622,7 +622,7 @@ where
 
     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         if let Some(windows) = &mut self.windows {
-            windows.snapshot(out)?;
+            windows.begin_snapshot(out)?;
         }
         if let Some(lateness) = &mut self.lateness {
             lateness.snapshot(out)?;

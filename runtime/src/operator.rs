@@ -4,7 +4,7 @@
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
-use crate::error::Result;
+use crate::error::{Result, RtflowError};
 use crate::metrics::OperatorMetrics;
 use crate::record::{now_nanos, Epoch, EventTime, Record, RecordMeta};
 use crate::state::{StateContext, StateSnapshot};
@@ -44,7 +44,7 @@ pub trait Emit<T>: Send {
         Ok(())
     }
     /// The actor is failing with `error`: release what is held, without output.
-    fn abort(&mut self, error: &crate::RtflowError);
+    fn abort(&mut self, error: &RtflowError);
 }
 
 /// Who an operator instance is, and where it gets its checkpointed state.
@@ -212,6 +212,9 @@ pub(crate) struct Chained<O, In, Out> {
     snapshots: SnapshotBuffer,
     records_in: u64,
     counts: Counts,
+    /// Keyed snapshots the operator began at the last barrier and has not
+    /// completed.
+    unfinished: usize,
     _input: PhantomData<fn(In)>,
 }
 
@@ -231,6 +234,7 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
             snapshots,
             records_in: 0,
             counts: Counts::default(),
+            unfinished: 0,
             _input: PhantomData,
         })
     }
@@ -257,7 +261,10 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
 
     fn snapshot(&mut self) -> Result<()> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
-        self.operator.snapshot(&mut snapshot)
+        let before = snapshot.incomplete;
+        self.operator.snapshot(&mut snapshot)?;
+        self.unfinished = (self.unfinished + snapshot.incomplete).saturating_sub(before);
+        Ok(())
     }
 
     fn publish_counts(&mut self) {
@@ -296,7 +303,18 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
 
     fn continue_snapshot(&mut self, budget: usize) -> Result<bool> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
+        let before = snapshot.incomplete;
         let done = self.operator.continue_snapshot(budget, &mut snapshot)?;
+        self.unfinished = (self.unfinished + snapshot.incomplete).saturating_sub(before);
+        if done && self.unfinished > 0 {
+            // The checkpoint would miss the epoch's changes: fail loudly.
+            return Err(RtflowError::Checkpoint(format!(
+                "operator {} began a keyed snapshot (KeyedState::begin_snapshot) that its \
+                 continue_snapshot did not complete: pass Operator::continue_snapshot on to \
+                 the state, or call KeyedState::snapshot instead",
+                std::any::type_name::<O>()
+            )));
+        }
         drop(snapshot);
         Ok(self.next.continue_snapshot(budget)? && done)
     }

@@ -7,6 +7,12 @@
 //! [`StateContext`] gives each instance back what the last committed checkpoint
 //! held for the key groups it owns.
 //!
+//! `KeyedState::snapshot` encodes the changed keys at the barrier, while
+//! records wait. An operator with many changed keys per epoch can instead call
+//! `begin_snapshot` there and `continue_snapshot` from its own
+//! `continue_snapshot` hook: the runtime then encodes a slice at a time between
+//! records (the built-in stateful operators do this).
+//!
 //! ```
 //! use rtflow_runtime::state::{KeyedState, StateSnapshot};
 //! use rtflow_runtime::{Collector, Operator, OperatorContext, Record, Result};
@@ -334,6 +340,8 @@ pub struct StateSnapshot {
     /// For an actor that ends in a sink: the watermark the sink had reached at the
     /// barrier (`Some(None)` before its first).
     pub(crate) sink_watermark: Option<Option<EventTime>>,
+    /// Keyed snapshots begun and not yet complete.
+    pub(crate) incomplete: usize,
 }
 
 /// Changes encoded at a barrier into one buffer, cut into entries when called.
@@ -555,14 +563,25 @@ where
             .filter_map(|(key, slot)| slot.value.as_ref().map(|value| (key, value)))
     }
 
-    /// Takes a snapshot of the keys changed since the previous one: sets them
-    /// aside for [`continue_snapshot`](Self::continue_snapshot), which hands
-    /// them to `out` once encoded. A snapshot still incomplete is completed first.
+    /// Hands the keys changed since the previous snapshot to `out`, encoded now.
     pub fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+        self.begin_snapshot(out)?;
+        self.continue_snapshot(usize::MAX, out).map(drop)
+    }
+
+    /// Takes a snapshot of the keys changed since the previous one without
+    /// encoding them: [`continue_snapshot`](Self::continue_snapshot) does, and
+    /// hands them to `out`. An operator that begins a snapshot in
+    /// [`Operator::snapshot`](crate::Operator::snapshot) must continue it in
+    /// [`Operator::continue_snapshot`](crate::Operator::continue_snapshot); the
+    /// runtime fails the query otherwise. A snapshot still incomplete is
+    /// completed first.
+    pub fn begin_snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         self.continue_snapshot(usize::MAX, out)?;
         let changed = std::mem::take(&mut self.changed);
         self.capture = Some(Capture::new(self.tag, changed));
         self.tag += 1;
+        out.incomplete += 1;
         Ok(())
     }
 
@@ -594,6 +613,7 @@ where
         }
         let capture = self.capture.take().expect("checked above");
         capture.finish(self.id.clone(), self.meta.clone(), self.part, out)?;
+        out.incomplete = out.incomplete.saturating_sub(1);
         Ok(true)
     }
 
@@ -735,7 +755,7 @@ mod tests {
             state.insert(key, key * 10);
         }
         let mut at_barrier = StateSnapshot::default();
-        state.snapshot(&mut at_barrier).unwrap();
+        state.begin_snapshot(&mut at_barrier).unwrap();
         assert!(!state.continue_snapshot(1, &mut at_barrier).unwrap());
         state.insert(1, 11);
         state.remove(&2);
@@ -749,7 +769,7 @@ mod tests {
         );
 
         let mut next = StateSnapshot::default();
-        state.snapshot(&mut next).unwrap();
+        state.begin_snapshot(&mut next).unwrap();
         assert!(state.continue_snapshot(usize::MAX, &mut next).unwrap());
         assert_eq!(
             contents(next),
@@ -841,7 +861,7 @@ mod tests {
                     Act::Barrier => {
                         settle(&mut open, &mut state, &mut rebuilt);
                         let mut out = StateSnapshot::default();
-                        state.snapshot(&mut out).unwrap();
+                        state.begin_snapshot(&mut out).unwrap();
                         let before = std::mem::replace(&mut at_last_barrier, model.clone());
                         open = Some((out, before, model.clone()));
                     }

@@ -228,7 +228,7 @@ impl<K: StateKey, C: Cell> AnyState<K> for Declared<K, C> {
     }
 
     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        self.state.snapshot(out)
+        self.state.begin_snapshot(out)
     }
 
     fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {

@@ -227,7 +227,7 @@ impl<K: StateKey> Timers<K> {
     }
 
     pub(crate) fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        self.rows.snapshot(out)
+        self.rows.begin_snapshot(out)
     }
 
     pub(crate) fn continue_snapshot(
