@@ -26,7 +26,31 @@ pub struct GeneratorSource<T> {
     make: MakeRow<T>,
     partitions: usize,
     rows_per_second: Option<u64>,
-    rows_per_partition: Option<u64>,
+    end: End,
+}
+
+/// Where a generator's partitions end.
+#[derive(Clone, Copy)]
+enum End {
+    Never,
+    /// Every partition after this many rows.
+    PerPartition(u64),
+    /// After this many rows over all partitions, dealt in turn.
+    Total(u64),
+}
+
+impl End {
+    /// The offset at which `partition` of `partitions` ends.
+    fn offset(self, partition: usize, partitions: usize) -> u64 {
+        match self {
+            End::Never => u64::MAX,
+            End::PerPartition(rows) => rows,
+            End::Total(rows) => {
+                let (partition, partitions) = (partition as u64, partitions as u64);
+                (rows + partitions - 1).saturating_sub(partition) / partitions
+            }
+        }
+    }
 }
 
 impl<T: Data> GeneratorSource<T> {
@@ -36,7 +60,7 @@ impl<T: Data> GeneratorSource<T> {
             make: Arc::new(make),
             partitions: 1,
             rows_per_second: None,
-            rows_per_partition: None,
+            end: End::Never,
         }
     }
 
@@ -55,7 +79,23 @@ impl<T: Data> GeneratorSource<T> {
 
     /// Ends each partition after this many rows.
     pub fn rows_per_partition(mut self, rows: u64) -> Self {
-        self.rows_per_partition = Some(rows);
+        self.end = End::PerPartition(rows);
+        self
+    }
+
+    /// Ends after `rows` rows over all partitions: row `i` is offset
+    /// `i / partitions` of partition `i % partitions`, so the partitions end
+    /// at most one row apart.
+    ///
+    /// ```
+    /// use rtflow_connectors::GeneratorSource;
+    /// // Partition 0 makes offsets 0..4 (rows 0, 3, 6, 9), partitions 1 and 2 make 0..3.
+    /// let source = GeneratorSource::new(|partition, offset| offset * 3 + partition as u64)
+    ///     .partitions(3)
+    ///     .total_rows(10);
+    /// ```
+    pub fn total_rows(mut self, rows: u64) -> Self {
+        self.end = End::Total(rows);
         self
     }
 }
@@ -81,13 +121,16 @@ impl<T: Data> Source<T> for GeneratorSource<T> {
             .map(|total| total as f64 * ctx.partitions.len() as f64 / self.partitions as f64);
         Ok(Box::new(GeneratorReader {
             make: self.make.clone(),
-            offsets: ctx
+            lanes: ctx
                 .numbered_partitions()
                 .into_iter()
-                .map(|(partition, offset)| (partition, offset as u64))
+                .map(|(partition, offset)| Lane {
+                    partition,
+                    offset: offset as u64,
+                    end: self.end.offset(partition, self.partitions),
+                })
                 .collect(),
             next: 0,
-            limit: self.rows_per_partition.unwrap_or(u64::MAX),
             rate,
             started: Instant::now(),
             emitted: 0,
@@ -95,13 +138,20 @@ impl<T: Data> Source<T> for GeneratorSource<T> {
     }
 }
 
+/// One partition a reader owns.
+struct Lane {
+    partition: usize,
+    /// The next row's offset.
+    offset: u64,
+    /// The offset the partition ends at.
+    end: u64,
+}
+
 struct GeneratorReader<T> {
     make: MakeRow<T>,
-    /// (partition, next offset) for every partition this reader owns.
-    offsets: Vec<(usize, u64)>,
-    /// The partition the next row goes to, dealt in turn.
+    lanes: Vec<Lane>,
+    /// The lane the next row goes to, dealt in turn.
     next: usize,
-    limit: u64,
     /// Rows per second for this reader, if limited.
     rate: Option<f64>,
     started: Instant,
@@ -117,13 +167,17 @@ impl<T: Data> GeneratorReader<T> {
     }
 
     fn finished(&self) -> bool {
-        self.offsets.iter().all(|(_, offset)| *offset >= self.limit)
+        self.lanes.iter().all(|lane| lane.offset >= lane.end)
     }
 }
 
 impl<T: Data> SourceReader<T> for GeneratorReader<T> {
     fn offsets(&self) -> Offsets {
-        numbered_offsets(self.offsets.iter().map(|(p, offset)| (*p, *offset as i64)))
+        numbered_offsets(
+            self.lanes
+                .iter()
+                .map(|lane| (lane.partition, lane.offset as i64)),
+        )
     }
 
     fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus> {
@@ -146,14 +200,14 @@ impl<T: Data> SourceReader<T> for GeneratorReader<T> {
         let mut budget = due.min(out.remaining() as u64);
         while budget > 0 && !self.finished() {
             let lane = self.next;
-            self.next = (lane + 1) % self.offsets.len();
-            let (partition, offset) = &mut self.offsets[lane];
-            if *offset >= self.limit {
+            self.next = (lane + 1) % self.lanes.len();
+            let lane = &mut self.lanes[lane];
+            if lane.offset >= lane.end {
                 continue;
             }
-            out.set_partition(*partition);
-            out.push((self.make)(*partition, *offset), created);
-            *offset += 1;
+            out.set_partition(lane.partition);
+            out.push((self.make)(lane.partition, lane.offset), created);
+            lane.offset += 1;
             self.emitted += 1;
             budget -= 1;
         }
