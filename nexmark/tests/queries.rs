@@ -11,6 +11,12 @@ use std::time::Duration;
 use rtflow::prelude::*;
 use rtflow_nexmark::{queries, reference, Event, GeneratorConfig, NexmarkGenerator, NexmarkSource};
 
+/// The root crate's Kafka test helpers: the same rule for finding the broker
+/// that scripts/test.sh started (skip outside CI, fail in CI).
+#[allow(dead_code)]
+#[path = "../../tests/common/kafka.rs"]
+mod kafka;
+
 const EVENTS: u64 = 50_000;
 
 fn generator() -> NexmarkGenerator {
@@ -180,27 +186,11 @@ fn a_restarted_query_replays_nothing_and_misses_nothing() {
     assert_eq!(sorted(output.rows()), reference::q0(events()));
 }
 
-/// The broker scripts/test.sh started, as tests/common/kafka.rs finds it: `None`
-/// (test skipped) outside CI when no broker was started; in CI a missing broker
-/// fails the test.
-fn kafka_bootstrap() -> Option<String> {
-    match std::env::var("RTFLOW_KAFKA_BOOTSTRAP") {
-        Ok(bootstrap) => Some(bootstrap),
-        Err(_) if std::env::var_os("CI").is_some() => {
-            panic!("RTFLOW_KAFKA_BOOTSTRAP is not set: run the tests with scripts/test.sh")
-        }
-        Err(_) => {
-            eprintln!("skipped: no Kafka broker; run scripts/test.sh to start one");
-            None
-        }
-    }
-}
-
 /// The loader writes the events to a topic, and a query reading the topic
 /// gives the answer it gives on the generator.
 #[test]
 fn q2_reads_the_events_the_loader_wrote_to_kafka() {
-    let Some(bootstrap) = kafka_bootstrap() else {
+    let Some(bootstrap) = kafka::bootstrap() else {
         return;
     };
     let topic = format!("nexmark-test-{}", std::process::id());
