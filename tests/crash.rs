@@ -320,14 +320,19 @@ impl Run {
     /// producers are ready), or exited, so that a kill hits a running query
     /// rather than one still starting up.
     fn wait_started(&self, child: &mut Child, timeout: Duration) {
+        self.wait_logged(child, "starting actors", timeout);
+    }
+
+    /// Waits until the child's log holds `text`, or the child exited.
+    fn wait_logged(&self, child: &mut Child, text: &str, timeout: Duration) {
         let deadline = Instant::now() + timeout;
-        while !self.log_contains(self.round, "starting actors") {
+        while !self.log_contains(self.round, text) {
             if child.try_wait().unwrap().is_some() {
                 return;
             }
             assert!(
                 Instant::now() < deadline,
-                "child round {} did not start; see {}",
+                "child round {} did not log '{text}' in {timeout:?}; see {}",
                 self.round,
                 self.log(self.round).display()
             );
@@ -342,15 +347,17 @@ impl Run {
     /// Checks both sinks against `expected` (`key:count` once each).
     fn check(&self, expected: &BTreeMap<String, usize>) {
         let total = expected.len();
-        let exactly_once = values(&self.bootstrap, &self.eos);
+        let exactly_once = offsets_by_value(&self.bootstrap, &self.eos);
         let missing: Vec<_> = expected
             .keys()
             .filter(|v| !exactly_once.contains_key(*v))
             .take(5)
             .collect();
+        // The offsets tell a consumer reading a record twice from a record
+        // written twice.
         let doubled: Vec<_> = exactly_once
             .iter()
-            .filter(|(_, n)| **n > 1)
+            .filter(|(_, offsets)| offsets.len() > 1)
             .take(5)
             .collect();
         let unexpected: Vec<_> = exactly_once
@@ -360,10 +367,13 @@ impl Run {
             .collect();
         assert!(
             missing.is_empty() && doubled.is_empty() && unexpected.is_empty(),
-            "exactly-once output: missing {missing:?}, doubled {doubled:?}, unexpected {unexpected:?}"
+            "exactly-once output: missing {missing:?}, doubled (at offsets) {doubled:?}, \
+             unexpected {unexpected:?}\n{}",
+            self.story()
         );
-        let at_least_once: BTreeSet<String> =
-            values(&self.bootstrap, &self.alo).into_keys().collect();
+        let at_least_once: BTreeSet<String> = offsets_by_value(&self.bootstrap, &self.alo)
+            .into_keys()
+            .collect();
         let expected_values: BTreeSet<String> = expected.keys().cloned().collect();
         assert_eq!(
             at_least_once, expected_values,
@@ -374,15 +384,59 @@ impl Run {
             self.mode, total, self.round
         );
     }
+
+    /// Per round: the checkpoint it resumed from, the checkpoints it committed,
+    /// and the epochs it wrote again, from the child logs (for failure messages).
+    fn story(&self) -> String {
+        let mut story = String::from("rounds (resumed from / committed / wrote again):\n");
+        for round in 1..=self.round {
+            let log = std::fs::read_to_string(self.log(round)).unwrap_or_default();
+            let plain = strip_ansi(&log);
+            let numbers = |after: &str| -> Vec<String> {
+                plain
+                    .lines()
+                    .filter_map(|line| line.split(after).nth(1))
+                    .map(|rest| rest.chars().take_while(char::is_ascii_digit).collect())
+                    .collect()
+            };
+            let resumed = numbers("recovery{epoch=");
+            let committed = numbers("checkpoint committed epoch=");
+            let rewritten: Vec<_> = plain
+                .lines()
+                .filter(|line| line.contains("wrote again"))
+                .filter_map(|line| line.split("transactional_id=").nth(1))
+                .collect();
+            story.push_str(&format!(
+                "  {round}: {resumed:?} / {}..{} / {rewritten:?}\n",
+                committed.first().map_or("-", |c| c.as_str()),
+                committed.last().map_or("-", |c| c.as_str()),
+            ));
+        }
+        story
+    }
 }
 
-/// Each value of `topic` (read_committed) with how often it appears.
-fn values(bootstrap: &str, topic: &str) -> BTreeMap<String, usize> {
-    let mut seen = BTreeMap::new();
+/// `text` without terminal colour codes.
+fn strip_ansi(text: &str) -> String {
+    let mut plain = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            chars.by_ref().take_while(|c| *c != 'm').for_each(drop);
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
+}
+
+/// The offsets of each value of `topic` (read_committed).
+fn offsets_by_value(bootstrap: &str, topic: &str) -> BTreeMap<String, Vec<i64>> {
+    let mut seen: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     for record in consume_to_end(bootstrap, topic, Duration::from_secs(60)) {
-        *seen
-            .entry(String::from_utf8_lossy(&record.value).into_owned())
-            .or_insert(0) += 1;
+        seen.entry(String::from_utf8_lossy(&record.value).into_owned())
+            .or_default()
+            .push(record.offset);
     }
     seen
 }
@@ -408,11 +462,15 @@ fn wait_for_output(bootstrap: &str, topic: &str, count: usize, round: &Path) {
 
 /// One kill round: starts the child, waits until its query runs (starting up,
 /// which fences the killed child's Kafka transactions, can take longer than a
-/// pause), lets it run for a random while, then kills it: before, during or
-/// after its checkpoints.
+/// pause), and in every other round also until it committed a checkpoint, so
+/// that recovery is tested however slow the machine; then lets it run for a
+/// random while and kills it: before, during or after its checkpoints.
 fn kill_while_running(run: &mut Run, schedule: &mut Schedule) {
     let mut child = run.spawn(None);
     run.wait_started(&mut child, Duration::from_secs(30));
+    if run.round.is_multiple_of(2) {
+        run.wait_logged(&mut child, "checkpoint committed", Duration::from_secs(30));
+    }
     std::thread::sleep(schedule.pause(200, 1200));
     run.kill(child);
 }

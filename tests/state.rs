@@ -169,7 +169,7 @@ fn a_truncated_snapshot_is_never_restored() {
     // one before it and replay what came after, counting every word once.
     let mut store = CheckpointStore::open(&location, 10).unwrap();
     let last = *store.epochs().unwrap().last().unwrap();
-    assert!(store.truncate_snapshots(last).unwrap() > 0);
+    assert!(store.truncate_snapshots(last).unwrap());
     let recovery = store.recover().unwrap();
     assert!(recovery.manifest.unwrap().epoch < last);
     drop(store);

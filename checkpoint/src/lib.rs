@@ -9,15 +9,17 @@
 //!   checksummed encoding.
 //! - [`snapshot`]: incremental state snapshots: the entries an actor changed in an
 //!   epoch, as checksummed blobs, and how a chain of them rebuilds a state.
-//! - [`store`]: the sled-backed store at the checkpoint location: blobs first,
-//!   then the manifest, flushed before the commit is announced; recovery takes the
-//!   newest checkpoint whose manifest and blobs are intact, never a torn one;
-//!   retention, garbage collection and compaction of snapshot chains.
+//! - [`store`]: the store at the checkpoint location: an epoch's blobs first, in
+//!   one synced segment file (`segments`), then its manifest in sled, flushed
+//!   before the commit is announced; recovery takes the newest checkpoint whose
+//!   manifest and blobs are intact, never a torn one; retention, garbage
+//!   collection and compaction of snapshot chains.
 //!
 //! This crate knows nothing of the runtime: the runtime builds on it.
 
 pub mod manifest;
 pub mod protocol;
+mod segments;
 pub mod snapshot;
 pub mod store;
 

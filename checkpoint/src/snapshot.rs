@@ -65,11 +65,13 @@ pub struct Delta {
 /// The `part` of a compacted base blob.
 pub const BASE_PART: u32 = u32::MAX;
 
-/// Where a blob is stored and what its bytes must hash to.
+/// Where a blob is stored (`len` bytes at `offset` of the snapshot segment of
+/// `epoch`) and what its bytes must hash to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct BlobRef {
     pub epoch: Epoch,
     pub part: u32,
+    pub offset: u64,
     pub len: u64,
     pub crc: u32,
 }
@@ -122,11 +124,13 @@ pub fn encode_blob(entries: &[Entry]) -> Vec<u8> {
 /// Entries per independently decodable chunk of a blob.
 const CHUNK: usize = 65_536;
 
-/// The reference a manifest keeps for `bytes` stored as `(epoch, part)`.
-pub fn blob_ref(epoch: Epoch, part: u32, bytes: &[u8]) -> BlobRef {
+/// The reference a manifest keeps for `bytes` of `part`, stored at `offset` of
+/// the segment of `epoch`.
+pub fn blob_ref(epoch: Epoch, part: u32, offset: u64, bytes: &[u8]) -> BlobRef {
     BlobRef {
         epoch,
         part,
+        offset,
         len: bytes.len() as u64,
         crc: crc32fast::hash(bytes),
     }
@@ -308,7 +312,7 @@ mod tests {
         let state = StateId::new("count-0", "counts");
         let entries = vec![put(1, 10), delete(2)];
         let bytes = encode_blob(&entries);
-        let reference = blob_ref(3, 0, &bytes);
+        let reference = blob_ref(3, 0, 0, &bytes);
         assert_eq!(decode_blob(&state, reference, &bytes), Ok(entries));
         for len in 0..bytes.len() {
             assert!(decode_blob(&state, reference, &bytes[..len]).is_err());
@@ -334,7 +338,7 @@ mod tests {
             })
             .collect();
         let bytes = encode_blob(&entries);
-        let reference = blob_ref(1, 0, &bytes);
+        let reference = blob_ref(1, 0, 0, &bytes);
         assert_eq!(decode_blob(&state, reference, &bytes), Ok(entries));
     }
 
@@ -343,6 +347,7 @@ mod tests {
         let blob = |len| BlobRef {
             epoch: 1,
             part: 0,
+            offset: 0,
             len,
             crc: 0,
         };

@@ -1,9 +1,10 @@
-//! The checkpoint store at the query's checkpoint location, in sled: state
-//! snapshot blobs in one tree, epoch manifests in another. A commit writes the
-//! epoch's blobs, then its manifest, then flushes, before anyone is told the epoch
-//! committed: a manifest that reads back intact refers only to blobs already
-//! durable. Retention keeps the latest few manifests; blobs none of them refers to
-//! are deleted.
+//! The checkpoint store at the query's checkpoint location: epoch manifests and
+//! the query id in sled, state snapshot blobs in one segment file per epoch
+//! beside it ([`segments`](crate::segments)). A commit writes and syncs the
+//! epoch's segment, then writes its manifest and flushes, before anyone is told
+//! the epoch committed: a manifest that reads back intact refers only to blobs
+//! already durable. Retention keeps the latest few manifests; segments none of
+//! them refers to are deleted.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
@@ -11,6 +12,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use crate::manifest::{Corrupt, Manifest};
+use crate::segments::Segments;
 use crate::snapshot::{
     blob_ref, decode_blob, encode_blob, merge, BlobRef, Delta, Entry, StateChain, StateId,
     StateMeta, BASE_PART,
@@ -59,12 +61,12 @@ pub struct CommitStats {
     pub entries: usize,
 }
 
-/// Manifests by epoch, snapshot blobs, and the query's identity.
+/// Manifests by epoch, snapshot segments, and the query's identity.
 pub struct CheckpointStore {
     path: PathBuf,
     db: sled::Db,
     manifests: sled::Tree,
-    blobs: sled::Tree,
+    segments: Segments,
     retain: usize,
     /// The retained manifests, oldest first; the last is the latest commit.
     kept: VecDeque<Manifest>,
@@ -76,17 +78,17 @@ pub struct CheckpointStore {
 
 /// A compaction in progress.
 struct Compaction {
-    /// The blobs it folds: kept from garbage collection while it reads them.
+    /// The blobs it folds: their segments are kept from garbage collection while
+    /// it reads them.
     chain: Vec<BlobRef>,
     result: mpsc::Receiver<Result<Folded, String>>,
 }
 
-/// A state's chain as of `epoch`, folded into one base blob.
+/// A prefix of a state's chain, folded into one base blob.
 struct Folded {
     state: StateId,
-    /// The blobs the base replaces: a prefix of the state's chain until then.
+    /// The blobs the base replaces.
     chain: Vec<BlobRef>,
-    epoch: Epoch,
     bytes: Vec<u8>,
 }
 
@@ -114,22 +116,9 @@ fn open_db(path: &Path) -> sled::Result<sled::Db> {
     }
 }
 
-/// The sled key of a blob: state id, then epoch and part, so one state's blobs
-/// sort together.
-fn blob_key(state: &StateId, blob: &BlobRef) -> Vec<u8> {
-    let mut key = Vec::with_capacity(state.operator.len() + state.name.len() + 16);
-    for part in [&state.operator, &state.name] {
-        key.extend_from_slice(&(part.len() as u32).to_be_bytes());
-        key.extend_from_slice(part.as_bytes());
-    }
-    key.extend_from_slice(&blob.epoch.to_be_bytes());
-    key.extend_from_slice(&blob.part.to_be_bytes());
-    key
-}
-
 /// Reads and checks one state's blobs, oldest first.
 fn read_chain(
-    blobs: &sled::Tree,
+    segments: &Segments,
     state: &StateId,
     chain: &StateChain,
 ) -> Result<Vec<Vec<Entry>>, Corrupt> {
@@ -137,16 +126,21 @@ fn read_chain(
         .blobs
         .iter()
         .map(|blob| {
-            let stored = blobs.get(blob_key(state, blob)).ok().flatten();
-            let bytes = stored.as_deref().unwrap_or_default();
-            decode_blob(state, *blob, bytes).map_err(|e| Corrupt {
+            let corrupt = |reason: String| Corrupt {
                 epoch: blob.epoch,
-                reason: if stored.is_none() {
-                    format!("snapshot blob {blob:?} of {state} is missing")
-                } else {
-                    e.to_string()
-                },
-            })
+                reason,
+            };
+            match segments.read(blob) {
+                Ok(Some(bytes)) => {
+                    decode_blob(state, *blob, &bytes).map_err(|e| corrupt(e.to_string()))
+                }
+                Ok(None) => Err(corrupt(format!(
+                    "the segment of snapshot blob {blob:?} of {state} is missing"
+                ))),
+                Err(e) => Err(corrupt(format!(
+                    "snapshot blob {blob:?} of {state} cannot be read: {e}"
+                ))),
+            }
         })
         .collect()
 }
@@ -166,8 +160,11 @@ impl CheckpointStore {
         };
         std::fs::create_dir_all(&path).map_err(|e| unusable(e.to_string()))?;
         let db = open_db(&path).map_err(|e| unusable(e.to_string()))?;
-        let tree = |name: &str| db.open_tree(name).map_err(|e| unusable(e.to_string()));
-        let (manifests, blobs) = (tree("manifests")?, tree("snapshots")?);
+        let manifests = db
+            .open_tree("manifests")
+            .map_err(|e| unusable(e.to_string()))?;
+        let segments =
+            Segments::open(&path.join("snapshots")).map_err(|e| unusable(e.to_string()))?;
         // A location that cannot be written to fails now, not at the first commit.
         db.insert(b"opened", &[1])
             .and_then(|_| db.flush())
@@ -176,7 +173,7 @@ impl CheckpointStore {
             path,
             db,
             manifests,
-            blobs,
+            segments,
             retain: retain.max(1),
             kept: VecDeque::new(),
             compaction: None,
@@ -235,7 +232,7 @@ impl CheckpointStore {
             let mut state = BTreeMap::new();
             let mut damage = None;
             for (id, chain) in &manifest.state {
-                match read_chain(&self.blobs, id, chain) {
+                match read_chain(&self.segments, id, chain) {
                     Ok(blobs) => {
                         state.insert(
                             id.clone(),
@@ -285,10 +282,11 @@ impl CheckpointStore {
         }
     }
 
-    /// Commits an epoch: writes `deltas` as snapshot blobs, then `manifest` with
-    /// every state's chain (the previous commit's, extended by the new blobs),
-    /// flushes, then drops what retention no longer needs. Manifests of later
-    /// epochs (damaged ones passed over at recovery) are replaced.
+    /// Commits an epoch: writes `deltas` as snapshot blobs into the epoch's
+    /// segment and syncs it, then writes `manifest` with every state's chain (the
+    /// previous commit's, extended by the new blobs) and flushes, then drops what
+    /// retention no longer needs. Manifests of later epochs (damaged ones passed
+    /// over at recovery) are replaced.
     pub fn commit(
         &mut self,
         mut manifest: Manifest,
@@ -300,13 +298,22 @@ impl CheckpointStore {
             .back()
             .map(|last| last.state.clone())
             .unwrap_or_default();
-        let mut blobs = sled::Batch::default();
-        if let Some(folded) = self.folded.take() {
+        let epoch = manifest.epoch;
+        let folded = self.folded.take();
+        let mut segment = None;
+        let mut append = |bytes: &[u8]| -> Result<u64, StoreError> {
+            let writer = match &mut segment {
+                Some(writer) => writer,
+                None => segment.insert(self.segments.create(epoch).map_err(|e| self.io(e))?),
+            };
+            writer.append(bytes).map_err(|e| self.io(e))
+        };
+        if let Some(folded) = folded {
             if let Some(chain) = manifest.state.get_mut(&folded.state) {
                 if chain.blobs.starts_with(&folded.chain) {
-                    let base = blob_ref(folded.epoch, BASE_PART, &folded.bytes);
+                    let offset = append(&folded.bytes)?;
                     stats.bytes += folded.bytes.len();
-                    blobs.insert(blob_key(&folded.state, &base), folded.bytes);
+                    let base = blob_ref(epoch, BASE_PART, offset, &folded.bytes);
                     chain.blobs.splice(..folded.chain.len(), [base]);
                 }
             }
@@ -316,10 +323,9 @@ impl CheckpointStore {
                 continue;
             }
             let bytes = encode_blob(&delta.entries);
-            let blob = blob_ref(manifest.epoch, delta.part, &bytes);
+            let blob = blob_ref(epoch, delta.part, append(&bytes)?, &bytes);
             stats.bytes += bytes.len();
             stats.entries += delta.entries.len();
-            blobs.insert(blob_key(&delta.state, &blob), bytes);
             let chain = manifest
                 .state
                 .entry(delta.state)
@@ -330,7 +336,9 @@ impl CheckpointStore {
             chain.meta = delta.meta;
             chain.blobs.push(blob);
         }
-        self.blobs.apply_batch(blobs).map_err(|e| self.io(e))?;
+        if let Some(writer) = segment {
+            writer.finish().map_err(|e| self.io(e))?;
+        }
 
         let bytes = manifest.encode();
         stats.bytes += bytes.len();
@@ -362,35 +370,24 @@ impl CheckpointStore {
         Ok((manifest, stats))
     }
 
-    /// Deletes the blobs no retained manifest refers to (and no running
+    /// Deletes the segments no retained manifest refers to (and no running
     /// compaction reads).
     fn collect_garbage(&self) -> Result<(), StoreError> {
         let compacting = self.compaction.iter().flat_map(|c| &c.chain);
-        let mut referenced: HashSet<Vec<u8>> = self
+        let referenced: HashSet<Epoch> = self
             .kept
             .iter()
-            .flat_map(|m| m.state.iter())
-            .flat_map(|(id, chain)| chain.blobs.iter().map(move |blob| blob_key(id, blob)))
+            .flat_map(|m| m.state.values())
+            .flat_map(|chain| &chain.blobs)
+            .chain(compacting)
+            .map(|blob| blob.epoch)
             .collect();
-        if let Some(latest) = self.kept.back() {
-            // A running compaction folds a prefix of a chain the latest manifest holds.
-            for (id, chain) in &latest.state {
-                referenced.extend(
-                    compacting
-                        .clone()
-                        .filter(|blob| chain.blobs.contains(blob))
-                        .map(|blob| blob_key(id, blob)),
-                );
+        for epoch in self.segments.epochs().map_err(|e| self.io(e))? {
+            if !referenced.contains(&epoch) {
+                self.segments.remove(epoch).map_err(|e| self.io(e))?;
             }
         }
-        let mut batch = sled::Batch::default();
-        for key in self.blobs.iter().keys() {
-            let key = key.map_err(|e| self.io(e))?;
-            if !referenced.contains(key.as_ref()) {
-                batch.remove(key);
-            }
-        }
-        self.blobs.apply_batch(batch).map_err(|e| self.io(e))
+        Ok(())
     }
 
     /// Folds a long or heavy snapshot chain of the latest checkpoint into one base
@@ -422,9 +419,9 @@ impl CheckpointStore {
         else {
             return Ok(false);
         };
-        let (id, chain, epoch) = (id.clone(), chain.clone(), latest.epoch);
+        let (id, chain) = (id.clone(), chain.clone());
         let (sender, result) = mpsc::sync_channel(1);
-        let blobs = self.blobs.clone();
+        let segments = self.segments.clone();
         let job = Compaction {
             chain: chain.blobs.clone(),
             result,
@@ -432,12 +429,11 @@ impl CheckpointStore {
         std::thread::Builder::new()
             .name("rtflow-compact".into())
             .spawn(move || {
-                let folded = read_chain(&blobs, &id, &chain)
+                let folded = read_chain(&segments, &id, &chain)
                     .map(|blobs| Folded {
                         bytes: encode_blob(&merge(blobs)),
                         state: id,
                         chain: chain.blobs,
-                        epoch,
                     })
                     .map_err(|e| e.to_string());
                 let _ = sender.send(folded);
@@ -469,9 +465,9 @@ impl CheckpointStore {
             .collect()
     }
 
-    /// How many snapshot blobs are stored.
-    pub fn blob_count(&self) -> usize {
-        self.blobs.len()
+    /// How many snapshot segments are stored.
+    pub fn segment_count(&self) -> Result<usize, StoreError> {
+        Ok(self.segments.epochs().map_err(|e| self.io(e))?.len())
     }
 
     /// Overwrites the stored bytes of `epoch`'s manifest (tests of corruption).
@@ -484,28 +480,11 @@ impl CheckpointStore {
         Ok(())
     }
 
-    /// Truncates every snapshot blob `epoch`'s manifest added (tests of corruption).
+    /// Cuts the snapshot segment of `epoch` short (tests of corruption); returns
+    /// whether there was one.
     #[doc(hidden)]
-    pub fn truncate_snapshots(&self, epoch: Epoch) -> Result<usize, StoreError> {
-        let mut truncated = 0;
-        for manifest in self.stored_manifests()?.into_iter().flatten() {
-            if manifest.epoch != epoch {
-                continue;
-            }
-            for (id, chain) in &manifest.state {
-                for blob in chain.blobs.iter().filter(|b| b.epoch == epoch) {
-                    let key = blob_key(id, blob);
-                    if let Some(bytes) = self.blobs.get(&key).map_err(|e| self.io(e))? {
-                        self.blobs
-                            .insert(key, &bytes[..bytes.len() / 2])
-                            .map_err(|e| self.io(e))?;
-                        truncated += 1;
-                    }
-                }
-            }
-        }
-        self.db.flush().map_err(|e| self.io(e))?;
-        Ok(truncated)
+    pub fn truncate_snapshots(&self, epoch: Epoch) -> Result<bool, StoreError> {
+        self.segments.truncate(epoch).map_err(|e| self.io(e))
     }
 }
 
@@ -631,11 +610,8 @@ mod tests {
         }
         let latest = store.kept.back().unwrap();
         assert!(latest.state[&counts()].blobs.len() < 5, "chains are folded");
-        assert!(
-            store.blob_count() <= 2 * (MAX_CHAIN + 1),
-            "{} blobs",
-            store.blob_count()
-        );
+        let segments = store.segment_count().unwrap();
+        assert!(segments <= 2 * (MAX_CHAIN + 1), "{segments} segments");
         drop(store);
         let mut store = CheckpointStore::open(dir.path(), 2).unwrap();
         let recovery = store.recover().unwrap();
@@ -656,7 +632,7 @@ mod tests {
         store
             .commit(manifest(2), vec![delta(0, &[(1, Some(2))])])
             .unwrap();
-        assert_eq!(store.truncate_snapshots(2).unwrap(), 1);
+        assert!(store.truncate_snapshots(2).unwrap());
         drop(store);
 
         let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
