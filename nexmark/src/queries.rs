@@ -291,7 +291,7 @@ impl KeyedProcessor<u64, Either<AuctionSpan, BidPrice>, (u64, u64, u64)> for Win
     }
 }
 
-/// q5, hot items: `(window, auction, bids)` for the auctions with the most
+/// q5, hot items: `(auction, window, bids)` for the auctions with the most
 /// bids in each 10 s window sliding by 2 s, whenever one reaches the most.
 ///
 /// ```sql
@@ -319,8 +319,9 @@ impl KeyedProcessor<u64, Either<AuctionSpan, BidPrice>, (u64, u64, u64)> for Win
 ///     AuctionBids.num >= MaxBids.maxn;
 /// ```
 ///
-/// A sliding-window count per auction, then [`HotItems`] per window.
-pub fn q5(events: &Stream<Event>) -> Stream<(Window, u64, u64)> {
+/// A sliding-window count per auction, then [`WindowLeaders`] by count per
+/// window.
+pub fn q5(events: &Stream<Event>) -> Stream<(u64, Window, u64)> {
     with_event_time(events)
         // Only the auction goes on: the rest of the bid is dropped before the
         // shuffle, on the thread that made it.
@@ -331,47 +332,7 @@ pub fn q5(events: &Stream<Event>) -> Stream<(Window, u64, u64)> {
         // By the window's start, which tells its end too: hashing half the
         // bytes of a window makes this shuffle cheaper.
         .key_by(|(_, window, _)| window.start)
-        .process(|| HotItems)
-}
-
-/// q5's maximum per window: passes on the `(window, auction, count)` updates
-/// that reach the window's highest count.
-pub struct HotItems;
-
-const MOST_BIDS: ValueState<u64> = ValueState::new("most-bids");
-
-impl KeyedProcessor<Millis, (u64, Window, u64), (Window, u64, u64)> for HotItems {
-    fn init(&mut self, states: &mut StateDeclarations<'_, Millis>) -> Result<()> {
-        states.declare(&MOST_BIDS)
-    }
-
-    fn handle_input(
-        &mut self,
-        _start: &Millis,
-        (auction, window, bids): (u64, Window, u64),
-        ctx: &mut ProcessContext<'_, '_, Millis, (Window, u64, u64)>,
-    ) -> Result<()> {
-        let most = ctx.value(&MOST_BIDS).get().copied();
-        if most.is_none() {
-            // Counts of the window stop coming once the watermark passes its end.
-            ctx.register_timer(Timer::EventTime(window.end));
-        }
-        if most.is_some_and(|most| bids < most) {
-            return Ok(());
-        }
-        ctx.value(&MOST_BIDS).set(bids);
-        ctx.emit((window, auction, bids))
-    }
-
-    fn on_timer(
-        &mut self,
-        _start: &Millis,
-        _timer: Timer,
-        ctx: &mut ProcessContext<'_, '_, Millis, (Window, u64, u64)>,
-    ) -> Result<()> {
-        ctx.value(&MOST_BIDS).clear();
-        Ok(())
-    }
+        .process(|| WindowLeaders::by(|(_, _, bids): &(u64, Window, u64)| *bids))
 }
 
 /// q7, highest bid: the bids with the highest price of each tumbling 10 s
@@ -389,49 +350,61 @@ impl KeyedProcessor<Millis, (u64, Window, u64), (Window, u64, u64)> for HotItems
 /// WHERE B.dateTime BETWEEN B1.dateTime  - INTERVAL '10' SECOND AND B1.dateTime;
 /// ```
 ///
-/// Bids keyed by their window, and a [`HighestBid`] per window.
+/// Bids keyed by their window, and [`WindowLeaders`] by price per window.
 pub fn q7(events: &Stream<Event>) -> Stream<Bid> {
     with_event_time(events)
         .flat_map(Event::into_bid)
         .key_by(|bid| window_start(bid.date_time))
-        .process(|| HighestBid)
+        .process(|| WindowLeaders::by(|bid: &Bid| bid.price))
 }
 
-/// q7's maximum per window: passes on the bids that reach the window's
-/// highest price.
-pub struct HighestBid;
+/// q5's and q7's maximum per window, keyed by the window's start: passes on
+/// the records whose measure reaches the highest of their window so far, and
+/// forgets the window once the watermark passes its end.
+pub struct WindowLeaders<T> {
+    measure: fn(&T) -> u64,
+}
 
-const HIGHEST_PRICE: ValueState<u64> = ValueState::new("highest-price");
+impl<T> WindowLeaders<T> {
+    /// Leaders by `measure`.
+    pub fn by(measure: fn(&T) -> u64) -> Self {
+        Self { measure }
+    }
+}
 
-impl KeyedProcessor<Millis, Bid, Bid> for HighestBid {
+const LEADING: ValueState<u64> = ValueState::new("leading");
+
+impl<T: Data> KeyedProcessor<Millis, T, T> for WindowLeaders<T> {
     fn init(&mut self, states: &mut StateDeclarations<'_, Millis>) -> Result<()> {
-        states.declare(&HIGHEST_PRICE)
+        states.declare(&LEADING)
     }
 
     fn handle_input(
         &mut self,
         start: &Millis,
-        bid: Bid,
-        ctx: &mut ProcessContext<'_, '_, Millis, Bid>,
+        record: T,
+        ctx: &mut ProcessContext<'_, '_, Millis, T>,
     ) -> Result<()> {
-        let highest = ctx.value(&HIGHEST_PRICE).get().copied();
-        if highest.is_none() {
+        let leading = ctx.value(&LEADING).get().copied();
+        if leading.is_none() {
+            // The window's records stop coming once the watermark passes its end.
             ctx.register_timer(Timer::EventTime(start + WINDOW_MS));
         }
-        if highest.is_some_and(|highest| bid.price < highest) {
+        let measure = (self.measure)(&record);
+        if leading.is_some_and(|leading| measure < leading) {
             return Ok(());
         }
-        ctx.value(&HIGHEST_PRICE).set(bid.price);
-        ctx.emit(bid)
+        ctx.value(&LEADING).set(measure);
+        ctx.emit(record)
     }
 
     fn on_timer(
         &mut self,
         _start: &Millis,
         _timer: Timer,
-        ctx: &mut ProcessContext<'_, '_, Millis, Bid>,
+        ctx: &mut ProcessContext<'_, '_, Millis, T>,
     ) -> Result<()> {
-        ctx.value(&HIGHEST_PRICE).clear();
+        ctx.value(&LEADING).clear();
         Ok(())
     }
 }

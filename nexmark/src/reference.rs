@@ -133,17 +133,17 @@ pub fn q5(events: &[Event]) -> BTreeMap<Window, (u64, BTreeSet<u64>)> {
     final_q5(
         counts
             .into_iter()
-            .map(|((window, auction), bids)| (window, auction, bids)),
+            .map(|((window, auction), bids)| (auction, window, bids)),
     )
 }
 
 /// q5's answer from its update stream: per window, the highest count emitted
 /// and the auctions emitted with it.
 pub fn final_q5(
-    rows: impl IntoIterator<Item = (Window, u64, u64)>,
+    rows: impl IntoIterator<Item = (u64, Window, u64)>,
 ) -> BTreeMap<Window, (u64, BTreeSet<u64>)> {
     let mut most: BTreeMap<Window, (u64, BTreeSet<u64>)> = BTreeMap::new();
-    for (window, auction, bids) in rows {
+    for (auction, window, bids) in rows {
         let (highest, auctions) = most.entry(window).or_default();
         if bids > *highest {
             *highest = bids;
