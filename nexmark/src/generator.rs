@@ -525,9 +525,9 @@ impl NexmarkSource {
     }
 
     fn generator_source(&self) -> GeneratorSource<Event> {
-        let (generator, partitions) = (self.generator.clone(), self.partitions as u64);
+        let (generator, partitions) = (self.generator.clone(), self.partitions);
         let mut source = GeneratorSource::new(move |partition, offset| {
-            generator.event(offset * partitions + partition as u64)
+            generator.event(dealt_event_id(partitions, partition, offset))
         })
         .partitions(self.partitions);
         if let Some(events) = self.events {
@@ -538,6 +538,13 @@ impl NexmarkSource {
         }
         source
     }
+}
+
+/// The id of the event at `offset` of `partition` when events are dealt over
+/// `partitions` partitions one at a time, so each partition is in event-time
+/// order: the source's and the Kafka loader's rule.
+fn dealt_event_id(partitions: usize, partition: usize, offset: u64) -> u64 {
+    offset * partitions as u64 + partition as u64
 }
 
 impl Source<Event> for NexmarkSource {
@@ -579,10 +586,9 @@ pub fn load_kafka(
     KafkaAdmin::new(bootstrap)?.create_topic(topic, partitions as i32)?;
     let flow = Dataflow::new("nexmark-load");
     let generator = Arc::new(generator);
-    let step = partitions as u64;
     flow.source(
         GeneratorSource::new(move |partition, offset| {
-            let id = offset * step + partition as u64;
+            let id = dealt_event_id(partitions, partition, offset);
             (partition as i32, generator.event(id))
         })
         .partitions(partitions)
