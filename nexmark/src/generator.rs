@@ -383,35 +383,48 @@ fn next_extra(random: &mut JavaRandom, size: i32, average: i32) -> String {
     // Six letters per random int, as the reference draws them: the remainder
     // by 26, then by 26 again of the quotient, and so on. Its remainders are
     // signed, so a negative int gives the 25 characters before 'a' ('H' to
-    // '`'): kept, so the padding is the reference's. Two letters at a time
-    // from a table of the remainders by 26 * 26, which give the same letters
-    // without a chain of six dependent divisions.
+    // '`'): kept, so the padding is the reference's. Those letters are 'a'
+    // minus the base-26 digits of the int's magnitude ('a' plus them for a
+    // positive int), three digits at a time from a table: two divisions by a
+    // constant per int instead of a chain of six.
     let len = len as usize;
     let mut bytes = Vec::with_capacity(len.next_multiple_of(6));
     while bytes.len() < len {
         let rnd = random.next_int();
-        let (low, high) = (rnd % 676, rnd / 676);
-        let [a, b, c] =
-            [low, high % 676, high / 676 % 676].map(|r| LETTER_PAIRS[(r + 675) as usize]);
-        bytes.extend_from_slice(&[a[0], a[1], b[0], b[1], c[0], c[1]]);
+        let magnitude = rnd.unsigned_abs();
+        let (low, high) = (magnitude % 17_576, magnitude / 17_576 % 17_576);
+        let [low, high] = [low, high].map(|digits| {
+            let digits = DIGIT_TRIPLES[digits as usize];
+            let letters = if rnd < 0 {
+                LETTERS_A - digits
+            } else {
+                LETTERS_A + digits
+            };
+            letters.to_le_bytes()
+        });
+        bytes.extend_from_slice(&[low[0], low[1], low[2], high[0], high[1], high[2]]);
     }
     bytes.truncate(len);
-    // SAFETY: every byte comes from LETTER_PAIRS, all between 'H' and 'z':
-    // ASCII, so UTF-8. Checking it again took 5% of q0's time.
+    // SAFETY: every byte is 'a' plus or minus a digit below 26, between 'H'
+    // and 'z': ASCII, so UTF-8. Checking it again took 5% of q0's time.
     unsafe { String::from_utf8_unchecked(bytes) }
 }
 
-/// The two letters of every signed remainder by 26 * 26, from -675 at index 0:
-/// the remainder by 26 and the quotient, each added to 'a'.
-const LETTER_PAIRS: [[u8; 2]; 1351] = {
-    let mut pairs = [[0; 2]; 1351];
+/// Three 'a's, one per byte: adding (or subtracting) three digits below 26,
+/// one per byte, never carries (or borrows) from one byte into the next.
+const LETTERS_A: u32 = 0x61_6161;
+
+/// The base-26 digits of every number below 26³, one per byte, the lowest
+/// first.
+static DIGIT_TRIPLES: [u32; 17_576] = {
+    let mut triples = [0; 17_576];
     let mut i = 0;
-    while i < 1351 {
-        let r = i as i32 - 675;
-        pairs[i] = [(b'a' as i32 + r % 26) as u8, (b'a' as i32 + r / 26) as u8];
+    while i < 17_576 {
+        let n = i as u32;
+        triples[i] = (n % 26) | ((n / 26 % 26) << 8) | ((n / 676) << 16);
         i += 1;
     }
-    pairs
+    triples
 };
 
 /// `java.util.Random`, the generator the reference draws every field from.
@@ -631,26 +644,34 @@ mod tests {
         assert_eq!(next_price(&mut JavaRandom::new(3)), 2_434_132);
     }
 
-    /// The letters of `nextExactString` as Java makes them for seed 7, six
-    /// per int, negative ints included.
+    /// The letters of `nextExactString` as Java makes them, six per int,
+    /// negative ints included: spelled out for seed 7, and computed the
+    /// reference's way for many more.
     #[test]
     fn padding_letters_are_the_references() {
-        let mut random = JavaRandom::new(7);
-        // 100 - 32 = 68 wanted, delta 14: the length draw comes first.
-        let length_draw = JavaRandom::new(7).next_int_bounded(28);
-        let extra = next_extra(&mut random, 32, 100);
-        assert_eq!(extra.len() as i32, 54 + length_draw);
-        let mut java = JavaRandom::new(7);
-        java.next_int_bounded(28);
-        let mut expected = String::new();
-        for _ in 0..extra.len().div_ceil(6) {
-            let mut rnd = java.next_int();
-            for _ in 0..6 {
-                expected.push((b'a' as i32 + rnd % 26) as u8 as char);
-                rnd /= 26;
+        for seed in 0..2_000 {
+            for size in [32, 60, 99] {
+                let mut random = JavaRandom::new(seed);
+                let extra = next_extra(&mut random, size, 100);
+                let mut java = JavaRandom::new(seed);
+                let wanted = 100 - size;
+                let delta = java_round(f64::from(wanted) * 0.2) as i32;
+                let length = match delta {
+                    0 => wanted,
+                    _ => wanted - delta + java.next_int_bounded(2 * delta),
+                };
+                assert_eq!(extra.len() as i32, length);
+                let mut expected = String::new();
+                for _ in 0..extra.len().div_ceil(6) {
+                    let mut rnd = java.next_int();
+                    for _ in 0..6 {
+                        expected.push((b'a' as i32 + rnd % 26) as u8 as char);
+                        rnd /= 26;
+                    }
+                }
+                assert_eq!(extra, expected[..extra.len()], "seed {seed}, size {size}");
             }
         }
-        assert_eq!(extra, expected[..extra.len()]);
         let mut seven = JavaRandom::new(7);
         let letters: String = (0..5)
             .map(|_| seven.next_int())
