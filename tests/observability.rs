@@ -7,7 +7,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{config, TIMEOUT};
+use common::{config, wait_for_rows, TIMEOUT};
 use rtflow::prelude::*;
 use rtflow::runtime::progress::{
     QueryStartedEvent, QueryTerminatedEvent, StreamingQueryListener, StreamingQueryProgress,
@@ -201,6 +201,66 @@ fn processing_latency_reflects_a_slow_map() {
         "{}",
         with_rows.pretty_json()
     );
+}
+
+/// The progress report of the checkpoint `epoch`.
+fn report_of(query: &StreamingQuery, epoch: u64) -> StreamingQueryProgress {
+    query
+        .recent_progress()
+        .into_iter()
+        .rfind(|p| p.batch_id == epoch)
+        .unwrap_or_else(|| panic!("no progress report for epoch {epoch}"))
+}
+
+#[test]
+fn progress_reports_the_keyed_state_of_each_stateful_operator() {
+    let input = MemorySource::new(1);
+    let counts = MemorySink::new();
+    let flow = Dataflow::new("state");
+    flow.source(input.clone())
+        .key_by(|x: &u32| x % 100)
+        .count()
+        .name("counts")
+        .parallelism(2)
+        .sink(counts.clone());
+    let address = free_address();
+    let query = flow
+        .start(config("state").metrics_address(address))
+        .unwrap();
+    assert!(query
+        .last_progress()
+        .is_none_or(|p| p.state_operators.is_empty()));
+
+    input.push_all(0, 0..1000u32).unwrap();
+    wait_for_rows(&counts, 1000);
+    let first = query.checkpoint_now(TIMEOUT).unwrap();
+    let report = report_of(&query, first);
+    let [state] = report.state_operators.as_slice() else {
+        panic!("one stateful operator: {}", report.pretty_json());
+    };
+    assert_eq!(state.operator_name, "counts");
+    assert_eq!((state.num_rows_total, state.num_rows_updated), (100, 100));
+    assert!(
+        state.memory_used_bytes >= 100 * 16,
+        "{}",
+        report.pretty_json()
+    );
+    assert_eq!(state.num_rows_dropped_by_watermark, 0);
+    let scraped = scrape(address);
+    let labels = [("query", "state"), ("operator", "counts")];
+    assert_eq!(value(&scraped, "rtflow_state_rows", &labels), Some(100.0));
+    assert_eq!(
+        value(&scraped, "rtflow_state_memory_bytes", &labels),
+        Some(state.memory_used_bytes as f64)
+    );
+
+    // Only the keys touched since the last checkpoint count as updated.
+    input.push_all(0, 0..10u32).unwrap();
+    wait_for_rows(&counts, 1010);
+    let second = query.checkpoint_now(TIMEOUT).unwrap();
+    let state = &report_of(&query, second).state_operators[0];
+    assert_eq!((state.num_rows_total, state.num_rows_updated), (100, 10));
+    query.stop().unwrap();
 }
 
 #[test]

@@ -5,9 +5,9 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{config, TIMEOUT};
+use common::{config, wait_for_rows, TIMEOUT};
 use proptest::prelude::*;
 use rtflow::checkpoint::{CheckpointStore, StateId};
 use rtflow::operators::process::{ListState, MapState, StateDeclarations, ValueState};
@@ -19,16 +19,6 @@ fn checkpointed(name: &str) -> QueryConfig {
         .trigger(Trigger::real_time("100 milliseconds"))
         .min_batch_duration(Duration::from_millis(100))
         .progress_interval(Duration::from_secs(60))
-}
-
-/// Waits until `sink` holds at least `n` rows, returning them.
-fn wait_for_rows<T: Clone + Send + 'static>(sink: &MemorySink<T>, n: usize) -> Vec<T> {
-    let deadline = Instant::now() + TIMEOUT;
-    while sink.len() < n {
-        assert!(Instant::now() < deadline, "{} of {n} rows", sink.len());
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    sink.rows()
 }
 
 /// The rows per key, each key's in order.

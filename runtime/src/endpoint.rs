@@ -247,6 +247,20 @@ fn gather(queries: &[Arc<QueryShared>]) -> Vec<MetricFamily> {
                 &labels,
                 op.late_records as f64,
             );
+            if let Some(state) = op.state {
+                families.gauge(
+                    "rtflow_state_rows",
+                    "Keys in a stateful operator instance's keyed state at its last barrier",
+                    &labels,
+                    state.total as f64,
+                );
+                families.gauge(
+                    "rtflow_state_memory_bytes",
+                    "Bytes of an operator instance's state hash tables at its last barrier",
+                    &labels,
+                    state.memory_bytes as f64,
+                );
+            }
         }
         for mailbox in &snapshot.mailboxes {
             let subtask = mailbox.subtask.to_string();

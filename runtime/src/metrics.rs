@@ -18,8 +18,8 @@ pub enum Role {
     Sink,
 }
 
-/// Records in and out of one operator instance, and for sinks the watermark that
-/// reached them.
+/// Records in and out of one operator instance, for stateful operators their
+/// keyed state, and for sinks the watermark that reached them.
 #[derive(Debug)]
 pub struct OperatorMetrics {
     records_in: AtomicU64,
@@ -28,6 +28,38 @@ pub struct OperatorMetrics {
     watermark: AtomicI64,
     /// For sinks: every source partition upstream is idle.
     idle: AtomicBool,
+    /// For stateful operators: their keyed state at the last barrier.
+    state: Mutex<Option<StateRows>>,
+}
+
+/// How much keyed state an operator instance holds, as of its last barrier:
+/// Spark's state operator figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StateRows {
+    /// Keys with a value.
+    pub total: u64,
+    /// Keys set or removed in the epoch the barrier ended.
+    pub updated: u64,
+    /// Bytes of the state's hash tables. What keys and values own on the heap
+    /// (a `String`'s letters) is not counted.
+    pub memory_bytes: u64,
+}
+
+impl StateRows {
+    pub(crate) fn add(&mut self, other: Self) {
+        self.total += other.total;
+        self.updated += other.updated;
+        self.memory_bytes += other.memory_bytes;
+    }
+
+    /// What was added since `earlier`, a copy of these figures.
+    pub(crate) fn since(self, earlier: Self) -> Self {
+        Self {
+            total: self.total - earlier.total,
+            updated: self.updated - earlier.updated,
+            memory_bytes: self.memory_bytes - earlier.memory_bytes,
+        }
+    }
 }
 
 impl Default for OperatorMetrics {
@@ -38,6 +70,7 @@ impl Default for OperatorMetrics {
             late: AtomicU64::new(0),
             idle: AtomicBool::new(false),
             watermark: AtomicI64::new(EventTime::MIN),
+            state: Mutex::default(),
         }
     }
 }
@@ -65,6 +98,10 @@ impl OperatorMetrics {
 
     pub(crate) fn set_idle(&self) {
         self.idle.store(true, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_state(&self, rows: StateRows) {
+        *lock(&self.state) = Some(rows);
     }
 }
 
@@ -335,6 +372,7 @@ impl QueryMetrics {
                     late_records: r.metrics.late.load(Ordering::Relaxed),
                     idle: r.metrics.idle.load(Ordering::Relaxed),
                     watermark: (watermark != EventTime::MIN).then_some(watermark),
+                    state: *lock(&r.metrics.state),
                 }
             })
             .collect();
@@ -378,6 +416,8 @@ pub struct OperatorSnapshot {
     pub idle: bool,
     /// For sinks: the last watermark that reached them.
     pub watermark: Option<EventTime>,
+    /// For stateful operators: their keyed state at the last barrier.
+    pub state: Option<StateRows>,
 }
 
 /// One actor's mailbox as its senders saw it.

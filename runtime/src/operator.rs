@@ -261,9 +261,12 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
 
     fn snapshot(&mut self) -> Result<()> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
-        let before = snapshot.incomplete;
+        let (before, rows_before) = (snapshot.incomplete, snapshot.rows);
         self.operator.snapshot(&mut snapshot)?;
         self.unfinished = (self.unfinished + snapshot.incomplete).saturating_sub(before);
+        if O::stateful() {
+            self.metrics.set_state(snapshot.rows.since(rows_before));
+        }
         Ok(())
     }
 

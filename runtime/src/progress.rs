@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use rtflow_checkpoint::Offsets;
 
-use crate::metrics::{Percentiles, QueryMetrics};
+use crate::metrics::{MetricsSnapshot, Percentiles, QueryMetrics};
 use crate::query::QueryShared;
 use crate::record::Epoch;
 
@@ -53,14 +53,19 @@ pub struct StreamingQueryProgress {
     pub latencies: Latencies,
 }
 
-/// One stateful operator's state.
+/// One stateful operator's keyed state at its last barrier, summed over its
+/// instances (see [`StateRows`](crate::metrics::StateRows)).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StateOperatorProgress {
     pub operator_name: String,
+    /// Keys with a value.
     pub num_rows_total: u64,
+    /// Keys set or removed in the epoch that ended at the barrier.
     pub num_rows_updated: u64,
+    /// Bytes of the state's hash tables, not counting what keys and values own.
     pub memory_used_bytes: u64,
+    /// Records dropped for arriving behind the watermark, since the start.
     pub num_rows_dropped_by_watermark: u64,
 }
 
@@ -300,7 +305,7 @@ impl ProgressTracker {
             processed_rows_per_second: per_second(num_input_rows),
             duration_ms,
             event_time,
-            state_operators: Vec::new(),
+            state_operators: state_operators(&snapshot),
             sources,
             sink: SinkProgress {
                 description: self.sink.clone(),
@@ -313,4 +318,35 @@ impl ProgressTracker {
             },
         }
     }
+}
+
+/// Every stateful operator's state at its instances' last barrier, summed over
+/// them, in the order the operators were started.
+fn state_operators(snapshot: &MetricsSnapshot) -> Vec<StateOperatorProgress> {
+    let mut operators: Vec<StateOperatorProgress> = Vec::new();
+    for instance in &snapshot.operators {
+        let Some(rows) = instance.state else { continue };
+        let at = match operators
+            .iter()
+            .position(|o| o.operator_name == instance.operator)
+        {
+            Some(at) => at,
+            None => {
+                operators.push(StateOperatorProgress {
+                    operator_name: instance.operator.clone(),
+                    num_rows_total: 0,
+                    num_rows_updated: 0,
+                    memory_used_bytes: 0,
+                    num_rows_dropped_by_watermark: 0,
+                });
+                operators.len() - 1
+            }
+        };
+        let operator = &mut operators[at];
+        operator.num_rows_total += rows.total;
+        operator.num_rows_updated += rows.updated;
+        operator.memory_used_bytes += rows.memory_bytes;
+        operator.num_rows_dropped_by_watermark += instance.late_records;
+    }
+    operators
 }

@@ -52,6 +52,7 @@ use serde::Serialize;
 
 use crate::dispatch::{key_group, stable_hash, subtask_for_key_group};
 use crate::error::{Result, RtflowError};
+use crate::metrics::StateRows;
 use crate::record::{Epoch, EventTime};
 
 /// What every stateful instance of a query restores from: the recovered
@@ -342,6 +343,8 @@ pub struct StateSnapshot {
     pub(crate) sink_watermark: Option<Option<EventTime>>,
     /// Keyed snapshots begun and not yet complete.
     pub(crate) incomplete: usize,
+    /// The keyed state of the snapshots begun, summed.
+    pub(crate) rows: StateRows,
 }
 
 /// Changes encoded at a barrier into one buffer, cut into entries when called.
@@ -579,6 +582,11 @@ where
     pub fn begin_snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         self.continue_snapshot(usize::MAX, out)?;
         let changed = std::mem::take(&mut self.changed);
+        out.rows.add(StateRows {
+            total: self.live as u64,
+            updated: changed.len() as u64,
+            memory_bytes: (self.entries.capacity() * std::mem::size_of::<(K, Slot<V>)>()) as u64,
+        });
         self.capture = Some(Capture::new(self.tag, changed));
         self.tag += 1;
         out.incomplete += 1;

@@ -4,7 +4,7 @@
 pub mod kafka;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rtflow::prelude::*;
 
@@ -38,4 +38,14 @@ pub fn sorted<T: Ord + Clone + Send + 'static>(sink: &MemorySink<T>) -> Vec<T> {
     let mut rows = sink.rows();
     rows.sort();
     rows
+}
+
+/// Waits until `sink` holds at least `n` rows, returning them.
+pub fn wait_for_rows<T: Clone + Send + 'static>(sink: &MemorySink<T>, n: usize) -> Vec<T> {
+    let deadline = Instant::now() + TIMEOUT;
+    while sink.len() < n {
+        assert!(Instant::now() < deadline, "{} of {n} rows", sink.len());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    sink.rows()
 }
