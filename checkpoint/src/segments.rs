@@ -30,7 +30,7 @@ impl Segments {
         })
     }
 
-    fn path(&self, epoch: Epoch) -> PathBuf {
+    pub(crate) fn path(&self, epoch: Epoch) -> PathBuf {
         self.dir.join(format!("{epoch:020}{SUFFIX}"))
     }
 

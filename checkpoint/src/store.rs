@@ -683,6 +683,32 @@ mod tests {
     }
 
     #[test]
+    fn an_unreadable_segment_falls_back_to_the_previous_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
+        store
+            .commit(manifest(1), vec![delta(0, &[(1, Some(1))])])
+            .unwrap();
+        store
+            .commit(manifest(2), vec![delta(0, &[(1, Some(2))])])
+            .unwrap();
+        // A directory where the segment was opens but cannot be read.
+        let segment = store.segments.path(2);
+        std::fs::remove_file(&segment).unwrap();
+        std::fs::create_dir(&segment).unwrap();
+
+        let recovery = store.recover().unwrap();
+        assert_eq!(recovery.manifest.as_ref().unwrap().epoch, 1);
+        assert_eq!(restored(&recovery), vec![(1, 1)]);
+        assert_eq!(recovery.skipped[0].epoch, 2);
+        assert!(
+            recovery.skipped[0].reason.contains("cannot be read"),
+            "{:?}",
+            recovery.skipped
+        );
+    }
+
+    #[test]
     fn a_corrupt_manifest_is_passed_over_for_the_previous_one() {
         let dir = tempfile::tempdir().unwrap();
         let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
