@@ -261,6 +261,8 @@ fn progress_reports_the_keyed_state_of_each_stateful_operator() {
     let state = &report_of(&query, second).state_operators[0];
     assert_eq!((state.num_rows_total, state.num_rows_updated), (100, 10));
     query.stop().unwrap();
+    // Records read together share their timestamps and are counted as a run.
+    assert_eq!(query.metrics().latency.processing.count, 1010);
 }
 
 #[test]

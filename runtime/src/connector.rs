@@ -313,8 +313,14 @@ impl<T> SinkEmit<T> {
             return;
         }
         let done = now_nanos();
-        for meta in &self.unflushed {
-            self.latency.record(meta, done);
+        // Records a source read in one poll often share their timestamps: one
+        // update of the histograms per run of them (three per record were 5% of
+        // q0's time).
+        let same_times = |a: &RecordMeta, b: &RecordMeta| {
+            (a.ingest_time, a.source_time) == (b.ingest_time, b.source_time)
+        };
+        for run in self.unflushed.chunk_by(same_times) {
+            self.latency.record(&run[0], done, run.len() as u64);
         }
         self.metrics.add(self.unflushed.len() as u64, 0);
         self.unflushed.clear();

@@ -233,18 +233,21 @@ pub(crate) struct LatencyRecorder {
 impl LatencyRecorder {
     const PUBLISH_EVERY: Duration = Duration::from_millis(100);
 
+    /// Records the latencies of `records` records with the timestamps of
+    /// `meta`, done at `done`.
     #[inline]
-    pub(crate) fn record(&mut self, meta: &RecordMeta, done: Nanos) {
+    pub(crate) fn record(&mut self, meta: &RecordMeta, done: Nanos, records: u64) {
         let local = &mut self.local;
         local
             .processing
-            .saturating_record(done.saturating_sub(meta.ingest_time).max(1));
+            .saturating_record_n(done.saturating_sub(meta.ingest_time).max(1), records);
         local
             .end_to_end
-            .saturating_record(done.saturating_sub(meta.source_time).max(1));
-        local
-            .source_queuing
-            .saturating_record(meta.ingest_time.saturating_sub(meta.source_time).max(1));
+            .saturating_record_n(done.saturating_sub(meta.source_time).max(1), records);
+        local.source_queuing.saturating_record_n(
+            meta.ingest_time.saturating_sub(meta.source_time).max(1),
+            records,
+        );
     }
 
     pub(crate) fn publish_if_due(&mut self) {
