@@ -53,6 +53,10 @@ struct Args {
     /// The checkpoint interval (the real-time trigger's batch duration).
     #[arg(long, global = true, default_value = "10 seconds")]
     checkpoint_interval: String,
+    /// How long an idle actor polls its mailbox before it sleeps, in
+    /// microseconds (`QueryConfig::idle_spin`).
+    #[arg(long, global = true, default_value_t = 0)]
+    idle_spin_us: u64,
 }
 
 #[derive(Subcommand)]
@@ -150,7 +154,8 @@ fn run(args: &Args, rate: Option<u64>) -> Result<(), Box<dyn std::error::Error>>
     let query = flow.start(
         QueryConfig::new(format!("nexmark-{}", args.query))
             .checkpoint_location(&location)
-            .trigger(Trigger::real_time(args.checkpoint_interval.as_str())),
+            .trigger(Trigger::real_time(args.checkpoint_interval.as_str()))
+            .idle_spin(Duration::from_micros(args.idle_spin_us)),
     )?;
     match args.source {
         SourceKind::Generator => {
@@ -178,6 +183,7 @@ fn run(args: &Args, rate: Option<u64>) -> Result<(), Box<dyn std::error::Error>>
         "events": args.events,
         "rate": args.rate,
         "partitions": args.partitions,
+        "idle_spin_us": args.idle_spin_us,
         "seconds": (seconds * 1000.0).round() / 1000.0,
         "events_per_s": events_per_s.round(),
         "events_per_s_per_core": (events_per_s / cores as f64).round(),
