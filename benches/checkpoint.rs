@@ -340,7 +340,7 @@ fn store_level(args: &Args) -> std::result::Result<StoreFigures, BoxError> {
         let started = Instant::now();
         let recovery = store.recover()?;
         recovers.push(ms(started.elapsed()));
-        let live: usize = recovery.state.values().map(|s| s.entries.len()).sum();
+        let live: usize = recovery.state.values().map(|s| s.entries().len()).sum();
         assert_eq!(live as u64, keys, "every key recovered");
         chain = recovery
             .manifest
@@ -775,7 +775,7 @@ fn recovery(location: &Path, args: &Args) -> std::result::Result<Recovery, BoxEr
         let started = Instant::now();
         let recovery = store.recover()?;
         recovers.push(ms(started.elapsed()));
-        let live: usize = recovery.state.values().map(|s| s.entries.len()).sum();
+        let live: usize = recovery.state.values().map(|s| s.entries().len()).sum();
         assert!(live as u64 >= args.keys, "every key recovered");
         chain = recovery
             .manifest

@@ -190,7 +190,7 @@ fn checkpointed_entries(location: &std::path::Path, state: &str) -> usize {
     recovery
         .state
         .get(&StateId::new("process-0", state))
-        .map_or(0, |s| s.entries.len())
+        .map_or(0, |s| s.entries().len())
 }
 
 #[test]

@@ -558,7 +558,7 @@ fn check_windows(
         .unwrap();
     for kind in ["window_aggregate", "window_count", "window_sum"] {
         let state = &recovery.state[&StateId::new(format!("{kind}-0"), "windows")];
-        prop_assert_eq!(state.entries.len(), open.len(), "{} keys held", kind);
+        prop_assert_eq!(state.entries().len(), open.len(), "{} keys held", kind);
     }
     Ok(())
 }

@@ -17,6 +17,7 @@
 //!
 //! This crate knows nothing of the runtime: the runtime builds on it.
 
+pub mod hash;
 pub mod manifest;
 pub mod protocol;
 mod segments;
@@ -28,5 +29,5 @@ pub type Epoch = u64;
 
 pub use manifest::{Manifest, Offsets};
 pub use protocol::{ActorId, CheckpointTracker};
-pub use snapshot::{Delta, Entry, StateChain, StateId, StateMeta};
+pub use snapshot::{Delta, Entries, Entry, EntryRef, StateChain, StateId, StateMeta};
 pub use store::{CheckpointStore, CommitStats, Recovery, RestoredState, StoreError};

@@ -8,6 +8,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::hash::FastState;
 use crate::Epoch;
 
 /// One state of one operator: the operator's stable id and the state's name.
@@ -104,11 +105,32 @@ pub struct CorruptBlob {
     pub reason: String,
 }
 
-/// Encodes entries as a blob: their bytes followed by a CRC-32.
+/// An entry read from a blob, borrowing its bytes. It encodes exactly as the
+/// [`Entry`] it was written from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct EntryRef<'a> {
+    pub group: u32,
+    pub key: &'a [u8],
+    pub value: Option<&'a [u8]>,
+}
+
+impl EntryRef<'_> {
+    /// The entry with its bytes copied.
+    pub fn to_entry(self) -> Entry {
+        Entry {
+            group: self.group,
+            key: self.key.to_vec(),
+            value: self.value.map(<[u8]>::to_vec),
+        }
+    }
+}
+
+/// Encodes entries ([`Entry`] or [`EntryRef`]) as a blob: their bytes followed
+/// by a CRC-32.
 ///
 /// The entries are encoded in chunks, each preceded by its length, so that a
 /// large blob (a compacted base) decodes on every core at restore.
-pub fn encode_blob(entries: &[Entry]) -> Vec<u8> {
+pub fn encode_blob<E: Serialize>(entries: &[E]) -> Vec<u8> {
     let mut bytes = Vec::new();
     for chunk in entries.chunks(CHUNK) {
         let encoded = bincode::serde::encode_to_vec(chunk, bincode::config::standard())
@@ -136,12 +158,67 @@ pub fn blob_ref(epoch: Epoch, part: u32, offset: u64, bytes: &[u8]) -> BlobRef {
     }
 }
 
-/// Reads back a blob, checking it against its reference and its own checksum.
-pub fn decode_blob(
-    state: &StateId,
-    blob: BlobRef,
-    bytes: &[u8],
-) -> Result<Vec<Entry>, CorruptBlob> {
+/// Where one entry lies in the bytes of its blob: start and end of its key and
+/// of its value (`None`: a deletion).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Span {
+    group: u32,
+    key: (usize, usize),
+    value: Option<(usize, usize)>,
+}
+
+/// A checked blob, its entries located in its bytes but not copied out.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Blob {
+    bytes: Vec<u8>,
+    spans: Vec<Span>,
+}
+
+impl Blob {
+    /// How many entries the blob holds.
+    pub fn len(&self) -> usize {
+        self.spans.len()
+    }
+
+    /// Whether the blob holds no entry.
+    pub fn is_empty(&self) -> bool {
+        self.spans.is_empty()
+    }
+
+    /// The entries in `range` of `0..len()`, in the order they were written:
+    /// for splitting the work of reading a large blob.
+    pub fn range(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> impl ExactSizeIterator<Item = EntryRef<'_>> + '_ {
+        self.spans[range].iter().map(|span| span.entry(&self.bytes))
+    }
+
+    /// The entries, in the order they were written.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = EntryRef<'_>> + '_ {
+        self.range(0..self.len())
+    }
+}
+
+impl fmt::Debug for Blob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl Span {
+    fn entry(self, bytes: &[u8]) -> EntryRef<'_> {
+        EntryRef {
+            group: self.group,
+            key: &bytes[self.key.0..self.key.1],
+            value: self.value.map(|(start, end)| &bytes[start..end]),
+        }
+    }
+}
+
+/// Reads back a blob, checking its length and checksum against its reference,
+/// and locates its entries without copying them.
+pub fn decode_blob(state: &StateId, blob: BlobRef, bytes: Vec<u8>) -> Result<Blob, CorruptBlob> {
     let corrupt = |reason: &str| CorruptBlob {
         state: state.clone(),
         blob,
@@ -154,60 +231,164 @@ pub fn decode_blob(
             blob.len
         )));
     }
-    if crc32fast::hash(bytes) != blob.crc {
+    if crc32fast::hash(&bytes) != blob.crc {
         return Err(corrupt("checksum differs from the manifest's"));
     }
     let split = bytes
         .len()
         .checked_sub(4)
         .ok_or_else(|| corrupt("shorter than its checksum"))?;
-    let (body, checksum) = bytes.split_at(split);
-    if crc32fast::hash(body).to_le_bytes() != checksum {
-        return Err(corrupt("checksum mismatch"));
-    }
+    // The manifest's CRC covers the trailing one too: bytes that match it match
+    // their own checksum, which a second pass over them would only confirm.
+    let body = &bytes[..split];
     let mut chunks = Vec::new();
-    let mut rest = body;
-    while !rest.is_empty() {
-        let (len, tail) = rest
-            .split_first_chunk::<4>()
+    let mut at = 0;
+    while at < body.len() {
+        let len = body[at..]
+            .first_chunk::<4>()
             .ok_or_else(|| corrupt("a chunk length is cut short"))?;
-        let len = u32::from_le_bytes(*len) as usize;
-        if tail.len() < len {
+        let start = at + 4;
+        let end = start + u32::from_le_bytes(*len) as usize;
+        if end > body.len() {
             return Err(corrupt("a chunk is cut short"));
         }
-        let (chunk, tail) = tail.split_at(len);
-        chunks.push(chunk);
-        rest = tail;
+        chunks.push((start, end));
+        at = end;
     }
-    let decode = |chunk: &[u8]| -> Result<Vec<Entry>, CorruptBlob> {
-        bincode::serde::decode_from_slice(chunk, bincode::config::standard())
-            .map(|(entries, _)| entries)
-            .map_err(|e| corrupt(&e.to_string()))
-    };
-    let decoded: Vec<Result<Vec<Entry>, CorruptBlob>> = if chunks.len() > 1 {
+    let locate = |&(start, end): &(usize, usize)| Reader::new(body, start, end).entries();
+    let located: Vec<Result<Vec<Span>, &str>> = if chunks.len() > 1 {
         std::thread::scope(|scope| {
             let workers: Vec<_> = chunks
                 .iter()
-                .map(|chunk| scope.spawn(move || decode(chunk)))
+                .map(|chunk| scope.spawn(move || locate(chunk)))
                 .collect();
             workers
                 .into_iter()
-                .map(|worker| worker.join().expect("decoding does not panic"))
+                .map(|worker| worker.join().expect("locating entries does not panic"))
                 .collect()
         })
     } else {
-        chunks.into_iter().map(decode).collect()
+        chunks.iter().map(locate).collect()
     };
-    let mut entries = Vec::new();
-    for chunk in decoded {
-        let chunk = chunk?;
-        if entries.is_empty() {
-            entries = chunk;
+    let mut spans = Vec::new();
+    for chunk in located {
+        let chunk = chunk.map_err(corrupt)?;
+        if spans.is_empty() {
+            spans = chunk;
         } else {
-            entries.extend(chunk);
+            spans.extend(chunk);
         }
     }
-    Ok(entries)
+    Ok(Blob { bytes, spans })
+}
+
+/// Walks one chunk as bincode's standard configuration encodes a sequence of
+/// [`Entry`]: a varint count, then per entry a varint group, the key as a varint
+/// length and its bytes, and the value as an option tag byte followed, if 1, by
+/// a varint length and its bytes.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    end: usize,
+}
+
+/// Bincode's varint: values below 251 in one byte, else a marker byte for the
+/// little-endian width that follows.
+const U16_MARKER: u8 = 251;
+const U32_MARKER: u8 = 252;
+const U64_MARKER: u8 = 253;
+
+impl<'a> Reader<'a> {
+    fn new(bytes: &'a [u8], at: usize, end: usize) -> Self {
+        Self { bytes, at, end }
+    }
+
+    fn take(&mut self, len: usize) -> Result<(usize, usize), &'static str> {
+        let start = self.at;
+        let end = start
+            .checked_add(len)
+            .filter(|end| *end <= self.end)
+            .ok_or("an entry runs past its chunk")?;
+        self.at = end;
+        Ok((start, end))
+    }
+
+    fn byte(&mut self) -> Result<u8, &'static str> {
+        let (start, _) = self.take(1)?;
+        Ok(self.bytes[start])
+    }
+
+    fn fixed<const N: usize>(&mut self) -> Result<[u8; N], &'static str> {
+        let (start, end) = self.take(N)?;
+        Ok(self.bytes[start..end].try_into().expect("N bytes taken"))
+    }
+
+    fn varint(&mut self) -> Result<u64, &'static str> {
+        Ok(match self.byte()? {
+            U16_MARKER => u16::from_le_bytes(self.fixed()?).into(),
+            U32_MARKER => u32::from_le_bytes(self.fixed()?).into(),
+            U64_MARKER => u64::from_le_bytes(self.fixed()?),
+            small if small < U16_MARKER => small.into(),
+            _ => return Err("an integer is wider than 64 bits"),
+        })
+    }
+
+    fn bytes(&mut self) -> Result<(usize, usize), &'static str> {
+        let len = usize::try_from(self.varint()?).map_err(|_| "a length overflows")?;
+        self.take(len)
+    }
+
+    fn entries(mut self) -> Result<Vec<Span>, &'static str> {
+        let count = usize::try_from(self.varint()?).map_err(|_| "a count overflows")?;
+        // An entry takes at least 3 bytes: a count beyond that is damage, not an
+        // allocation to make.
+        if count > (self.end - self.at) / 3 {
+            return Err("more entries counted than the chunk holds");
+        }
+        let mut spans = Vec::with_capacity(count);
+        for _ in 0..count {
+            let group = u32::try_from(self.varint()?).map_err(|_| "a group overflows")?;
+            let key = self.bytes()?;
+            let value = match self.byte()? {
+                0 => None,
+                1 => Some(self.bytes()?),
+                _ => return Err("a value's option tag is neither 0 nor 1"),
+            };
+            spans.push(Span { group, key, value });
+        }
+        if self.at != self.end {
+            return Err("bytes left over after the chunk's entries");
+        }
+        Ok(spans)
+    }
+}
+
+/// A state's live entries (deletions applied), pointing into the blobs they
+/// were read from.
+pub struct Entries<'a> {
+    blobs: &'a [Blob],
+    /// Each entry's blob (its index in `blobs`) and place in it.
+    spans: Vec<(u32, Span)>,
+}
+
+impl<'a> Entries<'a> {
+    /// How many entries there are.
+    pub fn len(&self) -> usize {
+        self.spans.len()
+    }
+
+    /// Whether there is no entry.
+    pub fn is_empty(&self) -> bool {
+        self.spans.is_empty()
+    }
+
+    /// Every entry, in no particular order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = EntryRef<'a>> + '_ {
+        let blobs = self.blobs;
+        self.spans
+            .iter()
+            .map(move |&(blob, span)| span.entry(&blobs[blob as usize].bytes))
+    }
 }
 
 /// Applies blobs oldest first: a later entry for the same key wins, deletions
@@ -215,38 +396,35 @@ pub fn decode_blob(
 ///
 /// The first blob (a base, usually much larger than the deltas after it) is
 /// walked once and never hashed: only the later blobs' entries go into a map.
-pub fn merge(blobs: impl IntoIterator<Item = Vec<Entry>>) -> Vec<Entry> {
-    let mut blobs = blobs.into_iter();
-    let Some(mut base) = blobs.next() else {
-        return Vec::new();
+/// No entry's bytes are copied.
+pub fn merge(blobs: &[Blob]) -> Entries<'_> {
+    let Some((base, rest)) = blobs.split_first() else {
+        return Entries {
+            blobs,
+            spans: Vec::new(),
+        };
     };
-    let mut changes: HashMap<(u32, Vec<u8>), Option<Vec<u8>>> = HashMap::new();
-    for entries in blobs {
-        changes.reserve(entries.len());
-        for entry in entries {
-            changes.insert((entry.group, entry.key), entry.value);
-        }
-    }
-    if !changes.is_empty() {
-        for entry in &mut base {
-            // Move the key out for the lookup, and back in.
-            let id = (entry.group, std::mem::take(&mut entry.key));
-            match changes.remove_entry(&id) {
-                Some(((_, key), value)) => {
-                    entry.key = key;
-                    entry.value = value;
-                }
-                None => entry.key = id.1,
+    let mut spans: Vec<(u32, Span)> = base.spans.iter().map(|span| (0, *span)).collect();
+    if !rest.is_empty() {
+        let mut changes: HashMap<(u32, &[u8]), (u32, Span), FastState> =
+            HashMap::with_capacity_and_hasher(rest.iter().map(Blob::len).sum(), FastState::new());
+        for (index, blob) in (1..).zip(rest) {
+            for span in &blob.spans {
+                let key = &blob.bytes[span.key.0..span.key.1];
+                changes.insert((span.group, key), (index, *span));
             }
         }
-        base.extend(
-            changes
-                .into_iter()
-                .map(|((group, key), value)| Entry { group, key, value }),
-        );
+        for located in &mut spans {
+            let span = located.1;
+            if let Some(change) = changes.remove(&(span.group, &base.bytes[span.key.0..span.key.1]))
+            {
+                *located = change;
+            }
+        }
+        spans.extend(changes.into_values());
     }
-    base.retain(|entry| entry.value.is_some());
-    base
+    spans.retain(|(_, span)| span.value.is_some());
+    Entries { blobs, spans }
 }
 
 #[cfg(test)]
@@ -269,28 +447,43 @@ mod tests {
         }
     }
 
+    fn blob(entries: &[Entry]) -> Blob {
+        let bytes = encode_blob(entries);
+        let reference = blob_ref(1, 0, 0, &bytes);
+        decode_blob(&StateId::new("count-0", "counts"), reference, bytes).unwrap()
+    }
+
+    fn owned<'a>(entries: impl Iterator<Item = EntryRef<'a>>) -> Vec<Entry> {
+        entries.map(EntryRef::to_entry).collect()
+    }
+
+    fn merged(blobs: &[Vec<Entry>]) -> Vec<Entry> {
+        let blobs: Vec<Blob> = blobs.iter().map(|entries| blob(entries)).collect();
+        let mut merged = owned(merge(&blobs).iter());
+        merged.sort_by(|a, b| a.key.cmp(&b.key));
+        merged
+    }
+
     #[test]
     fn later_entries_win_and_deletions_remove() {
-        let mut merged = merge([
+        let merged = merged(&[
             vec![put(1, 10), put(2, 20), put(3, 30)],
             vec![put(2, 21), delete(3)],
             vec![put(4, 40), delete(9)],
         ]);
-        merged.sort_by(|a, b| a.key.cmp(&b.key));
         assert_eq!(merged, vec![put(1, 10), put(2, 21), put(4, 40)]);
     }
 
     #[test]
     fn later_blobs_override_and_delete_entries_of_the_first() {
-        let mut merged = merge([
+        let merged_once = merged(&[
             vec![put(1, 10), put(2, 20)],
             vec![put(1, 11)],
             vec![delete(2)],
         ]);
-        merged.sort_by(|a, b| a.key.cmp(&b.key));
-        assert_eq!(merged, vec![put(1, 11)]);
-        assert_eq!(merge([vec![put(3, 30), delete(4)]]), vec![put(3, 30)]);
-        assert_eq!(merge(Vec::<Vec<Entry>>::new()), vec![]);
+        assert_eq!(merged_once, vec![put(1, 11)]);
+        assert_eq!(merged(&[vec![put(3, 30), delete(4)]]), vec![put(3, 30)]);
+        assert_eq!(merged(&[]), vec![]);
     }
 
     #[test]
@@ -304,7 +497,7 @@ mod tests {
             group: 1,
             ..a.clone()
         };
-        assert_eq!(merge([vec![a, b]]).len(), 2);
+        assert_eq!(merged(&[vec![a, b]]).len(), 2);
     }
 
     #[test]
@@ -313,17 +506,15 @@ mod tests {
         let entries = vec![put(1, 10), delete(2)];
         let bytes = encode_blob(&entries);
         let reference = blob_ref(3, 0, 0, &bytes);
-        assert_eq!(decode_blob(&state, reference, &bytes), Ok(entries));
+        let decoded = decode_blob(&state, reference, bytes.clone()).unwrap();
+        assert_eq!(owned(decoded.iter()), entries);
         for len in 0..bytes.len() {
-            assert!(decode_blob(&state, reference, &bytes[..len]).is_err());
+            assert!(decode_blob(&state, reference, bytes[..len].to_vec()).is_err());
         }
         for i in 0..bytes.len() {
             let mut torn = bytes.clone();
             torn[i] ^= 1;
-            assert!(
-                decode_blob(&state, reference, &torn).is_err(),
-                "flip at {i}"
-            );
+            assert!(decode_blob(&state, reference, torn).is_err(), "flip at {i}");
         }
     }
 
@@ -339,7 +530,32 @@ mod tests {
             .collect();
         let bytes = encode_blob(&entries);
         let reference = blob_ref(1, 0, 0, &bytes);
-        assert_eq!(decode_blob(&state, reference, &bytes), Ok(entries));
+        let decoded = decode_blob(&state, reference, bytes).unwrap();
+        assert_eq!(owned(decoded.iter()), entries);
+    }
+
+    #[test]
+    fn entries_are_located_as_bincode_encodes_them_whatever_their_widths() {
+        let lengths = [0, 1, 250, 251, 252, 300, 65_535, 65_536, 70_000];
+        let groups = [0, 250, 251, 65_535, 65_536, u32::MAX];
+        let entries: Vec<Entry> = lengths
+            .iter()
+            .zip(lengths.iter().rev())
+            .zip(groups.iter().cycle())
+            .enumerate()
+            .map(|(i, ((&key, &value), &group))| Entry {
+                group,
+                key: vec![i as u8; key],
+                value: (i % 3 != 0).then(|| vec![0xa5; value]),
+            })
+            .collect();
+        let bytes = encode_blob(&entries);
+        let reference = blob_ref(1, 0, 0, &bytes);
+        let state = StateId::new("count-0", "counts");
+        let decoded = decode_blob(&state, reference, bytes).unwrap();
+        assert_eq!(owned(decoded.iter()), entries);
+        let borrowed: Vec<EntryRef<'_>> = decoded.iter().collect();
+        assert_eq!(encode_blob(&borrowed), encode_blob(&entries));
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crate::manifest::{Corrupt, Manifest};
 use crate::segments::Segments;
 use crate::snapshot::{
-    blob_ref, decode_blob, encode_blob, merge, BlobRef, Delta, Entry, StateChain, StateId,
+    blob_ref, decode_blob, encode_blob, merge, Blob, BlobRef, Delta, Entries, StateChain, StateId,
     StateMeta, BASE_PART,
 };
 use crate::Epoch;
@@ -37,8 +37,18 @@ pub enum StoreError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RestoredState {
     pub meta: StateMeta,
-    /// Every live entry (deletions applied), in no particular order.
-    pub entries: Vec<Entry>,
+    /// The state's snapshot blobs, checked, oldest first. Applying their entries
+    /// in that order (a later entry for a key replaces an earlier one, a deletion
+    /// removes the key) rebuilds the state: a restoring instance does so straight
+    /// into its own map, which saves merging the chain into another one first.
+    pub blobs: Vec<Blob>,
+}
+
+impl RestoredState {
+    /// Every live entry (the blobs merged), in no particular order.
+    pub fn entries(&self) -> Entries<'_> {
+        merge(&self.blobs)
+    }
 }
 
 /// What a query resumes from.
@@ -121,7 +131,7 @@ fn read_chain(
     segments: &Segments,
     state: &StateId,
     chain: &StateChain,
-) -> Result<Vec<Vec<Entry>>, Corrupt> {
+) -> Result<Vec<Blob>, Corrupt> {
     chain
         .blobs
         .iter()
@@ -132,7 +142,7 @@ fn read_chain(
             };
             match segments.read(blob) {
                 Ok(Some(bytes)) => {
-                    decode_blob(state, *blob, &bytes).map_err(|e| corrupt(e.to_string()))
+                    decode_blob(state, *blob, bytes).map_err(|e| corrupt(e.to_string()))
                 }
                 Ok(None) => Err(corrupt(format!(
                     "the segment of snapshot blob {blob:?} of {state} is missing"
@@ -238,7 +248,7 @@ impl CheckpointStore {
                             id.clone(),
                             RestoredState {
                                 meta: chain.meta.clone(),
-                                entries: merge(blobs),
+                                blobs,
                             },
                         );
                     }
@@ -431,7 +441,7 @@ impl CheckpointStore {
             .spawn(move || {
                 let folded = read_chain(&segments, &id, &chain)
                     .map(|blobs| Folded {
-                        bytes: encode_blob(&merge(blobs)),
+                        bytes: encode_blob(&merge(&blobs).iter().collect::<Vec<_>>()),
                         state: id,
                         chain: chain.blobs,
                     })
@@ -503,6 +513,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::snapshot::Entry;
 
     fn manifest(epoch: Epoch) -> Manifest {
         Manifest {
@@ -542,7 +553,7 @@ mod tests {
 
     fn restored(recovery: &Recovery) -> Vec<(u8, u8)> {
         let mut entries: Vec<(u8, u8)> = recovery.state[&counts()]
-            .entries
+            .entries()
             .iter()
             .map(|e| (e.key[0], e.value.as_ref().unwrap()[0]))
             .collect();

@@ -46,6 +46,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 
+use rtflow_checkpoint::hash::FastState;
+use rtflow_checkpoint::snapshot::Blob;
 use rtflow_checkpoint::{Delta, Entry, RestoredState, StateId, StateMeta};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -68,26 +70,36 @@ pub(crate) struct Restored {
     claimed: Mutex<BTreeSet<StateId>>,
 }
 
-/// A restored state's entries; each instance picks those of its groups.
+/// A restored state's snapshot blobs; each instance picks the entries of its
+/// groups. Checking a group is far cheaper than moving entries into buckets,
+/// even for every instance in turn.
 struct Grouped {
     meta: StateMeta,
-    entries: Vec<Entry>,
+    /// Oldest first.
+    blobs: Vec<Blob>,
 }
 
 impl Grouped {
     fn new(state: RestoredState) -> Self {
         Self {
             meta: state.meta,
-            entries: state.entries,
+            blobs: state.blobs,
         }
     }
 
-    /// The entries of the groups `wanted` picks. Checking a group is far cheaper
-    /// than moving entries into buckets, even for every instance in turn.
-    fn entries(&self, wanted: impl Fn(usize) -> bool) -> impl Iterator<Item = &Entry> {
-        self.entries
-            .iter()
-            .filter(move |entry| wanted(entry.group as usize))
+    /// The live values of the groups `wanted` picks, by group and key: the blobs
+    /// applied oldest first. For per-subtask state, a few entries; keyed state
+    /// applies the blobs straight into its own map instead.
+    fn live(&self, wanted: impl Fn(usize) -> bool) -> BTreeMap<(u32, &[u8]), &[u8]> {
+        let mut live = BTreeMap::new();
+        let entries = self.blobs.iter().flat_map(Blob::iter);
+        for entry in entries.filter(|entry| wanted(entry.group as usize)) {
+            match entry.value {
+                Some(value) => live.insert((entry.group, entry.key), value),
+                None => live.remove(&(entry.group, entry.key)),
+            };
+        }
+        live
     }
 }
 
@@ -193,35 +205,23 @@ impl StateContext {
     {
         let key_groups = self.restored.key_groups;
         let (id, meta, restored) = self.claim(name, type_name::<(K, V)>())?;
-        let mut state = KeyedState {
+        let mine =
+            |group| subtask_for_key_group(group, key_groups, self.parallelism) == self.subtask;
+        let mut entries = HashMap::with_hasher(FastState::new());
+        if let Some(restored) = restored {
+            restore(&id, &restored.blobs, mine, &mut entries)?;
+        }
+        Ok(KeyedState {
             id,
             meta,
             part: self.subtask as u32,
             key_groups,
-            entries: HashMap::new(),
+            live: entries.len(),
+            entries,
             tag: CAPTURED + 1,
             changed: Vec::new(),
             capture: None,
-            live: 0,
-        };
-        let mine =
-            |group| subtask_for_key_group(group, key_groups, self.parallelism) == self.subtask;
-        let entries: Vec<&Entry> = restored.iter().flat_map(|r| r.entries(mine)).collect();
-        // Sized once: growing a map of a million keys rehashes it some twenty times.
-        state.entries.reserve(entries.len());
-        for decoded in decode_all::<K, V>(&state.id, &entries) {
-            for (key, value) in decoded? {
-                state.live += usize::from(value.is_some());
-                state.entries.insert(
-                    key,
-                    Slot {
-                        value,
-                        changed_in: CAPTURED,
-                    },
-                );
-            }
-        }
-        Ok(state)
+        })
     }
 
     /// What the checkpoint held for per-subtask state `name` in every old
@@ -234,12 +234,9 @@ impl StateContext {
     {
         let (id, _, grouped) = self.claim(name, type_name::<V>())?;
         let mut restored = Vec::new();
-        for entry in grouped.iter().flat_map(|g| g.entries(|_| true)) {
-            if let Some(bytes) = &entry.value {
-                restored.push((entry.group, decode(&id, bytes)?));
-            }
+        for ((subtask, _), bytes) in grouped.iter().flat_map(|g| g.live(|_| true)) {
+            restored.push((subtask, decode(&id, bytes)?));
         }
-        restored.sort_by_key(|(subtask, _)| *subtask);
         Ok(restored)
     }
 
@@ -253,12 +250,9 @@ impl StateContext {
         let (id, meta, grouped) = self.claim(name, type_name::<V>())?;
         let mut restored = Vec::new();
         let mine = |subtask| subtask % self.parallelism == self.subtask;
-        for entry in grouped.iter().flat_map(|g| g.entries(mine)) {
-            if let Some(bytes) = &entry.value {
-                restored.push((entry.group, decode(&id, bytes)?));
-            }
+        for ((subtask, _), bytes) in grouped.iter().flat_map(|g| g.live(mine)) {
+            restored.push((subtask, decode(&id, bytes)?));
         }
-        restored.sort_by_key(|(subtask, _)| *subtask);
         Ok(SubtaskState {
             id,
             meta,
@@ -271,42 +265,95 @@ impl StateContext {
     }
 }
 
-/// Restored entries needing more decoding than this are split over the cores:
-/// restoring a large state is what a restart waits for.
-const PARALLEL_DECODE: usize = 50_000;
+/// A restored chain with more entries than this is decoded on a thread of its
+/// own while the restoring one fills the map: restoring a large state is what a
+/// restart waits for.
+const PIPELINED: usize = 50_000;
 
-/// Restored keys and values (`None`: deleted).
+/// Entries decoded at a time on the decoding thread.
+const PART: usize = 16_384;
+
+/// Restored keys and values (`None`: deleted), in the order of the chain.
 type Decoded<K, V> = Vec<(K, Option<V>)>;
 
-/// Decodes `entries` into keys and values, on several threads when they are many.
-fn decode_all<K, V>(id: &StateId, entries: &[&Entry]) -> Vec<Result<Decoded<K, V>>>
+/// Applies the entries of `blobs`, oldest first, whose key groups `mine`
+/// picks: a later entry for a key replaces an earlier one, a deletion removes
+/// the key.
+fn restore<K, V>(
+    id: &StateId,
+    blobs: &[Blob],
+    mine: impl Fn(usize) -> bool + Sync,
+    map: &mut HashMap<K, Slot<V>, FastState>,
+) -> Result<()>
 where
-    K: DeserializeOwned + Send,
+    K: Hash + Eq + DeserializeOwned + Send,
     V: DeserializeOwned + Send,
 {
-    let decode_chunk = |chunk: &[&Entry]| -> Result<Decoded<K, V>> {
-        chunk
-            .iter()
-            .map(|entry| {
-                let value = entry.value.as_deref().map(|v| decode(id, v)).transpose()?;
-                Ok((decode(id, &entry.key)?, value))
-            })
-            .collect()
+    let decode_part = |blob: &Blob, range: std::ops::Range<usize>| -> Result<Decoded<K, V>> {
+        let mut decoded = Vec::with_capacity(range.len());
+        for entry in blob.range(range) {
+            if mine(entry.group as usize) {
+                let value = entry.value.map(|v| decode(id, v)).transpose()?;
+                decoded.push((decode(id, entry.key)?, value));
+            }
+        }
+        Ok(decoded)
     };
+    let apply = |map: &mut HashMap<K, Slot<V>, FastState>, decoded: Decoded<K, V>| {
+        for (key, value) in decoded {
+            match value {
+                Some(value) => {
+                    let slot = Slot {
+                        value: Some(value),
+                        changed_in: CAPTURED,
+                    };
+                    map.insert(key, slot);
+                }
+                None => {
+                    map.remove(&key);
+                }
+            }
+        }
+    };
+    // Sized once: growing a map of a million keys rehashes it some twenty
+    // times. The chain's entries bound the live keys, and compaction keeps a
+    // chain's deltas smaller than its base.
+    let bound = || {
+        blobs
+            .iter()
+            .flat_map(Blob::iter)
+            .filter(|entry| mine(entry.group as usize))
+            .count()
+    };
+    let total: usize = blobs.iter().map(Blob::len).sum();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if entries.len() < PARALLEL_DECODE || threads == 1 {
-        return vec![decode_chunk(entries)];
+    if total < PIPELINED || threads == 1 {
+        map.reserve(bound());
+        for blob in blobs {
+            apply(map, decode_part(blob, 0..blob.len())?);
+        }
+        return Ok(());
     }
-    let chunk = entries.len().div_ceil(threads);
     std::thread::scope(|scope| {
-        let workers: Vec<_> = entries
-            .chunks(chunk)
-            .map(|part| scope.spawn(move || decode_chunk(part)))
-            .collect();
-        workers
-            .into_iter()
-            .map(|worker| worker.join().expect("decoding does not panic"))
-            .collect()
+        let (parts, decoded) = std::sync::mpsc::sync_channel(4);
+        let decode_part = &decode_part;
+        scope.spawn(move || {
+            for blob in blobs {
+                for start in (0..blob.len()).step_by(PART) {
+                    let part = decode_part(blob, start..blob.len().min(start + PART));
+                    let failed = part.is_err();
+                    // The restoring thread hung up on an earlier failure.
+                    if parts.send(part).is_err() || failed {
+                        return;
+                    }
+                }
+            }
+        });
+        map.reserve(bound());
+        for part in decoded {
+            apply(map, part?);
+        }
+        Ok(())
     })
 }
 
@@ -402,7 +449,7 @@ pub struct KeyedState<K, V> {
     meta: StateMeta,
     part: u32,
     key_groups: usize,
-    entries: HashMap<K, Slot<V>>,
+    entries: HashMap<K, Slot<V>, FastState>,
     /// The tag of the running epoch's changes.
     tag: u64,
     /// Keys changed in the running epoch, each once.
@@ -754,6 +801,77 @@ mod tests {
         StateContext::detached("count", 0, 1, 128)
             .keyed("counts")
             .unwrap()
+    }
+
+    /// Keyed state restored from a chain of blobs by `parallelism` instances:
+    /// what each instance holds, all together.
+    fn restored(blobs: &[Vec<(u64, Option<u64>)>], parallelism: usize) -> BTreeMap<u64, u64> {
+        let id = StateId::new("count-0", "counts");
+        let meta = StateMeta {
+            kind: "count".into(),
+            signature: type_name::<(u64, u64)>().into(),
+        };
+        let blobs = blobs
+            .iter()
+            .map(|changes| {
+                let entries: Vec<Entry> = changes
+                    .iter()
+                    .map(|(key, value)| Entry {
+                        group: key_group(stable_hash(key), 128) as u32,
+                        key: encode(&id, key).unwrap(),
+                        value: value.map(|v| encode(&id, &v).unwrap()),
+                    })
+                    .collect();
+                let bytes = rtflow_checkpoint::snapshot::encode_blob(&entries);
+                let reference = rtflow_checkpoint::snapshot::blob_ref(1, 0, 0, &bytes);
+                rtflow_checkpoint::snapshot::decode_blob(&id, reference, bytes).unwrap()
+            })
+            .collect();
+        let state = RestoredState { meta, blobs };
+        let restored = Arc::new(Restored::new(
+            BTreeMap::from([(id, state)]),
+            Some(1),
+            None,
+            128,
+        ));
+        let mut all = BTreeMap::new();
+        for subtask in 0..parallelism {
+            let context = StateContext {
+                restored: restored.clone(),
+                ..StateContext::detached("count", subtask, parallelism, 128)
+            };
+            let state: KeyedState<u64, u64> = context.keyed("counts").unwrap();
+            assert_eq!(state.len(), state.iter().count());
+            for (key, value) in state.iter() {
+                assert!(all.insert(*key, *value).is_none(), "{key} in one instance");
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn a_chain_is_restored_oldest_first_small_or_large() {
+        for keys in [100, 3 * PIPELINED as u64] {
+            let base: Vec<_> = (0..keys).map(|key| (key, Some(key))).collect();
+            let later: Vec<_> = (0..keys + 10)
+                .filter(|key| key % 3 == 0 || key % 5 == 0)
+                .map(|key| (key, (key % 5 != 0).then_some(key + 1)))
+                .collect();
+            let again = vec![(10, Some(7)), (1, None)];
+            let expected: BTreeMap<u64, u64> = (0..keys + 10)
+                .filter_map(|key| match key {
+                    10 => Some((10, 7)),
+                    1 => None,
+                    _ if key % 5 == 0 => None,
+                    _ if key % 3 == 0 => Some((key, key + 1)),
+                    _ => (key < keys).then_some((key, key)),
+                })
+                .collect();
+            for parallelism in [1, 2, 3] {
+                let all = restored(&[base.clone(), later.clone(), again.clone()], parallelism);
+                assert_eq!(all, expected, "{keys} keys, parallelism {parallelism}");
+            }
+        }
     }
 
     #[test]

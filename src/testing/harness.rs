@@ -570,9 +570,9 @@ impl<In: Data, Out: Data> DataflowHarness<In, Out> {
             RtflowError::Checkpoint(format!("cannot decode {id} as the types asked for: {e}"))
         };
         state
-            .entries
+            .entries()
             .iter()
-            .filter_map(|entry| Some((&entry.key, entry.value.as_ref()?)))
+            .filter_map(|entry| Some((entry.key, entry.value?)))
             .map(|(key, value)| {
                 let config = bincode::config::standard();
                 let (key, _) =
