@@ -17,7 +17,6 @@
 //!
 //! This crate knows nothing of the runtime: the runtime builds on it.
 
-pub mod hash;
 pub mod manifest;
 pub mod protocol;
 mod segments;

@@ -8,8 +8,10 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::hash::FastState;
+// The restore merge map hashes with foldhash, seeded at random per map (see
+// the runtime's keyed state).
 use crate::Epoch;
+use foldhash::fast::RandomState as FastState;
 
 /// One state of one operator: the operator's stable id and the state's name.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -407,7 +409,10 @@ pub fn merge(blobs: &[Blob]) -> Entries<'_> {
     let mut spans: Vec<(u32, Span)> = base.spans.iter().map(|span| (0, *span)).collect();
     if !rest.is_empty() {
         let mut changes: HashMap<(u32, &[u8]), (u32, Span), FastState> =
-            HashMap::with_capacity_and_hasher(rest.iter().map(Blob::len).sum(), FastState::new());
+            HashMap::with_capacity_and_hasher(
+                rest.iter().map(Blob::len).sum(),
+                FastState::default(),
+            );
         for (index, blob) in (1..).zip(rest) {
             for span in &blob.spans {
                 let key = &blob.bytes[span.key.0..span.key.1];

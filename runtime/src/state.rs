@@ -46,7 +46,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 
-use rtflow_checkpoint::hash::FastState;
+// Keyed state hashes with foldhash, seeded at random per map: SipHash cost
+// more than the map operation around it for small keys, and a restart fills
+// maps of millions of keys.
+use foldhash::fast::RandomState as FastState;
 use rtflow_checkpoint::snapshot::Blob;
 use rtflow_checkpoint::{Delta, Entry, RestoredState, StateId, StateMeta};
 use serde::de::DeserializeOwned;
@@ -207,7 +210,7 @@ impl StateContext {
         let (id, meta, restored) = self.claim(name, type_name::<(K, V)>())?;
         let mine =
             |group| subtask_for_key_group(group, key_groups, self.parallelism) == self.subtask;
-        let mut entries = HashMap::with_hasher(FastState::new());
+        let mut entries = HashMap::with_hasher(FastState::default());
         if let Some(restored) = restored {
             restore(&id, &restored.blobs, mine, &mut entries)?;
         }
