@@ -265,6 +265,45 @@ fn progress_reports_the_keyed_state_of_each_stateful_operator() {
     assert_eq!(query.metrics().latency.processing.count, 1010);
 }
 
+/// Passes on each record's source time.
+struct SourceTime;
+
+impl Operator<u64, u64> for SourceTime {
+    fn process(&mut self, record: Record<u64>, out: &mut Collector<'_, u64>) -> Result<()> {
+        out.emit(record.meta.source_time)
+    }
+}
+
+#[test]
+fn a_paced_generators_rows_carry_the_time_they_were_due() {
+    const RATE: u64 = 4_000;
+    let times = MemorySink::new();
+    let flow = Dataflow::new("paced");
+    flow.source(
+        GeneratorSource::new(|_, offset| offset)
+            .rows_per_second(RATE)
+            .total_rows(400),
+    )
+    .transform("source-time", |_| SourceTime)
+    .sink(times.clone());
+    let query = common::run_to_end(flow, config("paced").allowlist_check(false));
+    // However the reader's sleeps fell, row i was due (i + 1) / RATE seconds
+    // after it started.
+    let times = times.rows();
+    assert_eq!(times.len(), 400);
+    let step = 1_000_000_000 / RATE;
+    for (i, pair) in times.windows(2).enumerate() {
+        assert!(
+            pair[1].abs_diff(pair[0]).abs_diff(step) <= 1,
+            "rows {i} and {} are {} ns apart, not {step}",
+            i + 1,
+            pair[1] - pair[0]
+        );
+    }
+    let queuing = query.metrics().latency.source_queuing;
+    assert_eq!(queuing.count, 400);
+}
+
 #[test]
 fn progress_json_round_trips_with_spark_field_names() {
     let input = MemorySource::new(1);
