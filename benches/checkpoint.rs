@@ -40,7 +40,7 @@
 //! ```text
 //! cargo bench --bench checkpoint
 //! cargo bench --bench checkpoint -- --keys 1000000 --seconds 40 --epoch-ms 1000 \
-//!     --store-epochs 40 --runs 5 --idle-spin-us 0
+//!     --store-epochs 40 --runs 5
 //! cargo bench --bench checkpoint -- --quick        # 100,000 keys, 15 s
 //! ```
 
@@ -72,8 +72,6 @@ struct Args {
     epoch_ms: u64,
     store_epochs: u64,
     runs: u64,
-    /// `QueryConfig::idle_spin`, in microseconds (0: none).
-    idle_spin_us: u64,
     quick: bool,
     /// Set in the child process of a recovery run: the checkpoint location.
     recover_child: Option<PathBuf>,
@@ -87,7 +85,6 @@ impl Args {
             epoch_ms: 1000,
             store_epochs: 40,
             runs: 5,
-            idle_spin_us: 0,
             quick: std::env::var_os("RTFLOW_BENCH_QUICK").is_some(),
             recover_child: None,
         };
@@ -110,12 +107,9 @@ impl Args {
                 "--epoch-ms" => &mut args.epoch_ms,
                 "--store-epochs" => &mut args.store_epochs,
                 "--runs" => &mut args.runs,
-                "--idle-spin-us" => &mut args.idle_spin_us,
                 _ => continue,
             };
-            let zero_allowed = flag == "--idle-spin-us";
-            let parsed = words.next().and_then(|v| v.parse().ok());
-            let Some(parsed) = parsed.filter(|v| *v > 0 || zero_allowed) else {
+            let Some(parsed) = words.next().and_then(|v| v.parse().ok()).filter(|v| *v > 0) else {
                 eprintln!("{flag} takes a positive integer");
                 std::process::exit(2);
             };
@@ -564,7 +558,6 @@ fn config(location: &Path, args: &Args, listener: Option<Arc<Commits>>) -> Query
         )))
         .min_batch_duration(Duration::from_millis(args.epoch_ms))
         .progress_interval(Duration::from_secs(3600))
-        .idle_spin(Duration::from_micros(args.idle_spin_us))
         .allowlist_check(false);
     if let Some(listener) = listener {
         config = config.listener(listener);
@@ -878,8 +871,8 @@ fn main() -> std::result::Result<(), BoxError> {
 
     eprintln!(
         "command: cargo bench --bench checkpoint -- --keys {} --seconds {} --epoch-ms {} \
-         --store-epochs {} --runs {} --idle-spin-us {}",
-        args.keys, args.seconds, args.epoch_ms, args.store_epochs, args.runs, args.idle_spin_us
+         --store-epochs {} --runs {}",
+        args.keys, args.seconds, args.epoch_ms, args.store_epochs, args.runs
     );
     let keys = args.keys;
     let changed = args.changed();
