@@ -35,42 +35,6 @@ fn stop_drains_records_already_read() {
 }
 
 #[test]
-fn idle_spinning_actors_deliver_everything_checkpoint_and_stop() {
-    let flow = Dataflow::new("spin");
-    let input = MemorySource::new(2);
-    let out = MemorySink::new();
-    // A forward edge (one lane) and a shuffle (a lane per sender).
-    flow.source(input.clone())
-        .map(|x: u64| x + 1)
-        .key_by(|x| *x % 7)
-        .count()
-        .sink(out.clone());
-    let query = flow
-        .start(
-            config("spin")
-                .operator_chaining(false)
-                .idle_spin(Duration::from_millis(2)),
-        )
-        .unwrap();
-    // Bursts with pauses between them, so the actors go idle and poll.
-    for burst in 0..10u64 {
-        input
-            .push_all((burst % 2) as usize, burst * 70..(burst + 1) * 70)
-            .unwrap();
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert!(out.wait_for(700, TIMEOUT));
-    query.checkpoint_now(TIMEOUT).unwrap();
-    query.stop().unwrap();
-    let mut finals = HashMap::new();
-    for (key, count) in out.rows() {
-        let highest = finals.entry(key).or_insert(0);
-        *highest = count.max(*highest);
-    }
-    assert_eq!(finals, (0..7).map(|key| (key, 100)).collect());
-}
-
-#[test]
 fn await_termination_times_out_while_running() {
     let flow = Dataflow::new("wait");
     flow.source(MemorySource::<u32>::new(1))

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Select, TryRecvError};
 use rtflow_checkpoint::{ActorId, Offsets};
@@ -70,8 +70,6 @@ pub(crate) struct ActorEnv {
     pub(crate) stop: Arc<AtomicBool>,
     /// The most records a source reader returns per poll.
     pub(crate) max_records: usize,
-    /// How long an actor with an empty mailbox polls it before it sleeps.
-    pub(crate) idle_spin: Duration,
     /// The source's record counter (source actors only).
     pub(crate) source_metrics: Option<Arc<OperatorMetrics>>,
     /// Where this actor's stateful operators and sinks put their snapshots.
@@ -243,9 +241,6 @@ fn inbox_loop<T: Data>(
         } else {
             IDLE_WAIT
         };
-        if !wait.is_zero() && !env.idle_spin.is_zero() {
-            poll_until_ready(lanes, &inputs, env.idle_spin);
-        }
         // One lane (a forward edge) is waited on directly: a plain receive wakes
         // faster than a select.
         if let [lane] = lanes {
@@ -297,21 +292,6 @@ fn inbox_loop<T: Data>(
         if lanes_changed {
             select = readable_lanes(lanes, &inputs);
         }
-    }
-}
-
-/// Looks at the readable lanes until one holds a message or `spin` has passed,
-/// yielding the core between looks (see `QueryConfig::idle_spin`).
-fn poll_until_ready<T>(lanes: &[Receiver<Message<T>>], inputs: &Inputs, spin: Duration) {
-    let deadline = Instant::now() + spin;
-    let ready = || {
-        lanes
-            .iter()
-            .enumerate()
-            .any(|(lane, receiver)| inputs.readable(lane) && !receiver.is_empty())
-    };
-    while !ready() && Instant::now() < deadline {
-        std::thread::yield_now();
     }
 }
 

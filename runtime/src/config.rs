@@ -229,10 +229,6 @@ pub struct QueryConfig {
     /// Fuse forward-connected operators of equal parallelism into one actor.
     /// Default true.
     pub operator_chaining: bool,
-    /// How long an actor whose mailbox is empty keeps looking at it, yielding
-    /// its core to any other runnable thread, before it sleeps. Default 0:
-    /// sleep at once. See [`QueryConfig::idle_spin`].
-    pub idle_spin: Duration,
     /// Where to serve Prometheus `/metrics`, if anywhere. Queries naming the same
     /// address share one endpoint.
     pub metrics_address: Option<SocketAddr>,
@@ -273,7 +269,6 @@ impl QueryConfig {
             default_parallelism: std::thread::available_parallelism().map_or(2, |n| n.get()),
             max_key_groups: 128,
             operator_chaining: true,
-            idle_spin: Duration::ZERO,
             metrics_address: None,
             progress_interval: Duration::from_secs(5),
             listeners: Listeners::default(),
@@ -331,27 +326,6 @@ impl QueryConfig {
     /// Sets the most records one data message carries.
     pub fn max_records_per_message(mut self, records: usize) -> Self {
         self.max_records_per_message = records;
-        self
-    }
-
-    /// Sets how long an idle actor polls its mailbox before it sleeps, trading
-    /// CPU for latency, as Flink's buffer timeout of 0 or Aeron's yielding idle
-    /// strategy do. A sleeping actor is woken by the actor that sends to it:
-    /// microseconds on bare metal, but up to milliseconds on a virtual machine
-    /// whose idle vCPU the hypervisor took away. An actor that polls instead
-    /// keeps its vCPU; it yields between looks, so runnable threads still get
-    /// the core. Records arriving more often than `spin` keep every actor on
-    /// their path polling, each using a core's worth of yields when the
-    /// machine has nothing else to run.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use rtflow_runtime::QueryConfig;
-    /// let config = QueryConfig::new("alerts").idle_spin(Duration::from_micros(200));
-    /// assert_eq!(config.idle_spin, Duration::from_micros(200));
-    /// ```
-    pub fn idle_spin(mut self, spin: Duration) -> Self {
-        self.idle_spin = spin;
         self
     }
 

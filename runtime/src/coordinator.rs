@@ -124,7 +124,6 @@ impl Coordinator {
             cancel: Arc::default(),
             stop: Arc::default(),
             max_records: startup.config.max_records_per_message,
-            idle_spin: startup.config.idle_spin,
             source_metrics: None,
             snapshots: Default::default(),
         };

@@ -53,10 +53,6 @@ struct Args {
     /// The checkpoint interval (the real-time trigger's batch duration).
     #[arg(long, global = true, default_value = "10 seconds")]
     checkpoint_interval: String,
-    /// How long an idle actor polls its mailbox before it sleeps, in
-    /// microseconds (`QueryConfig::idle_spin`).
-    #[arg(long, global = true, default_value_t = 0)]
-    idle_spin_us: u64,
 }
 
 #[derive(Subcommand)]
@@ -154,8 +150,7 @@ fn run(args: &Args, rate: Option<u64>) -> Result<(), Box<dyn std::error::Error>>
     let query = flow.start(
         QueryConfig::new(format!("nexmark-{}", args.query))
             .checkpoint_location(&location)
-            .trigger(Trigger::real_time(args.checkpoint_interval.as_str()))
-            .idle_spin(Duration::from_micros(args.idle_spin_us)),
+            .trigger(Trigger::real_time(args.checkpoint_interval.as_str())),
     )?;
     match args.source {
         SourceKind::Generator => {
@@ -183,7 +178,6 @@ fn run(args: &Args, rate: Option<u64>) -> Result<(), Box<dyn std::error::Error>>
         "events": args.events,
         "rate": args.rate,
         "partitions": args.partitions,
-        "idle_spin_us": args.idle_spin_us,
         "seconds": (seconds * 1000.0).round() / 1000.0,
         "events_per_s": events_per_s.round(),
         "events_per_s_per_core": (events_per_s / cores as f64).round(),
