@@ -50,7 +50,7 @@ use std::sync::{Arc, Mutex};
 // more than the map operation around it for small keys, and a restart fills
 // maps of millions of keys.
 use foldhash::fast::RandomState as FastState;
-use rtflow_checkpoint::snapshot::Blob;
+use rtflow_checkpoint::snapshot::{merge, Blob};
 use rtflow_checkpoint::{Delta, Entry, RestoredState, StateId, StateMeta};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -90,18 +90,16 @@ impl Grouped {
         }
     }
 
-    /// The live values of the groups `wanted` picks, by group and key: the blobs
-    /// applied oldest first. For per-subtask state, a few entries; keyed state
-    /// applies the blobs straight into its own map instead.
-    fn live(&self, wanted: impl Fn(usize) -> bool) -> BTreeMap<(u32, &[u8]), &[u8]> {
-        let mut live = BTreeMap::new();
-        let entries = self.blobs.iter().flat_map(Blob::iter);
-        for entry in entries.filter(|entry| wanted(entry.group as usize)) {
-            match entry.value {
-                Some(value) => live.insert((entry.group, entry.key), value),
-                None => live.remove(&(entry.group, entry.key)),
-            };
-        }
+    /// The live values of the groups `wanted` picks (the blobs merged), by
+    /// group. For per-subtask state, a few entries; keyed state applies the
+    /// blobs straight into its own map instead.
+    fn live(&self, wanted: impl Fn(usize) -> bool) -> Vec<(u32, &[u8])> {
+        let mut live: Vec<(u32, &[u8])> = merge(&self.blobs)
+            .iter()
+            .filter(|entry| wanted(entry.group as usize))
+            .filter_map(|entry| Some((entry.group, entry.value?)))
+            .collect();
+        live.sort_by_key(|(group, _)| *group);
         live
     }
 }
@@ -237,7 +235,7 @@ impl StateContext {
     {
         let (id, _, grouped) = self.claim(name, type_name::<V>())?;
         let mut restored = Vec::new();
-        for ((subtask, _), bytes) in grouped.iter().flat_map(|g| g.live(|_| true)) {
+        for (subtask, bytes) in grouped.iter().flat_map(|g| g.live(|_| true)) {
             restored.push((subtask, decode(&id, bytes)?));
         }
         Ok(restored)
@@ -253,7 +251,7 @@ impl StateContext {
         let (id, meta, grouped) = self.claim(name, type_name::<V>())?;
         let mut restored = Vec::new();
         let mine = |subtask| subtask % self.parallelism == self.subtask;
-        for ((subtask, _), bytes) in grouped.iter().flat_map(|g| g.live(mine)) {
+        for (subtask, bytes) in grouped.iter().flat_map(|g| g.live(mine)) {
             restored.push((subtask, decode(&id, bytes)?));
         }
         Ok(SubtaskState {
