@@ -671,52 +671,49 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn a_missing_segment_falls_back_to_the_previous_checkpoint() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
+    /// A store where key 1 is 1 at epoch 1 and 2 at epoch 2.
+    fn two_epochs(dir: &Path) -> CheckpointStore {
+        let mut store = CheckpointStore::open(dir, 3).unwrap();
         store
             .commit(manifest(1), vec![delta(0, &[(1, Some(1))])])
             .unwrap();
         store
             .commit(manifest(2), vec![delta(0, &[(1, Some(2))])])
             .unwrap();
-        store.segments.remove(2).unwrap();
+        store
+    }
 
+    /// Asserts that recovery passed over epoch 2 for `reason` and restored
+    /// epoch 1.
+    fn assert_fell_back_to_epoch_1(store: &mut CheckpointStore, reason: &str) {
         let recovery = store.recover().unwrap();
         assert_eq!(recovery.manifest.as_ref().unwrap().epoch, 1);
         assert_eq!(restored(&recovery), vec![(1, 1)]);
+        assert_eq!(recovery.skipped[0].epoch, 2);
         assert!(
-            recovery.skipped[0].reason.contains("is missing"),
+            recovery.skipped[0].reason.contains(reason),
             "{:?}",
             recovery.skipped
         );
     }
 
     #[test]
+    fn a_missing_segment_falls_back_to_the_previous_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = two_epochs(dir.path());
+        store.segments.remove(2).unwrap();
+        assert_fell_back_to_epoch_1(&mut store, "is missing");
+    }
+
+    #[test]
     fn an_unreadable_segment_falls_back_to_the_previous_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
-        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
-        store
-            .commit(manifest(1), vec![delta(0, &[(1, Some(1))])])
-            .unwrap();
-        store
-            .commit(manifest(2), vec![delta(0, &[(1, Some(2))])])
-            .unwrap();
+        let mut store = two_epochs(dir.path());
         // A directory where the segment was opens but cannot be read.
         let segment = store.segments.path(2);
         std::fs::remove_file(&segment).unwrap();
         std::fs::create_dir(&segment).unwrap();
-
-        let recovery = store.recover().unwrap();
-        assert_eq!(recovery.manifest.as_ref().unwrap().epoch, 1);
-        assert_eq!(restored(&recovery), vec![(1, 1)]);
-        assert_eq!(recovery.skipped[0].epoch, 2);
-        assert!(
-            recovery.skipped[0].reason.contains("cannot be read"),
-            "{:?}",
-            recovery.skipped
-        );
+        assert_fell_back_to_epoch_1(&mut store, "cannot be read");
     }
 
     #[test]
