@@ -439,8 +439,8 @@ impl std::fmt::Debug for StreamingQuery {
 
 /// Puts the calling thread (the coordinator) under `SCHED_IDLE`: its work
 /// (writing a checkpoint, building a progress report) gives way at once to an
-/// actor woken by a record, which a low nice value does not guarantee (a
-/// running thread keeps its core until it reaches parity). On a saturated
+/// actor woken by a record, which a low nice value does not guarantee (the
+/// scheduler lets a running thread use up its slice first). On a saturated
 /// machine checkpoints therefore slow down instead of the records. The
 /// compaction thread it starts inherits this.
 fn yield_to_actors() {
