@@ -875,6 +875,56 @@ mod tests {
         }
     }
 
+    /// A value that bincode cannot encode past 99, as a state type with a
+    /// failing `Serialize` would be.
+    #[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+    struct Picky(u64);
+
+    impl Serialize for Picky {
+        fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            match self.0 {
+                0..100 => serializer.serialize_u64(self.0),
+                _ => Err(serde::ser::Error::custom("too large to encode")),
+            }
+        }
+    }
+
+    fn assert_cannot_encode(result: Result<bool>) {
+        match result {
+            Err(RtflowError::Checkpoint(message)) => assert!(
+                message.contains("cannot encode state 'picky' of operator 'count-0'")
+                    && message.contains("too large"),
+                "{message}"
+            ),
+            other => panic!("expected a checkpoint error, got {other:?}"),
+        }
+    }
+
+    /// The failure surfaces when the snapshot completes, whether the key was
+    /// encoded in a slice between records or because a record was about to
+    /// change it (copy on write); the snapshot is never handed over.
+    #[test]
+    fn a_value_that_cannot_be_encoded_fails_the_snapshot() {
+        for changed_before_encoding in [false, true] {
+            let mut state: KeyedState<u64, Picky> = StateContext::detached("count", 0, 1, 128)
+                .keyed("picky")
+                .unwrap();
+            state.insert(1, Picky(7));
+            state.insert(2, Picky(700));
+            let mut out = StateSnapshot::default();
+            state.begin_snapshot(&mut out).unwrap();
+            if changed_before_encoding {
+                state.insert(2, Picky(8));
+            }
+            assert_cannot_encode(state.continue_snapshot(usize::MAX, &mut out));
+            assert_eq!(
+                out.entries(),
+                0,
+                "nothing of the failed snapshot is handed over"
+            );
+        }
+    }
+
     #[test]
     fn a_key_changed_before_the_snapshot_encoded_it_is_snapshotted_as_at_the_barrier() {
         let mut state = counts();
