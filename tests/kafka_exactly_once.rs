@@ -33,7 +33,22 @@ fn records(from: usize, to: usize) -> Vec<(i32, String, Vec<u8>)> {
 
 /// Kafka -> count per key -> Kafka, exactly once.
 fn start(bootstrap: &str, input: &str, output: &str, config: QueryConfig) -> StreamingQuery {
+    start_with(bootstrap, input, output, config, |sink| sink)
+}
+
+/// As [`start`], with the sink's settings changed by `tune`.
+fn start_with(
+    bootstrap: &str,
+    input: &str,
+    output: &str,
+    config: QueryConfig,
+    tune: impl FnOnce(KafkaSink<(String, u64)>) -> KafkaSink<(String, u64)>,
+) -> StreamingQuery {
     let flow = Dataflow::new("exactly-once");
+    let sink = KafkaSink::new(bootstrap, output, |(key, count): &(String, u64)| {
+        KafkaMessage::new(format!("{key}:{count}")).key(key.clone())
+    })
+    .delivery(DeliveryGuarantee::ExactlyOnce);
     flow.source(
         KafkaSource::new(bootstrap)
             .subscribe([input])
@@ -42,12 +57,7 @@ fn start(bootstrap: &str, input: &str, output: &str, config: QueryConfig) -> Str
     .map(|record: KafkaRecord| record.key_str().into_owned())
     .key_by(|key: &String| key.clone())
     .count()
-    .sink(
-        KafkaSink::new(bootstrap, output, |(key, count): &(String, u64)| {
-            KafkaMessage::new(format!("{key}:{count}")).key(key.clone())
-        })
-        .delivery(DeliveryGuarantee::ExactlyOnce),
-    );
+    .sink(tune(sink));
     flow.start(config).unwrap()
 }
 
@@ -161,4 +171,77 @@ fn a_fenced_writer_fails_the_query() {
         error.to_string().contains("fenced it"),
         "the error says the writer was fenced: {error}"
     );
+}
+
+/// A transaction that another producer left open on the commit topic does not
+/// hold a restart back: the restart reads that topic to its end to learn which
+/// restored epochs committed, and a `read_committed` reader's end is the last
+/// stable offset, before the open transaction. The restored epoch, which did
+/// commit, is not written again.
+#[test]
+fn a_transaction_left_open_on_the_commit_topic_does_not_hold_a_restart_back() {
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    let Some(bootstrap) = bootstrap() else { return };
+    let input = topic(&bootstrap, "rtflow-eos-held-in", 3);
+    let output = topic(&bootstrap, "rtflow-eos-held-out", 1);
+    let commits = topic(&bootstrap, "rtflow-eos-held-commits", 1);
+    // One epoch, ended by the stop: its output is still pending in the
+    // checkpoint (the manifest is written before the transaction commits), so
+    // the restart must look up whether it committed.
+    let config = config("exactly-once-held").trigger(Trigger::real_time("1 hour"));
+    let tune = |sink: KafkaSink<(String, u64)>| {
+        sink.commit_topic(commits.clone())
+            .flush_timeout(Duration::from_secs(5))
+    };
+    produce(&bootstrap, &input, records(0, 30));
+    let query = start_with(&bootstrap, &input, &output, config.clone(), tune);
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while sink_records(&query) < 30 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the sink got 30 records"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    query.stop().unwrap();
+    assert_eq!(multiset(&bootstrap, &output, 30), expected(30));
+
+    let zombie: BaseProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .set("transactional.id", format!("{commits}-zombie"))
+        .create()
+        .unwrap();
+    zombie.init_transactions(TIMEOUT).unwrap();
+    zombie.begin_transaction().unwrap();
+    zombie
+        .send(BaseRecord::to(&commits).key("zombie").payload("1"))
+        .unwrap();
+    zombie.flush(TIMEOUT).unwrap();
+
+    produce(&bootstrap, &input, records(30, 60));
+    let query = start_with(&bootstrap, &input, &output, config, tune);
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while sink_records(&query) < 30 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the restarted sink got the 30 new records: {:?}",
+            query.exception()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    query.stop().unwrap();
+    assert_eq!(query.exception(), None);
+    assert_eq!(multiset(&bootstrap, &output, 60), expected(60));
+    zombie.abort_transaction(TIMEOUT).unwrap();
+}
+
+/// Records the query's sinks have taken in.
+fn sink_records(query: &StreamingQuery) -> u64 {
+    query
+        .metrics()
+        .operators
+        .iter()
+        .filter(|operator| operator.role == rtflow::runtime::metrics::Role::Sink)
+        .map(|operator| operator.records_in)
+        .sum()
 }
