@@ -37,7 +37,7 @@ impl Segments {
     /// Starts the segment of `epoch`, replacing one a crash left unreferenced.
     pub(crate) fn create(&self, epoch: Epoch) -> io::Result<SegmentWriter> {
         Ok(SegmentWriter {
-            file: BufWriter::with_capacity(1 << 16, File::create(self.path(epoch))?),
+            file: BufWriter::with_capacity(WRITE_CHUNK, File::create(self.path(epoch))?),
             dir: self.dir.clone(),
             len: 0,
         })
@@ -92,6 +92,14 @@ impl Segments {
     }
 }
 
+/// The most bytes one `write` system call copies. A kernel without
+/// preemption (`preempt=none`, common on VMs) finishes a system call before a
+/// woken actor can take the core, and copying into fresh page-cache pages is
+/// slow where the host reclaims freed guest memory: a 100 kB blob written in
+/// one call kept the coordinator, idle priority or not, on its core for
+/// milliseconds.
+const WRITE_CHUNK: usize = 16 * 1024;
+
 /// One segment being written.
 pub(crate) struct SegmentWriter {
     file: BufWriter<File>,
@@ -103,7 +111,9 @@ impl SegmentWriter {
     /// Appends `bytes`; returns the offset they start at.
     pub(crate) fn append(&mut self, bytes: &[u8]) -> io::Result<u64> {
         let offset = self.len;
-        self.file.write_all(bytes)?;
+        for chunk in bytes.chunks(WRITE_CHUNK) {
+            self.file.write_all(chunk)?;
+        }
         self.len += bytes.len() as u64;
         Ok(offset)
     }

@@ -235,31 +235,33 @@ fn inbox_loop<T: Data>(
         env.check_cancel()?;
         let mut budget = DRAIN_BUDGET;
         let mut lanes_changed = false;
-        // While a snapshot is incomplete the lanes are only looked at, between
-        // slices of it: a wait, even a zero-length one, backs off with
-        // sched_yield, and a yielding actor lets a busy thread (the coordinator
-        // writing the previous checkpoint) hold the core while its records wait.
-        if unacked.is_none() {
-            // One lane (a forward edge) is waited on directly: a plain receive
-            // wakes faster than a select.
-            if let [lane] = lanes {
-                let message = match lane.recv_timeout(IDLE_WAIT) {
-                    Ok(message) => message,
-                    Err(RecvTimeoutError::Timeout) => {
-                        emit.flush()?;
-                        continue;
-                    }
-                    Err(RecvTimeoutError::Disconnected) => return Err(RtflowError::Cancelled),
-                };
-                budget -= 1;
-                match handle(0, message, &mut inputs, &mut unacked, emit, env)? {
-                    Step::Continue | Step::LanesChanged => {}
-                    Step::Finished => return env.end(Offsets::new, &mut unacked, emit),
+        // An incomplete snapshot is worked on whenever no message waits.
+        let wait = if unacked.is_some() {
+            Duration::ZERO
+        } else {
+            IDLE_WAIT
+        };
+        // One lane (a forward edge) is waited on directly: a plain receive wakes
+        // faster than a select.
+        if let [lane] = lanes {
+            let message = match lane.recv_timeout(wait) {
+                Ok(message) => message,
+                Err(RecvTimeoutError::Timeout) => {
+                    emit.flush()?;
+                    env.continue_snapshot(&mut unacked, SNAPSHOT_SLICE, emit)?;
+                    continue;
                 }
-            } else if select.ready_timeout(IDLE_WAIT).is_err() {
-                emit.flush()?;
-                continue;
+                Err(RecvTimeoutError::Disconnected) => return Err(RtflowError::Cancelled),
+            };
+            budget -= 1;
+            match handle(0, message, &mut inputs, &mut unacked, emit, env)? {
+                Step::Continue | Step::LanesChanged => {}
+                Step::Finished => return env.end(Offsets::new, &mut unacked, emit),
             }
+        } else if select.ready_timeout(wait).is_err() {
+            emit.flush()?;
+            env.continue_snapshot(&mut unacked, SNAPSHOT_SLICE, emit)?;
+            continue;
         }
         while budget > 0 {
             let mut received = false;

@@ -349,10 +349,12 @@ impl QueryMetrics {
 
     /// The latencies recorded since the previous call, which starts a new interval.
     pub(crate) fn take_interval_latency(&self) -> LatencyReport {
-        let mut latency = lock(&self.latency);
-        let report = latency.interval.report();
-        latency.interval.clear();
-        report
+        // The coordinator calls this at idle priority (SCHED_IDLE): it holds the
+        // lock only for a swap, so a sink publishing meanwhile never waits for
+        // it to be scheduled again (priority inversion).
+        let fresh = LatencyHistograms::new();
+        let interval = std::mem::replace(&mut lock(&self.latency).interval, fresh);
+        interval.report()
     }
 
     /// Runs `read` on the latency histograms since the start.
@@ -390,10 +392,12 @@ impl QueryMetrics {
                 blocked: Duration::from_nanos(r.metrics.blocked_nanos.load(Ordering::Relaxed)),
             })
             .collect();
+        // Copied under the lock and summarised outside it, as above.
+        let latency = lock(&self.latency).total.clone();
         MetricsSnapshot {
             operators,
             mailboxes,
-            latency: lock(&self.latency).total.report(),
+            latency: latency.report(),
             checkpoint: *lock(&self.checkpoint),
         }
     }
