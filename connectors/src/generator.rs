@@ -219,11 +219,11 @@ impl<T: Data> SourceReader<T> for GeneratorReader<T> {
             if lane.offset >= lane.end {
                 continue;
             }
+            // A paced row is due by the monotonic clock (`rows_due`), so it is
+            // stamped with that time even where the wall clock, being slewed,
+            // reads a little earlier.
             let produced = match nanos_per_row {
-                Some(nanos) => {
-                    let due = self.started_nanos + ((self.emitted + 1) as f64 * nanos) as Nanos;
-                    due.min(created)
-                }
+                Some(nanos) => self.started_nanos + ((self.emitted + 1) as f64 * nanos) as Nanos,
                 None => created,
             };
             out.set_partition(lane.partition);
