@@ -208,8 +208,10 @@ impl<T: Data> SourceReader<T> for GeneratorReader<T> {
             );
             return Ok(SourceStatus::Active);
         }
+        // A paced row is stamped with the time it was due by the monotonic
+        // clock (`rows_due`), even where the wall clock, being slewed, reads a
+        // little earlier; an unpaced one with now.
         let created = now_nanos();
-        // A paced row was produced when it was due; an unpaced one now.
         let nanos_per_row = self.rate.map(|rate| 1e9 / rate);
         let mut budget = due.min(out.remaining() as u64);
         while budget > 0 && !self.finished() {
@@ -219,9 +221,6 @@ impl<T: Data> SourceReader<T> for GeneratorReader<T> {
             if lane.offset >= lane.end {
                 continue;
             }
-            // A paced row is due by the monotonic clock (`rows_due`), so it is
-            // stamped with that time even where the wall clock, being slewed,
-            // reads a little earlier.
             let produced = match nanos_per_row {
                 Some(nanos) => self.started_nanos + ((self.emitted + 1) as f64 * nanos) as Nanos,
                 None => created,
