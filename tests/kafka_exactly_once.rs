@@ -173,66 +173,123 @@ fn a_fenced_writer_fails_the_query() {
     );
 }
 
-/// A transaction that another producer left open on the commit topic does not
-/// hold a restart back: the restart reads that topic to its end to learn which
-/// restored epochs committed, and a `read_committed` reader's end is the last
-/// stable offset, before the open transaction. The restored epoch, which did
-/// commit, is not written again.
-#[test]
-fn a_transaction_left_open_on_the_commit_topic_does_not_hold_a_restart_back() {
+/// A producer that holds a transaction open on `commits`, as a writer killed
+/// while committing does until it restarts or its transaction times out.
+fn open_transaction_on(bootstrap: &str, commits: &str) -> rdkafka::producer::BaseProducer {
     use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
-    let Some(bootstrap) = bootstrap() else { return };
-    let input = topic(&bootstrap, "rtflow-eos-held-in", 3);
-    let output = topic(&bootstrap, "rtflow-eos-held-out", 1);
-    let commits = topic(&bootstrap, "rtflow-eos-held-commits", 1);
-    // One epoch, ended by the stop: its output is still pending in the
-    // checkpoint (the manifest is written before the transaction commits), so
-    // the restart must look up whether it committed.
-    let config = config("exactly-once-held").trigger(Trigger::real_time("1 hour"));
-    let tune = |sink: KafkaSink<(String, u64)>| {
-        sink.commit_topic(commits.clone())
-            .flush_timeout(Duration::from_secs(5))
-    };
-    produce(&bootstrap, &input, records(0, 30));
-    let query = start_with(&bootstrap, &input, &output, config.clone(), tune);
-    let deadline = std::time::Instant::now() + TIMEOUT;
-    while sink_records(&query) < 30 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the sink got 30 records"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    query.stop().unwrap();
-    assert_eq!(multiset(&bootstrap, &output, 30), expected(30));
-
     let zombie: BaseProducer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", &bootstrap)
+        .set("bootstrap.servers", bootstrap)
         .set("transactional.id", format!("{commits}-zombie"))
         .create()
         .unwrap();
     zombie.init_transactions(TIMEOUT).unwrap();
     zombie.begin_transaction().unwrap();
     zombie
-        .send(BaseRecord::to(&commits).key("zombie").payload("1"))
+        .send(BaseRecord::to(commits).key("zombie").payload("1"))
         .unwrap();
     zombie.flush(TIMEOUT).unwrap();
+    zombie
+}
+
+/// Runs the count over `input` (records `0..30`) until its sink took all 30,
+/// then stops it. The stop ends one epoch whose output is still pending in the
+/// checkpoint (the manifest is written before the transaction commits), so a
+/// restart must look its commit record up on the commit topic.
+fn run_one_epoch(
+    bootstrap: &str,
+    input: &str,
+    output: &str,
+    config: &QueryConfig,
+    tune: impl FnOnce(KafkaSink<(String, u64)>) -> KafkaSink<(String, u64)>,
+) {
+    produce(bootstrap, input, records(0, 30));
+    let query = start_with(bootstrap, input, output, config.clone(), tune);
+    wait_until_sink_took(&query, 30);
+    query.stop().unwrap();
+    assert_eq!(query.exception(), None);
+    assert_eq!(multiset(bootstrap, output, 30), expected(30));
+}
+
+/// One epoch per run: it ends when the query stops.
+fn one_epoch_per_run(name: &str) -> QueryConfig {
+    config(name).trigger(Trigger::real_time("1 hour"))
+}
+
+/// A transaction left open on the commit topic hides from `read_committed`
+/// readers every commit record written after it began (their end is the last
+/// stable offset). The restart reads to the high watermark, so it waits for
+/// that transaction to end and then sees that the restored epoch committed:
+/// it does not write that output again.
+#[test]
+fn a_restart_waits_for_a_transaction_left_open_on_the_commit_topic() {
+    use rdkafka::producer::Producer;
+    let Some(bootstrap) = bootstrap() else { return };
+    let input = topic(&bootstrap, "rtflow-eos-held-in", 3);
+    let output = topic(&bootstrap, "rtflow-eos-held-out", 1);
+    let commits = topic(&bootstrap, "rtflow-eos-held-commits", 1);
+    let config = one_epoch_per_run("exactly-once-held");
+    let tune = |sink: KafkaSink<(String, u64)>| sink.commit_topic(commits.clone());
+    // Open before the first run commits, so its commit record comes after.
+    let zombie = open_transaction_on(&bootstrap, &commits);
+    run_one_epoch(&bootstrap, &input, &output, &config, tune);
 
     produce(&bootstrap, &input, records(30, 60));
     let query = start_with(&bootstrap, &input, &output, config, tune);
+    // The restart looks the commit record up at its first record, well within
+    // this second, so it reads while the transaction is still open.
+    let ends = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(1));
+        zombie.abort_transaction(TIMEOUT).unwrap();
+    });
+    wait_until_sink_took(&query, 30);
+    query.stop().unwrap();
+    ends.join().unwrap();
+    assert_eq!(query.exception(), None);
+    assert_eq!(multiset(&bootstrap, &output, 60), expected(60));
+}
+
+/// When the open transaction outlasts the sink's flush timeout, the restart
+/// fails with an error that says why, rather than guess whether the restored
+/// epoch committed.
+#[test]
+fn a_transaction_open_on_the_commit_topic_past_the_timeout_fails_the_restart() {
+    use rdkafka::producer::Producer;
+    let Some(bootstrap) = bootstrap() else { return };
+    let input = topic(&bootstrap, "rtflow-eos-stuck-in", 3);
+    let output = topic(&bootstrap, "rtflow-eos-stuck-out", 1);
+    let commits = topic(&bootstrap, "rtflow-eos-stuck-commits", 1);
+    let config = one_epoch_per_run("exactly-once-stuck");
+    let tune = |sink: KafkaSink<(String, u64)>| {
+        sink.commit_topic(commits.clone())
+            .flush_timeout(Duration::from_secs(3))
+    };
+    let zombie = open_transaction_on(&bootstrap, &commits);
+    run_one_epoch(&bootstrap, &input, &output, &config, tune);
+
+    produce(&bootstrap, &input, records(30, 60));
+    let query = start_with(&bootstrap, &input, &output, config, tune);
+    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
+    zombie.abort_transaction(TIMEOUT).unwrap();
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    let message = error.to_string();
+    assert!(
+        message.contains(&commits) && message.contains("open transaction"),
+        "the error names the commit topic and the cause: {message}"
+    );
+    assert_eq!(multiset(&bootstrap, &output, 30), expected(30));
+}
+
+/// Waits until the query's sinks have taken in `count` records.
+fn wait_until_sink_took(query: &StreamingQuery, count: u64) {
     let deadline = std::time::Instant::now() + TIMEOUT;
-    while sink_records(&query) < 30 {
+    while sink_records(query) < count {
         assert!(
             std::time::Instant::now() < deadline,
-            "the restarted sink got the 30 new records: {:?}",
+            "the sink got {count} records: {:?}",
             query.exception()
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    query.stop().unwrap();
-    assert_eq!(query.exception(), None);
-    assert_eq!(multiset(&bootstrap, &output, 60), expected(60));
-    zombie.abort_transaction(TIMEOUT).unwrap();
 }
 
 /// Records the query's sinks have taken in.

@@ -148,6 +148,10 @@ impl<T: Data> KafkaSink<T> {
 
     /// The compacted topic where exactly-once writers record the epochs they
     /// committed (created if missing). Default [`DEFAULT_COMMIT_TOPIC`].
+    ///
+    /// A restart reads it to its end, waiting for any transaction left open on
+    /// it: a writer of another query killed while committing can hold that
+    /// read up to its transaction timeout. A topic per query avoids the wait.
     pub fn commit_topic(mut self, topic: impl Into<String>) -> Self {
         self.commit_topic = topic.into();
         self

@@ -242,27 +242,37 @@ impl<T> TransactionalWriter<T> {
     }
 }
 
-/// The last epoch committed under each transactional id, read to the end of the
-/// commit topic with `read_committed`.
+/// The last epoch committed under each transactional id, read with
+/// `read_committed` up to the commit topic's high watermark.
+///
+/// Not up to a `read_committed` reader's own end, the last stable offset: that
+/// stops before a transaction still open on the topic (another writer killed
+/// while committing, until it restarts or its transaction times out) and so
+/// misses every commit record written after that transaction began; the
+/// restored epochs they cover would be written twice. A reader blocks at the
+/// open transaction until it ends, so this read waits for it, up to `timeout`.
 fn committed_epochs(
     bootstrap_servers: &str,
     commit_topic: &str,
     timeout: Duration,
 ) -> std::result::Result<HashMap<String, Epoch>, String> {
-    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", bootstrap_servers)
-        .set("group.id", "rtflow-commit-reader")
-        .set("enable.auto.commit", "false")
-        .set("isolation.level", "read_committed")
-        .create()
-        .map_err(|e| format!("could not read the commit topic: {e}"))?;
-    let (_, end) = consumer
+    let reader = |isolation: &str| -> std::result::Result<BaseConsumer, String> {
+        rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", bootstrap_servers)
+            .set("group.id", "rtflow-commit-reader")
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", isolation)
+            .create()
+            .map_err(|e| format!("could not read the commit topic: {e}"))
+    };
+    let (_, end) = reader("read_uncommitted")?
         .fetch_watermarks(commit_topic, 0, timeout)
         .map_err(|e| format!("could not read the commit topic: {e}"))?;
     let mut committed = HashMap::new();
     if end == 0 {
         return Ok(committed);
     }
+    let consumer = reader("read_committed")?;
     let mut assignment = TopicPartitionList::new();
     assignment
         .add_partition_offset(commit_topic, 0, Offset::Beginning)
@@ -289,7 +299,12 @@ fn committed_epochs(
         }
         if Instant::now() > deadline {
             return Err(format!(
-                "could not read the commit topic '{commit_topic}' to its end within {timeout:?}"
+                "could not read the commit topic '{commit_topic}' to offset {end} within \
+                 {timeout:?}: reading stopped at offset {}, where an open transaction \
+                 holds read_committed readers (a writer killed while committing holds \
+                 it until it restarts or its transaction times out); until it ends, \
+                 whether the restored epochs committed cannot be known",
+                position.unwrap_or(0)
             ));
         }
     }
