@@ -138,6 +138,31 @@ fn an_unreachable_broker_fails_the_exactly_once_sink_at_start_within_seconds() {
     );
 }
 
+/// An epoch's transaction stays open for a batch duration and more: a batch
+/// duration whose transactions would outlast what the broker allows fails at
+/// start, with the way out, instead of every epoch being aborted later.
+#[test]
+fn a_batch_duration_longer_than_the_broker_lets_a_transaction_last_fails_at_start() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let output = topic(&bootstrap, "rtflow-eos-long-out", 1);
+    let flow = Dataflow::new("exactly-once-long");
+    flow.source(MemorySource::<u64>::new(1)).sink(
+        KafkaSink::new(&bootstrap, &output, |n: &u64| {
+            KafkaMessage::new(n.to_string())
+        })
+        .delivery(DeliveryGuarantee::ExactlyOnce),
+    );
+    let error = flow
+        .start(config("exactly-once-long").trigger(Trigger::real_time("20 minutes")))
+        .unwrap_err();
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    let message = error.to_string();
+    assert!(
+        message.contains("transaction.max.timeout.ms") && message.contains("2430000 ms"),
+        "the error names the broker's limit and the timeout asked for: {message}"
+    );
+}
+
 /// A producer that takes over the writer's transactional id (as the writer's
 /// restarted incarnation would) fences it: the fenced writer fails the query
 /// rather than commit anything more.
@@ -212,7 +237,7 @@ fn run_one_epoch(
 
 /// One epoch per run: it ends when the query stops.
 fn one_epoch_per_run(name: &str) -> QueryConfig {
-    config(name).trigger(Trigger::real_time("1 hour"))
+    config(name).trigger(Trigger::real_time("5 minutes"))
 }
 
 /// A transaction left open on the commit topic hides from `read_committed`

@@ -183,6 +183,9 @@ pub struct SinkContext {
     pub subtask: usize,
     /// How many writers the sink runs.
     pub parallelism: usize,
+    /// How often the query checkpoints: a writer that holds output back until
+    /// its epoch commits holds it about this long.
+    pub batch_duration: Duration,
     /// The writer's state, as the last committed checkpoint left it.
     pub state: StateContext,
 }

@@ -438,6 +438,7 @@ impl Plan {
                                 uid: node.uid.clone(),
                                 subtask,
                                 parallelism,
+                                batch_duration: config.trigger.batch_duration()?,
                                 state,
                             };
                             let (sender, receiver) = crossbeam_channel::unbounded();

@@ -141,6 +141,10 @@ impl<T: Data> KafkaSink<T> {
     ///
     /// Exactly-once output becomes visible to `read_committed` consumers when its
     /// epoch commits, so once per batch duration rather than record by record.
+    /// An epoch's transaction may stay open for twice the batch duration and
+    /// the flush timeout (`transaction.timeout.ms`, unless set with
+    /// [`option`](Self::option)); brokers cap that (`transaction.max.timeout.ms`,
+    /// 15 minutes by default), so a longer batch duration fails at start.
     pub fn delivery(mut self, guarantee: DeliveryGuarantee) -> Self {
         self.guarantee = guarantee;
         self

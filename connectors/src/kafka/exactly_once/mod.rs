@@ -63,14 +63,16 @@ impl<T: Data> TransactionalWriter<T> {
         let prefix = format!("rtflow-{}-{}", ctx.query_id, ctx.uid);
         let id_of = move |subtask: u32| format!("{prefix}-{subtask}");
         let transactional_id = id_of(ctx.subtask as u32);
-        let producer = transactional_producer(sink, &transactional_id)?;
+        let timeout = transaction_timeout(ctx.batch_duration, sink.flush_timeout);
+        let producer_for = |id: &str| transactional_producer(sink, id, timeout);
+        let producer = producer_for(&transactional_id)?;
         let pending = ctx.state.per_subtask::<Pending>(PENDING)?;
         // Writers that no longer run after a parallelism change may have left a
         // transaction open: fence them too, so it cannot commit later.
         for (old, _) in pending.restored() {
             if *old != ctx.subtask as u32 {
                 // Initialising is the fencing; the producer has no other use.
-                drop(transactional_producer(sink, &id_of(*old))?);
+                drop(producer_for(&id_of(*old))?);
             }
         }
         KafkaAdmin::new(&sink.bootstrap_servers)?.create_compacted_topic(&sink.commit_topic)?;
@@ -98,21 +100,47 @@ impl<T: Data> TransactionalWriter<T> {
     }
 }
 
+/// How long the broker lets a transaction stay open before it aborts it
+/// (`transaction.timeout.ms`): an epoch's transaction is open from its first
+/// record until its checkpoint commits, a batch duration and a checkpoint or
+/// more, so librdkafka's default of 60 s would abort every epoch of a query that
+/// checkpoints every few minutes. Twice the batch duration and the flush
+/// timeout leave room for a slow checkpoint.
+fn transaction_timeout(batch_duration: Duration, flush_timeout: Duration) -> Duration {
+    (2 * batch_duration + flush_timeout).max(Duration::from_secs(60))
+}
+
 /// A producer with `transactional_id`, initialised: any earlier producer with the
-/// same id is fenced and its open transaction aborted.
+/// same id is fenced and its open transaction aborted. Its transactions may
+/// stay open for `timeout`, unless the sink's options set
+/// `transaction.timeout.ms`.
 fn transactional_producer<T: Data>(
     sink: &KafkaSink<T>,
     transactional_id: &str,
+    timeout: Duration,
 ) -> Result<ThreadedProducer<Deliveries>> {
     let mut config = sink.config()?;
     config.set("transactional.id", transactional_id);
+    if config.get("transaction.timeout.ms").is_none() {
+        config.set("transaction.timeout.ms", timeout.as_millis().to_string());
+    }
     let producer = ThreadedProducer::from_config_and_context(&config, Deliveries::default())
         .map_err(|e| sink.error(format!("could not create the transactional producer: {e}")))?;
     producer
         .init_transactions(sink.flush_timeout)
         .map_err(|e| {
+            let hint = match e.rdkafka_error_code() {
+                Some(RDKafkaErrorCode::InvalidTransactionTimeout) => format!(
+                    "; its transactions may stay open for transaction.timeout.ms = {} ms \
+                     (twice the batch duration and the flush timeout, unless set), longer \
+                     than the broker allows (its transaction.max.timeout.ms, 15 minutes \
+                     by default): shorten the batch duration or raise the broker's limit",
+                    config.get("transaction.timeout.ms").unwrap_or_default()
+                ),
+                _ => String::new(),
+            };
             sink.error(format!(
-                "could not initialise transactions for '{transactional_id}': {e}"
+                "could not initialise transactions for '{transactional_id}': {e}{hint}"
             ))
         })?;
     Ok(producer)
@@ -351,5 +379,18 @@ impl<T: Data> SinkWriter<T> for TransactionalWriter<T> {
                 .abort_transaction(self.producer.timeout);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_transaction_may_stay_open_for_two_batch_durations_and_a_flush() {
+        let seconds = Duration::from_secs;
+        assert_eq!(transaction_timeout(seconds(300), seconds(30)), seconds(630));
+        // Never shorter than librdkafka's default.
+        assert_eq!(transaction_timeout(seconds(1), seconds(30)), seconds(60));
     }
 }
