@@ -63,6 +63,14 @@ impl<A: Clone> CheckpointTracker<A> {
         }
     }
 
+    /// Numbers the next epochs after `epoch` too. Recovery passes it for the
+    /// newest damaged checkpoint it passed over: that checkpoint's epoch may have
+    /// published output (a transactional sink's commit record names it), which a
+    /// new epoch of the same number would be taken for.
+    pub fn number_after(&mut self, epoch: Epoch) {
+        self.next_epoch = self.next_epoch.max(epoch + 1);
+    }
+
     /// The acknowledgements a new epoch starts with: finished actors' reports.
     fn retired_acks(&mut self) -> Vec<Option<A>> {
         self.retired
@@ -217,6 +225,15 @@ mod tests {
         assert_eq!(tracker.trigger(), None, "epoch 8 is still in flight");
         assert_eq!(tracker.ack(0, 8, ()), Ok(Some((8, vec![()]))));
         assert_eq!(tracker.trigger(), Some(9));
+    }
+
+    #[test]
+    fn epochs_of_damaged_checkpoints_are_not_numbered_again() {
+        let mut tracker = CheckpointTracker::<()>::new(1, Some(7));
+        tracker.number_after(9);
+        tracker.number_after(4);
+        assert_eq!(tracker.trigger(), Some(10));
+        assert_eq!(tracker.last_completed(), Some(7));
     }
 
     #[test]

@@ -295,8 +295,7 @@ impl CheckpointStore {
     /// Commits an epoch: writes `deltas` as snapshot blobs into the epoch's
     /// segment and syncs it, then writes `manifest` with every state's chain (the
     /// previous commit's, extended by the new blobs) and flushes, then drops what
-    /// retention no longer needs. Manifests of later epochs (damaged ones passed
-    /// over at recovery) are replaced.
+    /// retention no longer needs, and the damaged manifests recovery passed over.
     pub fn commit(
         &mut self,
         mut manifest: Manifest,
@@ -353,14 +352,13 @@ impl CheckpointStore {
         let bytes = manifest.encode();
         stats.bytes += bytes.len();
         let mut batch = sled::Batch::default();
-        batch.insert(&manifest.epoch.to_be_bytes(), bytes);
-        for key in self
-            .manifests
-            .range((manifest.epoch + 1).to_be_bytes()..)
-            .keys()
-        {
+        // Every stored manifest after the last kept one is a damaged one that
+        // recovery passed over.
+        let passed_over = self.kept.back().map_or(0, |last| last.epoch + 1);
+        for key in self.manifests.range(passed_over.to_be_bytes()..).keys() {
             batch.remove(key.map_err(|e| self.io(e))?);
         }
+        batch.insert(&manifest.epoch.to_be_bytes(), bytes);
         self.kept.retain(|kept| kept.epoch < manifest.epoch);
         self.kept.push_back(manifest.clone());
         while self.kept.len() > self.retain {
@@ -729,7 +727,14 @@ mod tests {
         assert_eq!(recovery.manifest, Some(manifest(1)));
         assert_eq!(recovery.skipped.len(), 1);
         assert_eq!(recovery.skipped[0].epoch, 2);
+        // The next commit (numbered after the damaged one) drops it.
+        store.commit(manifest(3), Vec::new()).unwrap();
+        assert_eq!(store.epochs().unwrap(), vec![1, 3]);
+        drop(store);
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
+        assert!(store.recover().unwrap().skipped.is_empty());
 
+        store.overwrite_manifest(3, b"garbage").unwrap();
         store.overwrite_manifest(1, b"garbage").unwrap();
         assert!(matches!(
             store.recover(),

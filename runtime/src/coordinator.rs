@@ -151,7 +151,7 @@ impl Coordinator {
         let Recovery {
             manifest: resume,
             state,
-            ..
+            skipped,
         } = recovery;
         let _span = tracing::info_span!("start", query = %config.name).entered();
         validate(&graph, &config)?;
@@ -200,9 +200,13 @@ impl Coordinator {
                 ),
             });
         }
+        let mut tracker = CheckpointTracker::new(actors.len(), resume.map(|m| m.epoch));
+        if let Some(damaged) = skipped.iter().map(|corrupt| corrupt.epoch).max() {
+            tracker.number_after(damaged);
+        }
         self.checkpoints = Some(Checkpoints {
             store,
-            tracker: CheckpointTracker::new(actors.len(), resume.map(|m| m.epoch)),
+            tracker,
             sources: actors.iter_mut().map(|a| a.source.take()).collect(),
             commits: actors.iter_mut().filter_map(|a| a.commits.take()).collect(),
             key_groups: config.max_key_groups as u32,

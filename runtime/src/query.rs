@@ -106,7 +106,14 @@ impl StreamingQuery {
         let mut store = CheckpointStore::open(&location, config.checkpoints_retained)?;
         let recovery = store.recover()?;
         for corrupt in &recovery.skipped {
-            tracing::warn!(%corrupt, "passing over a corrupt checkpoint");
+            // Its epoch's output may have been published already (an
+            // exactly-once sink commits after the manifest): the replay
+            // publishes it again.
+            tracing::warn!(
+                %corrupt,
+                "passing over a corrupt checkpoint: its epoch is replayed, and output \
+                 sinks published for it may appear twice"
+            );
         }
         let id = store.query_id(|| Uuid::new_v4().to_string())?;
         let id = Uuid::parse_str(&id).map_err(|e| {
