@@ -189,13 +189,8 @@ fn run_query<T: Data>(
     alo: &str,
     dir: &str,
 ) {
-    // A commit topic of its own: the crash tests run side by side, and a
-    // child killed while committing holds an open transaction on its commit
-    // topic, which other queries' restarts reading that topic wait for.
     output.sink(
-        KafkaSink::new(bootstrap, eos, message.clone())
-            .delivery(DeliveryGuarantee::ExactlyOnce)
-            .commit_topic(format!("{eos}-commits")),
+        KafkaSink::new(bootstrap, eos, message.clone()).delivery(DeliveryGuarantee::ExactlyOnce),
     );
     output.sink(KafkaSink::new(bootstrap, alo, message));
     let config = QueryConfig::new("crash")

@@ -7,7 +7,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::kafka::{bootstrap, consume, produce, topic};
+use common::kafka::{bootstrap, consume, consume_to_end, produce, topic};
 use common::{config, TIMEOUT};
 use rtflow::prelude::*;
 
@@ -99,6 +99,18 @@ fn every_count_is_committed_exactly_once_across_a_restart() {
     assert_eq!(multiset(&bootstrap, &output, 1500), expected(1500));
     query.stop().unwrap();
     assert_eq!(query.exception(), None);
+    // The writers record their commits in a topic of the query's own.
+    let commits = consume_to_end(
+        &bootstrap,
+        &format!("rtflow-commits-{}", query.id()),
+        TIMEOUT,
+    );
+    let writers: std::collections::BTreeSet<_> = commits.iter().map(|r| r.key.clone()).collect();
+    let prefix = format!("rtflow-{}-kafka-sink-0-", query.id());
+    assert!(
+        !writers.is_empty() && writers.iter().all(|w| w.starts_with(&prefix)),
+        "{writers:?}"
+    );
 
     produce(&bootstrap, &input, records(1500, 1800));
     let query = start(&bootstrap, &input, &output, config);

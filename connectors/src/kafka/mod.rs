@@ -26,7 +26,7 @@ use rdkafka::ClientConfig;
 use rtflow_runtime::{Result, RtflowError};
 
 pub use admin::KafkaAdmin;
-pub use sink::{DeliveryGuarantee, KafkaMessage, KafkaSink, DEFAULT_COMMIT_TOPIC};
+pub use sink::{DeliveryGuarantee, KafkaMessage, KafkaSink};
 pub use source::{KafkaSource, StartingOffsets};
 
 /// How long start-up waits for the broker's metadata before failing.

@@ -86,10 +86,6 @@ pub enum DeliveryGuarantee {
     ExactlyOnce,
 }
 
-/// The default topic where exactly-once writers record which epochs they
-/// committed.
-pub const DEFAULT_COMMIT_TOPIC: &str = "rtflow-sink-commits";
-
 /// Writes records to Kafka, flushing at every checkpoint barrier and on stop.
 ///
 /// ```no_run
@@ -105,7 +101,9 @@ pub struct KafkaSink<T> {
     options: Options,
     pub(crate) flush_timeout: Duration,
     guarantee: DeliveryGuarantee,
-    pub(crate) commit_topic: String,
+    /// Where exactly-once writers record their commits; by default a topic of
+    /// the query's own.
+    pub(crate) commit_topic: Option<String>,
 }
 
 impl<T: Data> KafkaSink<T> {
@@ -133,7 +131,7 @@ impl<T: Data> KafkaSink<T> {
             options: Options::default(),
             flush_timeout: Duration::from_secs(30),
             guarantee: DeliveryGuarantee::default(),
-            commit_topic: DEFAULT_COMMIT_TOPIC.to_owned(),
+            commit_topic: None,
         }
     }
 
@@ -151,13 +149,14 @@ impl<T: Data> KafkaSink<T> {
     }
 
     /// The compacted topic where exactly-once writers record the epochs they
-    /// committed (created if missing). Default [`DEFAULT_COMMIT_TOPIC`].
+    /// committed (created if missing). Default `rtflow-commits-<query id>`.
     ///
     /// A restart reads it to its end, waiting for any transaction left open on
-    /// it: a writer of another query killed while committing can hold that
-    /// read up to its transaction timeout. A topic per query avoids the wait.
+    /// it. So queries that share one can hold each other's restarts back: a
+    /// writer killed while committing holds that read until it restarts or its
+    /// transaction times out.
     pub fn commit_topic(mut self, topic: impl Into<String>) -> Self {
-        self.commit_topic = topic.into();
+        self.commit_topic = Some(topic.into());
         self
     }
 

@@ -75,7 +75,11 @@ impl<T: Data> TransactionalWriter<T> {
                 drop(producer_for(&id_of(*old))?);
             }
         }
-        KafkaAdmin::new(&sink.bootstrap_servers)?.create_compacted_topic(&sink.commit_topic)?;
+        let commit_topic = sink
+            .commit_topic
+            .clone()
+            .unwrap_or_else(|| format!("rtflow-commits-{}", ctx.query_id));
+        KafkaAdmin::new(&sink.bootstrap_servers)?.create_compacted_topic(&commit_topic)?;
         let restored = ctx.state.restored_epoch();
         Ok(Self {
             producer: KafkaTransactions {
@@ -83,14 +87,14 @@ impl<T: Data> TransactionalWriter<T> {
                 transactional_id: transactional_id.clone(),
                 in_transaction: false,
                 topic: sink.topic.clone(),
-                commit_topic: sink.commit_topic.clone(),
+                commit_topic: commit_topic.clone(),
                 timeout: sink.flush_timeout,
                 sink: sink.name(),
             },
             transactional_id,
             id_of: Box::new(id_of),
             bootstrap_servers: sink.bootstrap_servers.clone(),
-            commit_topic: sink.commit_topic.clone(),
+            commit_topic,
             serialize: sink.serialize.clone(),
             pending,
             unresolved: restored,
