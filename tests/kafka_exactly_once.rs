@@ -175,6 +175,48 @@ fn a_batch_duration_longer_than_the_broker_lets_a_transaction_last_fails_at_star
     );
 }
 
+/// A transaction the broker aborted for lasting longer than
+/// `transaction.timeout.ms` fails the query with an error that names that
+/// setting, not only a fencing (the client reports both alike), and loses
+/// nothing: the restart publishes every count once.
+#[test]
+fn a_transaction_the_broker_timed_out_fails_the_query_with_the_setting_named() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let input = topic(&bootstrap, "rtflow-eos-timeout-in", 3);
+    let output = topic(&bootstrap, "rtflow-eos-timeout-out", 1);
+    produce(&bootstrap, &input, records(0, 30));
+    let tune = |sink: KafkaSink<(String, u64)>| sink.option("kafka.transaction.timeout.ms", 1000);
+    let config = config("exactly-once-timeout");
+    let query = start_with(
+        &bootstrap,
+        &input,
+        &output,
+        config.clone().trigger(Trigger::real_time("20 seconds")),
+        tune,
+    );
+    let error = query
+        .await_termination(Some(Duration::from_secs(60)))
+        .unwrap_err();
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    let message = error.to_string();
+    assert!(
+        message.contains("transaction.timeout.ms (1000 ms)"),
+        "the error names the setting: {message}"
+    );
+
+    let query = start(
+        &bootstrap,
+        &input,
+        &output,
+        config
+            .trigger(Trigger::real_time("200 milliseconds"))
+            .min_batch_duration(Duration::from_millis(200)),
+    );
+    assert_eq!(multiset(&bootstrap, &output, 30), expected(30));
+    query.stop().unwrap();
+    assert_eq!(query.exception(), None);
+}
+
 /// A producer that takes over the writer's transactional id (as the writer's
 /// restarted incarnation would) fences it: the fenced writer fails the query
 /// rather than commit anything more.

@@ -63,8 +63,13 @@ impl<T: Data> TransactionalWriter<T> {
         let prefix = format!("rtflow-{}-{}", ctx.query_id, ctx.uid);
         let id_of = move |subtask: u32| format!("{prefix}-{subtask}");
         let transactional_id = id_of(ctx.subtask as u32);
-        let timeout = transaction_timeout(ctx.batch_duration, sink.flush_timeout);
-        let producer_for = |id: &str| transactional_producer(sink, id, timeout);
+        let transaction_timeout = match sink.config()?.get("transaction.timeout.ms") {
+            Some(set) => set.to_owned(),
+            None => transaction_timeout(ctx.batch_duration, sink.flush_timeout)
+                .as_millis()
+                .to_string(),
+        };
+        let producer_for = |id: &str| transactional_producer(sink, id, &transaction_timeout);
         let producer = producer_for(&transactional_id)?;
         let pending = ctx.state.per_subtask::<Pending>(PENDING)?;
         // Writers that no longer run after a parallelism change may have left a
@@ -89,6 +94,7 @@ impl<T: Data> TransactionalWriter<T> {
                 topic: sink.topic.clone(),
                 commit_topic: commit_topic.clone(),
                 timeout: sink.flush_timeout,
+                transaction_timeout,
                 sink: sink.name(),
             },
             transactional_id,
@@ -116,18 +122,15 @@ fn transaction_timeout(batch_duration: Duration, flush_timeout: Duration) -> Dur
 
 /// A producer with `transactional_id`, initialised: any earlier producer with the
 /// same id is fenced and its open transaction aborted. Its transactions may
-/// stay open for `timeout`, unless the sink's options set
-/// `transaction.timeout.ms`.
+/// stay open for `transaction_timeout` ms.
 fn transactional_producer<T: Data>(
     sink: &KafkaSink<T>,
     transactional_id: &str,
-    timeout: Duration,
+    transaction_timeout: &str,
 ) -> Result<ThreadedProducer<Deliveries>> {
     let mut config = sink.config()?;
     config.set("transactional.id", transactional_id);
-    if config.get("transaction.timeout.ms").is_none() {
-        config.set("transaction.timeout.ms", timeout.as_millis().to_string());
-    }
+    config.set("transaction.timeout.ms", transaction_timeout);
     let producer = ThreadedProducer::from_config_and_context(&config, Deliveries::default())
         .map_err(|e| sink.error(format!("could not create the transactional producer: {e}")))?;
     producer
@@ -135,11 +138,11 @@ fn transactional_producer<T: Data>(
         .map_err(|e| {
             let hint = match e.rdkafka_error_code() {
                 Some(RDKafkaErrorCode::InvalidTransactionTimeout) => format!(
-                    "; its transactions may stay open for transaction.timeout.ms = {} ms \
-                     (twice the batch duration and the flush timeout, unless set), longer \
-                     than the broker allows (its transaction.max.timeout.ms, 15 minutes \
-                     by default): shorten the batch duration or raise the broker's limit",
-                    config.get("transaction.timeout.ms").unwrap_or_default()
+                    "; its transactions may stay open for transaction.timeout.ms = \
+                     {transaction_timeout} ms (twice the batch duration and the flush \
+                     timeout, unless set), longer than the broker allows (its \
+                     transaction.max.timeout.ms, 15 minutes by default): shorten the \
+                     batch duration or raise the broker's limit"
                 ),
                 _ => String::new(),
             };
@@ -158,6 +161,8 @@ struct KafkaTransactions {
     topic: Option<String>,
     commit_topic: String,
     timeout: Duration,
+    /// The broker aborts a transaction open longer than this, in ms.
+    transaction_timeout: String,
     sink: String,
 }
 
@@ -168,14 +173,18 @@ impl KafkaTransactions {
         let Some((code, reason)) = self.producer.client().fatal_error() else {
             return RtflowError::sink(&self.sink, message);
         };
+        // The broker fences a producer whose transaction outlived its timeout
+        // too, and the client cannot tell that from a newer producer.
         let why = match code {
             RDKafkaErrorCode::Fenced
             | RDKafkaErrorCode::ProducerFenced
-            | RDKafkaErrorCode::InvalidProducerEpoch => {
-                "; a newer producer with the same transactional id fenced it: is another \
-                 run of this query writing to the sink?"
-            }
-            _ => "",
+            | RDKafkaErrorCode::InvalidProducerEpoch => format!(
+                "; a newer producer with the same transactional id fenced it (is another \
+                 run of this query writing to the sink?), or the broker aborted a \
+                 transaction open longer than transaction.timeout.ms ({} ms)",
+                self.transaction_timeout
+            ),
+            _ => String::new(),
         };
         RtflowError::sink(
             &self.sink,
