@@ -1,4 +1,6 @@
-//! Topic administration, for examples, benchmarks and tests.
+//! Topic administration: the exactly-once sink's commit topic, and topics for
+//! examples, benchmarks and tests. Topics get the cluster's default
+//! replication factor (`default.replication.factor`).
 
 use std::time::Duration;
 
@@ -37,8 +39,8 @@ impl KafkaAdmin {
         Ok(Self { client, options })
     }
 
-    /// Creates `topic` with `partitions` partitions (replication 1); an existing
-    /// topic is left as it is.
+    /// Creates `topic` with `partitions` partitions; an existing topic is left
+    /// as it is.
     pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<()> {
         self.create(topic, partitions, &[])
     }
@@ -50,7 +52,9 @@ impl KafkaAdmin {
     }
 
     fn create(&self, topic: &str, partitions: i32, config: &[(&str, &str)]) -> Result<()> {
-        let mut new_topic = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+        // -1: the broker's default, so that a cluster that keeps every topic on
+        // three brokers keeps the commit records there too.
+        let mut new_topic = NewTopic::new(topic, partitions, TopicReplication::Fixed(-1));
         for (key, value) in config {
             new_topic = new_topic.set(key, value);
         }
