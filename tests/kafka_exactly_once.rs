@@ -7,7 +7,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::kafka::{bootstrap, consume, consume_to_end, produce, topic};
+use common::kafka::{bootstrap, compacted_topic, consume, consume_to_end, produce, topic};
 use common::{config, TIMEOUT};
 use rtflow::prelude::*;
 
@@ -217,6 +217,33 @@ fn a_transaction_the_broker_timed_out_fails_the_query_with_the_setting_named() {
     assert_eq!(query.exception(), None);
 }
 
+/// A commit topic whose retention deletes records would lose the commit
+/// records a restart looks up: the start fails and says so.
+#[test]
+fn a_commit_topic_that_deletes_old_records_fails_at_start() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let output = topic(&bootstrap, "rtflow-eos-retention-out", 1);
+    // A plain topic: cleanup.policy=delete.
+    let commits = topic(&bootstrap, "rtflow-eos-retention-commits", 1);
+    let flow = Dataflow::new("exactly-once-retention");
+    flow.source(MemorySource::<u64>::new(1)).sink(
+        KafkaSink::new(&bootstrap, &output, |n: &u64| {
+            KafkaMessage::new(n.to_string())
+        })
+        .delivery(DeliveryGuarantee::ExactlyOnce)
+        .commit_topic(commits.clone()),
+    );
+    let error = flow
+        .start(checkpointed("exactly-once-retention"))
+        .unwrap_err();
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    let message = error.to_string();
+    assert!(
+        message.contains(&commits) && message.contains("cleanup.policy=delete"),
+        "the error names the topic and its policy: {message}"
+    );
+}
+
 /// A producer that takes over the writer's transactional id (as the writer's
 /// restarted incarnation would) fences it: the fenced writer fails the query
 /// rather than commit anything more.
@@ -305,7 +332,7 @@ fn a_restart_waits_for_a_transaction_left_open_on_the_commit_topic() {
     let Some(bootstrap) = bootstrap() else { return };
     let input = topic(&bootstrap, "rtflow-eos-held-in", 3);
     let output = topic(&bootstrap, "rtflow-eos-held-out", 1);
-    let commits = topic(&bootstrap, "rtflow-eos-held-commits", 1);
+    let commits = compacted_topic(&bootstrap, "rtflow-eos-held-commits");
     let config = one_epoch_per_run("exactly-once-held");
     let tune = |sink: KafkaSink<(String, u64)>| sink.commit_topic(commits.clone());
     // Open before the first run commits, so its commit record comes after.
@@ -336,7 +363,7 @@ fn a_transaction_open_on_the_commit_topic_past_the_timeout_fails_the_restart() {
     let Some(bootstrap) = bootstrap() else { return };
     let input = topic(&bootstrap, "rtflow-eos-stuck-in", 3);
     let output = topic(&bootstrap, "rtflow-eos-stuck-out", 1);
-    let commits = topic(&bootstrap, "rtflow-eos-stuck-commits", 1);
+    let commits = compacted_topic(&bootstrap, "rtflow-eos-stuck-commits");
     let config = one_epoch_per_run("exactly-once-stuck");
     let tune = |sink: KafkaSink<(String, u64)>| {
         sink.commit_topic(commits.clone())

@@ -27,16 +27,31 @@ pub fn bootstrap() -> Option<String> {
 
 /// A new topic with a name no other test uses.
 pub fn topic(bootstrap: &str, name: &str, partitions: i32) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let topic = format!("{name}-{}-{nanos}", std::process::id());
+    let topic = unique(name);
     KafkaAdmin::new(bootstrap)
         .unwrap()
         .create_topic(&topic, partitions)
         .unwrap();
     topic
+}
+
+/// A new one-partition compacted topic (an exactly-once sink's commit topic)
+/// with a name no other test uses.
+pub fn compacted_topic(bootstrap: &str, name: &str) -> String {
+    let topic = unique(name);
+    KafkaAdmin::new(bootstrap)
+        .unwrap()
+        .create_compacted_topic(&topic)
+        .unwrap();
+    topic
+}
+
+fn unique(name: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{name}-{}-{nanos}", std::process::id())
 }
 
 /// Writes `(partition, key, value)` records and waits until all are acknowledged.

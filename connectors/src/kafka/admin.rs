@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use futures_executor::block_on;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientConfig;
@@ -46,9 +46,25 @@ impl KafkaAdmin {
     }
 
     /// Creates a one-partition compacted topic (for the latest value per key),
-    /// unless it exists.
-    pub(crate) fn create_compacted_topic(&self, topic: &str) -> Result<()> {
+    /// unless it exists: what an exactly-once sink's commit topic must be.
+    pub fn create_compacted_topic(&self, topic: &str) -> Result<()> {
         self.create(topic, 1, &[("cleanup.policy", "compact")])
+    }
+
+    /// The cleanup policy of an existing `topic` (`delete`, `compact`, or both).
+    pub(crate) fn cleanup_policy(&self, topic: &str) -> Result<String> {
+        let specifier = ResourceSpecifier::Topic(topic);
+        let results = block_on(self.client.describe_configs([&specifier], &self.options))
+            .map_err(admin_error)?;
+        let described = results
+            .into_iter()
+            .next()
+            .ok_or_else(|| admin_error(format!("no configuration for topic '{topic}'")))?
+            .map_err(|code| admin_error(format!("could not describe topic '{topic}': {code}")))?;
+        Ok(described
+            .get("cleanup.policy")
+            .and_then(|entry| entry.value.clone())
+            .unwrap_or_default())
     }
 
     fn create(&self, topic: &str, partitions: i32, config: &[(&str, &str)]) -> Result<()> {

@@ -149,7 +149,9 @@ impl<T: Data> KafkaSink<T> {
     }
 
     /// The compacted topic where exactly-once writers record the epochs they
-    /// committed (created if missing). Default `rtflow-commits-<query id>`.
+    /// committed (created if missing). Default `rtflow-commits-<query id>`. An
+    /// existing topic with another `cleanup.policy` fails the start: retention
+    /// would delete the commit records a restart looks up.
     ///
     /// A restart reads it to its end, waiting for any transaction left open on
     /// it. So queries that share one can hold each other's restarts back: a

@@ -84,7 +84,18 @@ impl<T: Data> TransactionalWriter<T> {
             .commit_topic
             .clone()
             .unwrap_or_else(|| format!("rtflow-commits-{}", ctx.query_id));
-        KafkaAdmin::new(&sink.bootstrap_servers)?.create_compacted_topic(&commit_topic)?;
+        let admin = KafkaAdmin::new(&sink.bootstrap_servers)?;
+        admin.create_compacted_topic(&commit_topic)?;
+        // A restart must find each writer's last commit record however long
+        // ago it was written: retention must not delete it.
+        let policy = admin.cleanup_policy(&commit_topic)?;
+        if policy.trim() != "compact" {
+            return Err(sink.error(format!(
+                "the commit topic '{commit_topic}' has cleanup.policy={policy}: retention \
+                 would delete commit records and a restart would write committed output \
+                 again; give it cleanup.policy=compact, or name another commit topic"
+            )));
+        }
         let restored = ctx.state.restored_epoch();
         Ok(Self {
             producer: KafkaTransactions {
