@@ -61,6 +61,23 @@ fn start_with(
     flow.start(config).unwrap()
 }
 
+/// The error that fails the start of a query whose exactly-once sink to
+/// `output`, with the settings `tune` changes, cannot open.
+fn start_error(
+    bootstrap: &str,
+    output: &str,
+    config: QueryConfig,
+    tune: impl FnOnce(KafkaSink<u64>) -> KafkaSink<u64>,
+) -> RtflowError {
+    let flow = Dataflow::new(config.name.clone());
+    let sink = KafkaSink::new(bootstrap, output, |n: &u64| {
+        KafkaMessage::new(n.to_string())
+    })
+    .delivery(DeliveryGuarantee::ExactlyOnce);
+    flow.source(MemorySource::<u64>::new(1)).sink(tune(sink));
+    flow.start(config).unwrap_err()
+}
+
 /// Output values counted by how often each appeared.
 fn multiset(bootstrap: &str, output: &str, expected: usize) -> BTreeMap<String, usize> {
     let mut seen = BTreeMap::new();
@@ -125,17 +142,12 @@ fn an_unreachable_broker_fails_the_exactly_once_sink_at_start_within_seconds() {
         return;
     }
     let started = std::time::Instant::now();
-    let flow = Dataflow::new("exactly-once-unreachable");
-    flow.source(MemorySource::<u64>::new(1)).sink(
-        KafkaSink::new("127.0.0.1:1", "anything", |n: &u64| {
-            KafkaMessage::new(n.to_string())
-        })
-        .delivery(DeliveryGuarantee::ExactlyOnce)
-        .flush_timeout(Duration::from_secs(2)),
+    let error = start_error(
+        "127.0.0.1:1",
+        "anything",
+        checkpointed("exactly-once-unreachable"),
+        |sink| sink.flush_timeout(Duration::from_secs(2)),
     );
-    let error = flow
-        .start(checkpointed("exactly-once-unreachable"))
-        .unwrap_err();
     assert_eq!(error.error_class(), "SINK_FAILED");
     assert!(
         error
@@ -157,16 +169,12 @@ fn an_unreachable_broker_fails_the_exactly_once_sink_at_start_within_seconds() {
 fn a_batch_duration_longer_than_the_broker_lets_a_transaction_last_fails_at_start() {
     let Some(bootstrap) = bootstrap() else { return };
     let output = topic(&bootstrap, "rtflow-eos-long-out", 1);
-    let flow = Dataflow::new("exactly-once-long");
-    flow.source(MemorySource::<u64>::new(1)).sink(
-        KafkaSink::new(&bootstrap, &output, |n: &u64| {
-            KafkaMessage::new(n.to_string())
-        })
-        .delivery(DeliveryGuarantee::ExactlyOnce),
+    let error = start_error(
+        &bootstrap,
+        &output,
+        config("exactly-once-long").trigger(Trigger::real_time("20 minutes")),
+        |sink| sink,
     );
-    let error = flow
-        .start(config("exactly-once-long").trigger(Trigger::real_time("20 minutes")))
-        .unwrap_err();
     assert_eq!(error.error_class(), "SINK_FAILED");
     let message = error.to_string();
     assert!(
@@ -225,17 +233,12 @@ fn a_commit_topic_that_deletes_old_records_fails_at_start() {
     let output = topic(&bootstrap, "rtflow-eos-retention-out", 1);
     // A plain topic: cleanup.policy=delete.
     let commits = topic(&bootstrap, "rtflow-eos-retention-commits", 1);
-    let flow = Dataflow::new("exactly-once-retention");
-    flow.source(MemorySource::<u64>::new(1)).sink(
-        KafkaSink::new(&bootstrap, &output, |n: &u64| {
-            KafkaMessage::new(n.to_string())
-        })
-        .delivery(DeliveryGuarantee::ExactlyOnce)
-        .commit_topic(commits.clone()),
+    let error = start_error(
+        &bootstrap,
+        &output,
+        checkpointed("exactly-once-retention"),
+        |sink| sink.commit_topic(commits.clone()),
     );
-    let error = flow
-        .start(checkpointed("exactly-once-retention"))
-        .unwrap_err();
     assert_eq!(error.error_class(), "SINK_FAILED");
     let message = error.to_string();
     assert!(
