@@ -20,7 +20,6 @@
 //! a record at `w` is on time and a key is forgotten once its time is `< w`
 //! (Spark's promise and comparisons are one millisecond stricter: `<= w`).
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,6 +29,7 @@ use rtflow_runtime::{
 };
 
 use crate::aggregate::StateKey;
+use crate::expiry::Expiries;
 use crate::lateness::Lateness;
 
 /// The kind (allowlist and checkpoint name) of `drop_duplicates`.
@@ -39,38 +39,6 @@ pub const DROP_DUPLICATES_WITHIN_WATERMARK: &str = "drop_duplicates_within_water
 
 /// The name of the deduplication state within its operator.
 const SEEN: &str = "seen";
-/// When keys expire, in event time: which keys to look at when the watermark
-/// passes a time, without scanning the whole state.
-///
-/// It is derived from the checkpointed state, never checkpointed itself: an
-/// operator builds it from its state at the first watermark after a start (so
-/// a stream without watermarks never pays for it), then schedules every insert.
-/// A key may be listed more than once; whoever pops it checks its state.
-pub(crate) struct Expiries<K> {
-    at: BTreeMap<EventTime, Vec<K>>,
-}
-
-impl<K> Expiries<K> {
-    pub(crate) fn new() -> Self {
-        Self {
-            at: BTreeMap::new(),
-        }
-    }
-
-    /// `key` may expire once the watermark passes `time`.
-    pub(crate) fn schedule(&mut self, time: EventTime, key: K) {
-        self.at.entry(time).or_default().push(key);
-    }
-
-    /// The keys scheduled before `watermark`, removed from the schedule.
-    pub(crate) fn due(&mut self, watermark: EventTime) -> impl Iterator<Item = K> {
-        let later = self.at.split_off(&watermark);
-        std::mem::replace(&mut self.at, later)
-            .into_values()
-            .flatten()
-    }
-}
-
 /// The deduplication operator: per key, the event time until which duplicates
 /// are dropped, in keyed state.
 pub struct DropDuplicates<K, T> {
@@ -240,22 +208,4 @@ fn dedup<K: StateKey, T: Data>(
         .key_by(move |value: &T| shuffle_key(value))
         .as_ref()
         .transform(kind, move |_| DropDuplicates::new(key.clone(), keep))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn expiries_hand_out_the_keys_scheduled_before_the_watermark_once() {
-        let mut expiries = Expiries::new();
-        expiries.schedule(10, "a");
-        expiries.schedule(5, "b");
-        expiries.schedule(10, "c");
-        expiries.schedule(20, "d");
-        assert_eq!(expiries.due(10).collect::<Vec<_>>(), ["b"]);
-        assert_eq!(expiries.due(11).collect::<Vec<_>>(), ["a", "c"]);
-        assert_eq!(expiries.due(11).count(), 0);
-        assert_eq!(expiries.due(i64::MAX).collect::<Vec<_>>(), ["d"]);
-    }
 }

@@ -27,7 +27,7 @@ use rtflow_runtime::{
 use serde::{Deserialize, Serialize};
 
 use crate::aggregate::{StateKey, StateValue};
-use crate::dedup::Expiries;
+use crate::expiry::Expiries;
 use crate::lateness::Lateness;
 use crate::map::Map;
 

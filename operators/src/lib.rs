@@ -20,6 +20,7 @@
 
 mod aggregate;
 mod dedup;
+mod expiry;
 mod filter;
 mod flat_map;
 mod join;

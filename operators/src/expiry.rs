@@ -1,0 +1,105 @@
+//! When keyed state expires, in event time: which keys to look at when the
+//! watermark passes a time, without scanning the whole state.
+//!
+//! The schedule is derived from the checkpointed state, never checkpointed
+//! itself: an operator rebuilds it from its state after a start, then schedules
+//! every insert. A key may be listed more than once; whoever takes it checks
+//! its state.
+
+use std::collections::BTreeMap;
+
+use rtflow_runtime::EventTime;
+
+/// Keys by the event time after which they may expire.
+pub(crate) struct Expiries<K> {
+    at: BTreeMap<EventTime, Vec<K>>,
+}
+
+impl<K> Expiries<K> {
+    pub(crate) fn new() -> Self {
+        Self {
+            at: BTreeMap::new(),
+        }
+    }
+
+    /// `key` may expire once the watermark passes `time`.
+    pub(crate) fn schedule(&mut self, time: EventTime, key: K) {
+        self.at.entry(time).or_default().push(key);
+    }
+
+    /// The keys scheduled before `limit`, removed from the schedule.
+    pub(crate) fn due(&mut self, limit: EventTime) -> impl Iterator<Item = K> {
+        let later = self.at.split_off(&limit);
+        std::mem::replace(&mut self.at, later)
+            .into_values()
+            .flatten()
+    }
+
+    /// Hands `expire` at most `budget` of the keys scheduled before `limit`,
+    /// the earliest first, removing them from the schedule; returns whether
+    /// more are due. For an operator that spreads its evictions over the
+    /// records after a watermark instead of stalling them all at once.
+    pub(crate) fn expire(
+        &mut self,
+        limit: EventTime,
+        mut budget: usize,
+        mut expire: impl FnMut(K),
+    ) -> bool {
+        while let Some(mut entry) = self.at.first_entry() {
+            if *entry.key() >= limit {
+                return false;
+            }
+            if budget == 0 {
+                return true;
+            }
+            let keys = entry.get_mut();
+            let taken = keys.len().min(budget);
+            budget -= taken;
+            keys.drain(keys.len() - taken..).for_each(&mut expire);
+            if keys.is_empty() {
+                entry.remove();
+            }
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expiries_hand_out_the_keys_scheduled_before_the_watermark_once() {
+        let mut expiries = Expiries::new();
+        expiries.schedule(10, "a");
+        expiries.schedule(5, "b");
+        expiries.schedule(10, "c");
+        expiries.schedule(20, "d");
+        assert_eq!(expiries.due(10).collect::<Vec<_>>(), ["b"]);
+        assert_eq!(expiries.due(11).collect::<Vec<_>>(), ["a", "c"]);
+        assert_eq!(expiries.due(11).count(), 0);
+        assert_eq!(expiries.due(i64::MAX).collect::<Vec<_>>(), ["d"]);
+    }
+
+    #[test]
+    fn expire_hands_out_at_most_its_budget_and_says_whether_more_are_due() {
+        let mut expiries = Expiries::new();
+        for (time, key) in [(5, "a"), (5, "b"), (5, "c"), (7, "d"), (9, "e")] {
+            expiries.schedule(time, key);
+        }
+        let mut taken = Vec::new();
+        assert!(expiries.expire(9, 2, |key| taken.push(key)));
+        assert_eq!(taken.len(), 2);
+        // The rest of time 5, then time 7, which ends what is due before 9.
+        assert!(!expiries.expire(9, 2, |key| taken.push(key)));
+        taken.sort();
+        assert_eq!(taken, ["a", "b", "c", "d"]);
+        // Nothing due: no key handed out, whatever the budget.
+        assert!(!expiries.expire(9, 10, |key| taken.push(key)));
+        assert_eq!(taken.len(), 4);
+        // A zero budget takes nothing but still tells that keys are due.
+        assert!(expiries.expire(10, 0, |key| taken.push(key)));
+        assert!(!expiries.expire(10, 1, |key| taken.push(key)));
+        assert_eq!(taken.last(), Some(&"e"));
+    }
+}
