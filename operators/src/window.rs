@@ -5,9 +5,10 @@
 //!
 //! Windows close with the operator's input watermark, as in Spark: a window whose
 //! end is at or behind the watermark takes no more records and its state is
-//! evicted (a few keys' at each watermark and record, so that a watermark closing
-//! a window of many keys does not hold the records up). A record whose windows have all closed is late: it is dropped and
-//! counted (`rtflow_late_records_total`). Session windows follow the same rule
+//! evicted, a few keys' windows at each watermark and record, so that a watermark
+//! closing the windows of many keys does not hold the records up. A record whose
+//! windows have all closed is late: it is dropped and counted
+//! (`rtflow_late_records_total`). Session windows follow the same rule
 //! with one refinement, explained at [`Window::session`].
 //!
 //! Every open window lives in keyed state (one entry per key, holding that key's
@@ -580,7 +581,7 @@ where
             });
     }
 
-    /// Keys evicted per record while closed windows are left: more than the
+    /// Keys evicted per record while closed windows are left: as many as the
     /// windows one record can open, so eviction keeps up with any input.
     fn evict_per_record(&self) -> usize {
         match self.windowing {
