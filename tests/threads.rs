@@ -1,5 +1,6 @@
-//! No thread outlives its query: checked in a test binary of its own, so no other
-//! test's actors are running at the same time.
+//! No thread outlives its query, and the actors run at normal priority while the
+//! coordinator runs at idle priority: checked in a test binary of its own, so no
+//! other test's actors are running at the same time.
 
 mod common;
 
@@ -13,6 +14,28 @@ fn rtflow_threads() -> usize {
         .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
         .filter(|name| name.starts_with("rtflow"))
         .count()
+}
+
+/// The name and scheduling policy (`SCHED_OTHER` = 0, `SCHED_IDLE` = 5) of
+/// every thread of this process whose name starts with "rtflow".
+fn rtflow_policies() -> Vec<(String, u32)> {
+    std::fs::read_dir("/proc/self/task")
+        .expect("Linux /proc")
+        .filter_map(|task| {
+            let path = task.ok()?.path();
+            let name = std::fs::read_to_string(path.join("comm")).ok()?;
+            let stat = std::fs::read_to_string(path.join("stat")).ok()?;
+            // Field 41 of stat, counting from the state (field 3) after the
+            // parenthesised name.
+            let policy = stat[stat.rfind(')')? + 2..]
+                .split(' ')
+                .nth(38)?
+                .parse()
+                .ok()?;
+            Some((name.trim().to_owned(), policy))
+        })
+        .filter(|(name, _)| name.starts_with("rtflow"))
+        .collect()
 }
 
 fn pipeline(input: &MemorySource<u32>, fail_on: u32) -> Dataflow {
@@ -39,6 +62,12 @@ fn every_thread_is_joined_on_stop_and_on_failure() {
     input.push_all(0, 0..100).unwrap();
     // 3 sources + 3 maps + 2 filters + 2 sinks, and the coordinator.
     assert_eq!(rtflow_threads(), 11);
+    // Threads inherit their spawner's policy: the coordinator, which starts
+    // the actors, must give way only once they run.
+    for (name, policy) in rtflow_policies() {
+        let expected = if name == "rtflow-coord" { 5 } else { 0 };
+        assert_eq!(policy, expected, "scheduling policy of {name}");
+    }
     query.stop().unwrap();
     assert_eq!(rtflow_threads(), 0, "stop() joins every thread");
 

@@ -530,6 +530,7 @@ impl Actor for Coordinator {
             (startup.config.progress_interval, startup.batch_duration);
         match self.start_actors(startup, ctx) {
             Ok(()) => {
+                yield_to_actors();
                 self.shared.activate();
                 let _ = started.send(Ok(()));
                 let event = QueryStartedEvent {
@@ -624,5 +625,24 @@ impl Handler<StopQuery> for Coordinator {
     fn handle(&mut self, _: StopQuery, _ctx: &mut Context<Self>) {
         tracing::info!(query = %self.shared.name, "stopping: ending source streams");
         self.env.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Puts the calling thread (the coordinator) under `SCHED_IDLE`: its work
+/// (writing a checkpoint, building a progress report) gives way at once to an
+/// actor woken by a record, which a low nice value does not guarantee (the
+/// scheduler lets a running thread use up its slice first). On a saturated
+/// machine checkpoints therefore slow down instead of the records. Called once
+/// the actors run: a thread inherits the policy of the thread that starts it,
+/// and actors started after this would run at idle priority too, behind every
+/// other thread of the machine (sled's writers during a checkpoint among them).
+/// The compaction thread the coordinator starts later inherits it, as it should.
+fn yield_to_actors() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: sched_setscheduler only reads `param`; `pid = 0` names the
+    // calling thread. Failing leaves the policy as it was, which is only slower.
+    unsafe {
+        let param = libc::sched_param { sched_priority: 0 };
+        libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
     }
 }

@@ -139,7 +139,6 @@ impl StreamingQuery {
         let thread = std::thread::Builder::new()
             .name("rtflow-coord".into())
             .spawn(move || {
-                yield_to_actors();
                 let system = actix::System::new();
                 system.block_on(async move {
                     let startup = Startup {
@@ -441,21 +440,5 @@ impl std::fmt::Debug for StreamingQuery {
             .field("name", &self.shared.name)
             .field("active", &self.is_active())
             .finish()
-    }
-}
-
-/// Puts the calling thread (the coordinator) under `SCHED_IDLE`: its work
-/// (writing a checkpoint, building a progress report) gives way at once to an
-/// actor woken by a record, which a low nice value does not guarantee (the
-/// scheduler lets a running thread use up its slice first). On a saturated
-/// machine checkpoints therefore slow down instead of the records. The
-/// compaction thread it starts inherits this.
-fn yield_to_actors() {
-    #[cfg(target_os = "linux")]
-    // SAFETY: sched_setscheduler only reads `param`; `pid = 0` names the
-    // calling thread. Failing leaves the policy as it was, which is only slower.
-    unsafe {
-        let param = libc::sched_param { sched_priority: 0 };
-        libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
     }
 }
