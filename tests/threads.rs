@@ -7,18 +7,9 @@ mod common;
 use common::{config, TIMEOUT};
 use rtflow::prelude::*;
 
-/// Threads of this process whose name starts with "rtflow".
-fn rtflow_threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .expect("Linux /proc")
-        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
-        .filter(|name| name.starts_with("rtflow"))
-        .count()
-}
-
-/// The name and scheduling policy (`SCHED_OTHER` = 0, `SCHED_IDLE` = 5) of
-/// every thread of this process whose name starts with "rtflow".
-fn rtflow_policies() -> Vec<(String, u32)> {
+/// The threads of this process whose name starts with "rtflow": name and
+/// scheduling policy (`SCHED_OTHER` = 0, `SCHED_IDLE` = 5).
+fn rtflow_threads() -> Vec<(String, u32)> {
     std::fs::read_dir("/proc/self/task")
         .expect("Linux /proc")
         .filter_map(|task| {
@@ -53,7 +44,7 @@ fn pipeline(input: &MemorySource<u32>, fail_on: u32) -> Dataflow {
 
 #[test]
 fn every_thread_is_joined_on_stop_and_on_failure() {
-    assert_eq!(rtflow_threads(), 0);
+    assert_eq!(rtflow_threads().len(), 0);
 
     let input = MemorySource::new(3);
     let query = pipeline(&input, u32::MAX)
@@ -61,15 +52,15 @@ fn every_thread_is_joined_on_stop_and_on_failure() {
         .unwrap();
     input.push_all(0, 0..100).unwrap();
     // 3 sources + 3 maps + 2 filters + 2 sinks, and the coordinator.
-    assert_eq!(rtflow_threads(), 11);
+    assert_eq!(rtflow_threads().len(), 11);
     // Threads inherit their spawner's policy: the coordinator, which starts
     // the actors, must give way only once they run.
-    for (name, policy) in rtflow_policies() {
+    for (name, policy) in rtflow_threads() {
         let expected = if name == "rtflow-coord" { 5 } else { 0 };
         assert_eq!(policy, expected, "scheduling policy of {name}");
     }
     query.stop().unwrap();
-    assert_eq!(rtflow_threads(), 0, "stop() joins every thread");
+    assert_eq!(rtflow_threads().len(), 0, "stop() joins every thread");
 
     let input = MemorySource::new(3);
     let query = pipeline(&input, 5)
@@ -77,5 +68,9 @@ fn every_thread_is_joined_on_stop_and_on_failure() {
         .unwrap();
     input.push_all(1, 0..10).unwrap();
     assert!(query.await_termination(Some(TIMEOUT)).is_err());
-    assert_eq!(rtflow_threads(), 0, "a failure stops and joins every actor");
+    assert_eq!(
+        rtflow_threads().len(),
+        0,
+        "a failure stops and joins every actor"
+    );
 }
