@@ -74,13 +74,12 @@ fn an_idle_partition_is_released_after_the_timeout() {
     // Two readers: the one of the silent partition declares its stream idle.
     flow.source(input.clone())
         .parallelism(2)
-        .with_watermark_idle(
-            |time: &i64| *time,
-            Duration::ZERO,
-            Duration::from_millis(200),
-        )
+        .with_watermark_idle(|time: &i64| *time, Duration::ZERO, Duration::from_secs(1))
         .sink(MemorySink::new());
     let query = flow.start(config("idle")).unwrap();
+    // Partition 1 turns idle first; partition 0 then has the whole timeout
+    // before it could turn idle too, and release partition 1's 3,000 below.
+    std::thread::sleep(Duration::from_millis(1_200));
     input.push_all(0, [1_000]).unwrap();
     assert_eq!(wait_for_watermark(&query, |w| w.is_some()), Some(1_000));
     input.push_all(1, [3_000]).unwrap();
