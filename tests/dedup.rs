@@ -406,3 +406,56 @@ fn a_restart_at_another_parallelism_keeps_the_checkpointed_watermark() {
     assert_eq!(committed, [(1, 1500, 0), (2, 1600, 0)]);
     assert_eq!(harness.metrics().unwrap().late_records(), 30);
 }
+
+/// Deduplicates 1,000 ids first seen at 1 s and kept for 1 s, then passes a
+/// watermark of 20 s with a record of another id, then `records_after` more of
+/// it and id 0 again: how many expired ids are still held, and whether id 0
+/// went through.
+fn expired_ids_held(records_after: i64) -> (usize, bool) {
+    const OTHER: u16 = u16::MAX;
+    let mut harness = DataflowHarness::new("dedup-evict-slices", 1, |_, input: Stream<Event>| {
+        input
+            .with_watermark(|(_, time, _)| *time, Duration::ZERO)
+            .drop_duplicates_within_watermark(|(id, _, _)| *id, Duration::from_secs(1))
+    })
+    .configure(|config| config.default_parallelism(1));
+    harness.start().unwrap();
+    for id in 0..1_000 {
+        harness.push_at(0, (id, 1_000, 0), 1_000).unwrap();
+    }
+    // The watermark follows the source's batch: once the source has read the
+    // record that moves it, every later record reaches the operator after it.
+    harness.push_at(0, (OTHER, 20_000, 0), 20_000).unwrap();
+    harness.settle().unwrap();
+    let last = 20_000 + records_after;
+    for time in 20_001..=last {
+        harness.push_at(0, (OTHER, time, 0), time).unwrap();
+    }
+    harness.push_at(0, (0, last, 1), last).unwrap();
+    harness.settle().unwrap();
+    harness.checkpoint().unwrap();
+    harness.crash().unwrap();
+    let again = harness.committed().contains(&(0, last, 1));
+    let seen = harness
+        .state::<u16, i64>("drop_duplicates_within_watermark-0", "seen")
+        .unwrap();
+    let expired = seen.values().filter(|until| **until == 2_000).count();
+    (expired, again)
+}
+
+/// A watermark that expires many ids evicts a slice of them at once and the
+/// rest over the records after it, duplicates included; an expired id not
+/// evicted yet counts as gone.
+#[test]
+fn a_watermark_expiring_many_ids_evicts_them_over_the_records_after_it() {
+    let (expired, again) = expired_ids_held(0);
+    assert!(
+        (900..1_000).contains(&expired),
+        "expired ids held after the watermark: {expired} of 1000"
+    );
+    assert!(again, "id 0, expired but held, goes through");
+    // 600 records after it, all but the first duplicates, evict two ids each.
+    let (expired, again) = expired_ids_held(600);
+    assert_eq!(expired, 0, "expired ids held after 600 more records");
+    assert!(again, "id 0, evicted, goes through");
+}

@@ -794,7 +794,11 @@ mod across_crashes {
         for key in 0..1_000 {
             harness.push_at(0, (key, 1_000), 1_000).unwrap();
         }
-        for time in 20_000..=20_000 + records_after {
+        // The watermark follows the source's batch: once the source has read
+        // the record that moves it, every later record comes after it.
+        harness.push_at(0, (OTHER, 20_000), 20_000).unwrap();
+        harness.settle().unwrap();
+        for time in 20_001..=20_000 + records_after {
             harness.push_at(0, (OTHER, time), time).unwrap();
         }
         harness.settle().unwrap();

@@ -19,6 +19,10 @@
 //! looks at them. rtflow's watermark `w` promises no record earlier than `w`, so
 //! a record at `w` is on time and a key is forgotten once its time is `< w`
 //! (Spark's promise and comparisons are one millisecond stricter: `<= w`).
+//!
+//! A watermark evicts a slice of the keys it expires; the rest go a few per
+//! record after it, so the records behind a watermark that expires many keys
+//! do not wait for all of them. Until then an expired key counts as absent.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,8 +52,17 @@ pub struct DropDuplicates<K, T> {
     /// Per key: the event time its first occurrence was seen at plus `keep`.
     seen: Option<KeyedState<K, EventTime>>,
     expiries: Option<Expiries<K>>,
+    /// Whether the watermark has expired keys that are not evicted yet.
+    expired_left: bool,
     lateness: Option<Lateness>,
 }
+
+/// Keys evicted when the watermark advances; the rest go
+/// [`EVICT_PER_RECORD`] per record (see [`DropDuplicates::evict`]).
+const EVICT_PER_WATERMARK: usize = 64;
+/// Keys evicted per record while expired ones are left: one more than a record
+/// can add, so eviction keeps up with any input.
+const EVICT_PER_RECORD: usize = 2;
 
 impl<K, T> DropDuplicates<K, T> {
     /// Deduplicates by `key`, keeping each key until the watermark passes its
@@ -60,8 +73,29 @@ impl<K, T> DropDuplicates<K, T> {
             keep: keep.as_millis() as i64,
             seen: None,
             expiries: None,
+            expired_left: false,
             lateness: None,
         }
+    }
+
+    /// Forgets at most `budget` of the keys whose time the watermark passed.
+    /// Evicting them all at once held up the records behind the watermark.
+    fn evict(&mut self, budget: usize)
+    where
+        K: StateKey,
+    {
+        let (Some(seen), Some(expiries), Some(lateness)) =
+            (&mut self.seen, &mut self.expiries, &self.lateness)
+        else {
+            return;
+        };
+        let watermark = lateness.watermark();
+        self.expired_left = expiries.expire(watermark, budget, |key| {
+            // A key seen again since it was scheduled holds a later time.
+            if seen.get(&key).is_some_and(|until| *until < watermark) {
+                seen.remove(&key);
+            }
+        });
     }
 }
 
@@ -78,6 +112,9 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
 
     #[inline]
     fn process(&mut self, record: Record<T>, out: &mut Collector<'_, T>) -> Result<()> {
+        if self.expired_left {
+            self.evict(EVICT_PER_RECORD);
+        }
         let time = record.meta.event_time;
         let lateness = self
             .lateness
@@ -87,9 +124,11 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
             out.drop_late();
             return Ok(());
         }
+        let watermark = lateness.watermark();
         let seen = self.seen.as_mut().expect("started before the first record");
         let key = (self.key)(&record.value);
-        if seen.get(&key).is_some() {
+        // An expired key not evicted yet is as good as gone.
+        if seen.get(&key).is_some_and(|until| *until >= watermark) {
             return Ok(());
         }
         let until = time.saturating_add(self.keep);
@@ -101,20 +140,23 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
     }
 
     fn on_watermark(&mut self, watermark: EventTime, _out: &mut Collector<'_, T>) -> Result<()> {
-        self.lateness.as_mut().expect("started").advance(watermark);
-        let seen = self.seen.as_mut().expect("started");
-        let expiries = self.expiries.get_or_insert_with(|| {
+        if !self.lateness.as_mut().expect("started").advance(watermark) {
+            return Ok(());
+        }
+        let seen = self.seen.as_ref().expect("started");
+        self.expiries.get_or_insert_with(|| {
             let mut expiries = Expiries::new();
             for (key, until) in seen.iter() {
                 expiries.schedule(*until, key.clone());
             }
             expiries
         });
-        for key in expiries.due(watermark) {
-            if seen.get(&key).is_some_and(|until| *until < watermark) {
-                seen.remove(&key);
-            }
-        }
+        self.evict(EVICT_PER_WATERMARK);
+        Ok(())
+    }
+
+    fn on_close(&mut self, _out: &mut Collector<'_, T>) -> Result<()> {
+        self.evict(usize::MAX);
         Ok(())
     }
 
