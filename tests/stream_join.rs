@@ -326,3 +326,63 @@ fn late_rows_are_dropped_and_unmatched_left_rows_come_out_once_their_range_has_p
         ]
     );
 }
+
+/// An inner join buffers a left row of each of 1,000 keys at 1 s (range 0 to
+/// 100 ms after it), then both sides' watermarks move to 20 s, then
+/// `records_after` more left rows of another key arrive: how many of the 1,000
+/// keys are still buffered.
+fn expired_keys_held(records_after: i64) -> usize {
+    /// `(key, event time)`.
+    type Pair = (u16, i64);
+    type Rows = BTreeMap<u16, (Vec<(i64, Pair, bool)>, Vec<(i64, Pair)>)>;
+    const OTHER: u16 = u16::MAX;
+    let right_input = MemorySource::<Pair>::new(1);
+    let right = right_input.clone();
+    let mut harness =
+        DataflowHarness::new("join-evict-slices", 1, move |flow, left: Stream<Pair>| {
+            let by_time = |row: &Pair| row.1;
+            let right = flow
+                .source(right.clone())
+                .with_watermark(by_time, Duration::ZERO);
+            let key = |row: &Pair| row.0;
+            let window = JoinWindow::between(Duration::ZERO, Duration::from_millis(100));
+            left.with_watermark(by_time, Duration::ZERO)
+                .join(&right, key, key, window)
+        })
+        .configure(|config| config.default_parallelism(1));
+    harness.start().unwrap();
+    for key in 0..1_000 {
+        harness.push_at(0, (key, 1_000), 1_000).unwrap();
+    }
+    right_input.push_at(0, (OTHER, 20_000), 20_000).unwrap();
+    harness.push_at(0, (OTHER, 20_000), 20_000).unwrap();
+    // The sinks see the watermark after the join has: the rows pushed from
+    // now on reach the join after it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let metrics = || harness.query().expect("running").metrics();
+    while metrics().watermark().is_none_or(|w| w < 20_000) {
+        assert!(Instant::now() < deadline, "watermark stuck below 20 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for time in 20_001..=20_000 + records_after {
+        harness.push_at(0, (OTHER, time), time).unwrap();
+    }
+    harness.settle().unwrap();
+    harness.checkpoint().unwrap();
+    harness.crash().unwrap();
+    let rows: Rows = harness.state("stream_join-0", "rows").unwrap();
+    rows.keys().filter(|key| **key != OTHER).count()
+}
+
+/// A watermark that expires the rows of many keys of an inner join evicts a
+/// slice of them at once and the rest over the records after it.
+#[test]
+fn a_watermark_expiring_many_keys_of_an_inner_join_evicts_them_over_the_records_after_it() {
+    let held = expired_keys_held(0);
+    assert!(
+        (900..1_000).contains(&held),
+        "expired keys held after the watermark: {held} of 1000"
+    );
+    // 600 records after it evict two keys each.
+    assert_eq!(expired_keys_held(600), 0, "after 600 more records");
+}

@@ -33,7 +33,7 @@ use rtflow_runtime::{
 };
 
 use crate::aggregate::StateKey;
-use crate::expiry::Expiries;
+use crate::expiry::{Expiries, EVICT_PER_RECORD, EVICT_PER_WATERMARK};
 use crate::lateness::Lateness;
 
 /// The kind (allowlist and checkpoint name) of `drop_duplicates`.
@@ -56,13 +56,6 @@ pub struct DropDuplicates<K, T> {
     expired_left: bool,
     lateness: Option<Lateness>,
 }
-
-/// Keys evicted when the watermark advances; the rest go
-/// [`EVICT_PER_RECORD`] per record (see [`DropDuplicates::evict`]).
-const EVICT_PER_WATERMARK: usize = 64;
-/// Keys evicted per record while expired ones are left: one more than a record
-/// can add, so eviction keeps up with any input.
-const EVICT_PER_RECORD: usize = 2;
 
 impl<K, T> DropDuplicates<K, T> {
     /// Deduplicates by `key`, keeping each key until the watermark passes its

@@ -10,6 +10,14 @@ use std::collections::BTreeMap;
 
 use rtflow_runtime::EventTime;
 
+/// Keys an operator evicts when the watermark advances; the rest go a few per
+/// record after it (see [`Expiries::expire`]).
+pub(crate) const EVICT_PER_WATERMARK: usize = 64;
+
+/// Keys evicted per record while expired ones are left, by an operator whose
+/// record schedules one key: one more, so eviction keeps up with any input.
+pub(crate) const EVICT_PER_RECORD: usize = 2;
+
 /// Keys by the event time after which they may expire.
 pub(crate) struct Expiries<K> {
     at: BTreeMap<EventTime, Vec<K>>,
@@ -25,14 +33,6 @@ impl<K> Expiries<K> {
     /// `key` may expire once the watermark passes `time`.
     pub(crate) fn schedule(&mut self, time: EventTime, key: K) {
         self.at.entry(time).or_default().push(key);
-    }
-
-    /// The keys scheduled before `limit`, removed from the schedule.
-    pub(crate) fn due(&mut self, limit: EventTime) -> impl Iterator<Item = K> {
-        let later = self.at.split_off(&limit);
-        std::mem::replace(&mut self.at, later)
-            .into_values()
-            .flatten()
     }
 
     /// Hands `expire` at most `budget` of the keys scheduled before `limit`,
@@ -75,10 +75,15 @@ mod tests {
         expiries.schedule(5, "b");
         expiries.schedule(10, "c");
         expiries.schedule(20, "d");
-        assert_eq!(expiries.due(10).collect::<Vec<_>>(), ["b"]);
-        assert_eq!(expiries.due(11).collect::<Vec<_>>(), ["a", "c"]);
-        assert_eq!(expiries.due(11).count(), 0);
-        assert_eq!(expiries.due(i64::MAX).collect::<Vec<_>>(), ["d"]);
+        let mut due = |limit| {
+            let mut keys = Vec::new();
+            assert!(!expiries.expire(limit, usize::MAX, |key| keys.push(key)));
+            keys
+        };
+        assert_eq!(due(10), ["b"]);
+        assert_eq!(due(11), ["a", "c"]);
+        assert!(due(11).is_empty());
+        assert_eq!(due(i64::MAX), ["d"]);
     }
 
     #[test]

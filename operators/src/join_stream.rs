@@ -15,7 +15,9 @@
 //! of the other side could match them. Rows behind the watermark are dropped as
 //! late. The left outer join emits `(left, None)` for a left row that matched
 //! nothing when it is dropped, that is as soon as the watermark passes the end
-//! of its range.
+//! of its range. The inner join drops a slice of the expired rows' keys at the
+//! watermark and the rest a few per record after it, so the records behind a
+//! watermark that expires many keys do not wait for all of them.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +29,7 @@ use rtflow_runtime::{
 use serde::{Deserialize, Serialize};
 
 use crate::aggregate::{StateKey, StateValue};
-use crate::expiry::Expiries;
+use crate::expiry::{Expiries, EVICT_PER_RECORD, EVICT_PER_WATERMARK};
 use crate::lateness::Lateness;
 use crate::map::Map;
 
@@ -126,6 +128,8 @@ pub struct StreamJoin<K, L, R, Out> {
     output: fn(L, Option<R>) -> Out,
     rows: Option<KeyedState<K, Rows<L, R>>>,
     expiries: Option<Expiries<K>>,
+    /// Whether the watermark has expired rows that are not evicted yet.
+    expired_left: bool,
     lateness: Option<Lateness>,
 }
 
@@ -160,8 +164,70 @@ impl<K, L, R, Out> StreamJoin<K, L, R, Out> {
             output,
             rows: None,
             expiries: None,
+            expired_left: false,
             lateness: None,
         }
+    }
+}
+
+impl<K: StateKey, L: StateValue, R: StateValue, Out> StreamJoin<K, L, R, Out> {
+    /// Drops the expired rows of at most `budget` keys; an outer join emits
+    /// those of its left rows that never matched. An expired row cannot match
+    /// a row on time (its range ends before the watermark), so an inner join
+    /// leaves the rest for the records after the watermark instead of holding
+    /// them up; an outer join evicts all at once, as its unmatched rows must go
+    /// out before the watermark does.
+    fn evict(&mut self, budget: usize, out: &mut Collector<'_, Out>) -> Result<()> {
+        let (Some(state), Some(expiries), Some(lateness)) =
+            (&mut self.rows, &mut self.expiries, &self.lateness)
+        else {
+            return Ok(());
+        };
+        let (window, outer, output) = (self.window, self.outer, self.output);
+        let watermark = lateness.watermark();
+        let expired = |time: EventTime| time < watermark;
+        let mut emitted = Ok(());
+        self.expired_left = expiries.expire(watermark, budget, |key| {
+            // A key is scheduled once per row: only the first visit finds work.
+            let due = state.get(&key).is_some_and(|rows| {
+                rows.left
+                    .iter()
+                    .any(|r| expired(window.left_expiry(r.time)))
+                    || rows
+                        .right
+                        .iter()
+                        .any(|(t, _)| expired(window.right_expiry(*t)))
+            });
+            if !due || emitted.is_err() {
+                return;
+            }
+            let rows = state.get_mut(&key).expect("checked above");
+            let mut kept = Vec::with_capacity(rows.left.len());
+            for row in rows.left.drain(..) {
+                let end = window.left_expiry(row.time);
+                if !expired(end) {
+                    kept.push(row);
+                } else if outer && !row.matched && emitted.is_ok() {
+                    // Stamped with the end of its range, which the watermark
+                    // downstream has not passed yet: never late there.
+                    let meta = RecordMeta {
+                        event_time: end,
+                        ..out.meta()
+                    };
+                    emitted = out.emit_record(Record {
+                        value: output(row.value, None),
+                        meta,
+                    });
+                }
+            }
+            rows.left = kept;
+            rows.right
+                .retain(|(time, _)| !expired(window.right_expiry(*time)));
+            if rows.left.is_empty() && rows.right.is_empty() {
+                state.remove(&key);
+            }
+        });
+        emitted
     }
 }
 
@@ -196,6 +262,9 @@ where
         record: Record<Either<L, R>>,
         out: &mut Collector<'_, Out>,
     ) -> Result<()> {
+        if self.expired_left {
+            self.evict(EVICT_PER_RECORD, out)?;
+        }
         let (meta, time) = (record.meta, record.meta.event_time);
         let lateness = self
             .lateness
@@ -254,10 +323,12 @@ where
     }
 
     fn on_watermark(&mut self, watermark: EventTime, out: &mut Collector<'_, Out>) -> Result<()> {
-        self.lateness.as_mut().expect("started").advance(watermark);
-        let state = self.rows.as_mut().expect("started");
+        if !self.lateness.as_mut().expect("started").advance(watermark) {
+            return Ok(());
+        }
+        let state = self.rows.as_ref().expect("started");
         let window = self.window;
-        let expiries = self.expiries.get_or_insert_with(|| {
+        self.expiries.get_or_insert_with(|| {
             let mut expiries = Expiries::new();
             for (key, rows) in state.iter() {
                 for row in &rows.left {
@@ -269,48 +340,16 @@ where
             }
             expiries
         });
-        let expired = |time: EventTime| time < watermark;
-        for key in expiries.due(watermark) {
-            // A key is scheduled once per row: only the first visit finds work.
-            let due = state.get(&key).is_some_and(|rows| {
-                rows.left
-                    .iter()
-                    .any(|r| expired(window.left_expiry(r.time)))
-                    || rows
-                        .right
-                        .iter()
-                        .any(|(t, _)| expired(window.right_expiry(*t)))
-            });
-            if !due {
-                continue;
-            }
-            let rows = state.get_mut(&key).expect("checked above");
-            let mut kept = Vec::with_capacity(rows.left.len());
-            for row in rows.left.drain(..) {
-                let end = window.left_expiry(row.time);
-                if !expired(end) {
-                    kept.push(row);
-                } else if self.outer && !row.matched {
-                    // Stamped with the end of its range, which the watermark
-                    // downstream has not passed yet: never late there.
-                    let meta = RecordMeta {
-                        event_time: end,
-                        ..out.meta()
-                    };
-                    out.emit_record(Record {
-                        value: (self.output)(row.value, None),
-                        meta,
-                    })?;
-                }
-            }
-            rows.left = kept;
-            rows.right
-                .retain(|(time, _)| !expired(window.right_expiry(*time)));
-            if rows.left.is_empty() && rows.right.is_empty() {
-                state.remove(&key);
-            }
-        }
-        Ok(())
+        let budget = if self.outer {
+            usize::MAX
+        } else {
+            EVICT_PER_WATERMARK
+        };
+        self.evict(budget, out)
+    }
+
+    fn on_close(&mut self, out: &mut Collector<'_, Out>) -> Result<()> {
+        self.evict(usize::MAX, out)
     }
 
     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {

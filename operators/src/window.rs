@@ -50,7 +50,7 @@ use rtflow_runtime::{
 use serde::{Deserialize, Serialize};
 
 use crate::aggregate::{StateKey, StateValue};
-use crate::expiry::Expiries;
+use crate::expiry::{Expiries, EVICT_PER_WATERMARK};
 use crate::lateness::Lateness;
 
 /// A window of event time: `[start, end)`, in milliseconds since the Unix epoch.
@@ -438,10 +438,6 @@ struct WindowAggregate<K, T, A: AggregateFunction<T>> {
     /// Whether the watermark has closed windows that are not evicted yet.
     closed_left: bool,
 }
-
-/// Keys whose closed windows are evicted when the watermark advances; the
-/// rest go a few per record (see [`WindowAggregate::evict`]).
-const EVICT_PER_WATERMARK: usize = 64;
 
 impl<K, T, A> WindowAggregate<K, T, A>
 where
