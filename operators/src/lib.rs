@@ -2,7 +2,7 @@
 //!
 //! The operators of rtflow, one family per file, each a struct implementing the
 //! runtime's [`Operator`](rtflow_runtime::Operator) trait. [`StreamExt`] adds them
-//! to every [`Stream`] (and [`KeyedStream`](rtflow_runtime::KeyedStream)) as builder
+//! to every [`Stream`] (and [`KeyedStream`]) as builder
 //! methods; the facade's prelude brings it into scope.
 //!
 //! ```
