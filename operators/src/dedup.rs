@@ -52,8 +52,6 @@ pub struct DropDuplicates<K, T> {
     /// Per key: the event time its first occurrence was seen at plus `keep`.
     seen: Option<KeyedState<K, EventTime>>,
     expiries: Option<Expiries<K>>,
-    /// Whether the watermark has expired keys that are not evicted yet.
-    expired_left: bool,
     lateness: Option<Lateness>,
 }
 
@@ -66,7 +64,6 @@ impl<K, T> DropDuplicates<K, T> {
             keep: keep.as_millis() as i64,
             seen: None,
             expiries: None,
-            expired_left: false,
             lateness: None,
         }
     }
@@ -83,7 +80,7 @@ impl<K, T> DropDuplicates<K, T> {
             return;
         };
         let watermark = lateness.watermark();
-        self.expired_left = expiries.expire(watermark, budget, |key| {
+        expiries.expire(watermark, budget, |key| {
             // A key seen again since it was scheduled holds a later time.
             if seen.get(&key).is_some_and(|until| *until < watermark) {
                 seen.remove(&key);
@@ -105,7 +102,7 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
 
     #[inline]
     fn process(&mut self, record: Record<T>, out: &mut Collector<'_, T>) -> Result<()> {
-        if self.expired_left {
+        if self.expiries.as_ref().is_some_and(Expiries::behind) {
             self.evict(EVICT_PER_RECORD);
         }
         let time = record.meta.event_time;

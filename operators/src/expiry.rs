@@ -21,12 +21,16 @@ pub(crate) const EVICT_PER_RECORD: usize = 2;
 /// Keys by the event time after which they may expire.
 pub(crate) struct Expiries<K> {
     at: BTreeMap<EventTime, Vec<K>>,
+    /// Whether the last [`expire`](Self::expire) left keys due: those of an
+    /// operator's records that it keeps evicting after a watermark.
+    behind: bool,
 }
 
 impl<K> Expiries<K> {
     pub(crate) fn new() -> Self {
         Self {
             at: BTreeMap::new(),
+            behind: false,
         }
     }
 
@@ -36,15 +40,23 @@ impl<K> Expiries<K> {
     }
 
     /// Hands `expire` at most `budget` of the keys scheduled before `limit`,
-    /// the earliest first, removing them from the schedule; returns whether
-    /// more are due. For an operator that spreads its evictions over the
-    /// records after a watermark instead of stalling them all at once.
-    pub(crate) fn expire(
-        &mut self,
-        limit: EventTime,
-        mut budget: usize,
-        mut expire: impl FnMut(K),
-    ) -> bool {
+    /// the earliest first, removing them from the schedule; whether more are
+    /// due is [`behind`](Self::behind) until the next call. For an operator
+    /// that spreads its evictions over the records after a watermark instead
+    /// of stalling them all at once.
+    pub(crate) fn expire(&mut self, limit: EventTime, budget: usize, expire: impl FnMut(K)) {
+        self.behind = self.take(limit, budget, expire);
+    }
+
+    /// Whether the last [`expire`](Self::expire) left keys due. Later
+    /// schedules do not change it: they are for times the watermark has not
+    /// passed yet.
+    pub(crate) fn behind(&self) -> bool {
+        self.behind
+    }
+
+    /// Takes keys for [`expire`](Self::expire); returns whether more are due.
+    fn take(&mut self, limit: EventTime, mut budget: usize, mut expire: impl FnMut(K)) -> bool {
         while let Some(mut entry) = self.at.first_entry() {
             if *entry.key() >= limit {
                 return false;
@@ -77,7 +89,8 @@ mod tests {
         expiries.schedule(20, "d");
         let mut due = |limit| {
             let mut keys = Vec::new();
-            assert!(!expiries.expire(limit, usize::MAX, |key| keys.push(key)));
+            expiries.expire(limit, usize::MAX, |key| keys.push(key));
+            assert!(!expiries.behind());
             keys
         };
         assert_eq!(due(10), ["b"]);
@@ -93,18 +106,23 @@ mod tests {
             expiries.schedule(time, key);
         }
         let mut taken = Vec::new();
-        assert!(expiries.expire(9, 2, |key| taken.push(key)));
+        expiries.expire(9, 2, |key| taken.push(key));
+        assert!(expiries.behind());
         assert_eq!(taken.len(), 2);
         // The rest of time 5, then time 7, which ends what is due before 9.
-        assert!(!expiries.expire(9, 2, |key| taken.push(key)));
+        expiries.expire(9, 2, |key| taken.push(key));
+        assert!(!expiries.behind());
         taken.sort();
         assert_eq!(taken, ["a", "b", "c", "d"]);
         // Nothing due: no key handed out, whatever the budget.
-        assert!(!expiries.expire(9, 10, |key| taken.push(key)));
+        expiries.expire(9, 10, |key| taken.push(key));
+        assert!(!expiries.behind());
         assert_eq!(taken.len(), 4);
         // A zero budget takes nothing but still tells that keys are due.
-        assert!(expiries.expire(10, 0, |key| taken.push(key)));
-        assert!(!expiries.expire(10, 1, |key| taken.push(key)));
+        expiries.expire(10, 0, |key| taken.push(key));
+        assert!(expiries.behind());
+        expiries.expire(10, 1, |key| taken.push(key));
+        assert!(!expiries.behind());
         assert_eq!(taken.last(), Some(&"e"));
     }
 }

@@ -128,8 +128,6 @@ pub struct StreamJoin<K, L, R, Out> {
     output: fn(L, Option<R>) -> Out,
     rows: Option<KeyedState<K, Rows<L, R>>>,
     expiries: Option<Expiries<K>>,
-    /// Whether the watermark has expired rows that are not evicted yet.
-    expired_left: bool,
     lateness: Option<Lateness>,
 }
 
@@ -164,7 +162,6 @@ impl<K, L, R, Out> StreamJoin<K, L, R, Out> {
             output,
             rows: None,
             expiries: None,
-            expired_left: false,
             lateness: None,
         }
     }
@@ -187,7 +184,7 @@ impl<K: StateKey, L: StateValue, R: StateValue, Out> StreamJoin<K, L, R, Out> {
         let watermark = lateness.watermark();
         let expired = |time: EventTime| time < watermark;
         let mut emitted = Ok(());
-        self.expired_left = expiries.expire(watermark, budget, |key| {
+        expiries.expire(watermark, budget, |key| {
             // A key is scheduled once per row: only the first visit finds work.
             let due = state.get(&key).is_some_and(|rows| {
                 rows.left
@@ -262,7 +259,7 @@ where
         record: Record<Either<L, R>>,
         out: &mut Collector<'_, Out>,
     ) -> Result<()> {
-        if self.expired_left {
+        if self.expiries.as_ref().is_some_and(Expiries::behind) {
             self.evict(EVICT_PER_RECORD, out)?;
         }
         let (meta, time) = (record.meta, record.meta.event_time);

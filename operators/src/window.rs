@@ -295,7 +295,6 @@ impl<K: StateKey, T: Data> WindowedStream<K, T> {
             windows: None,
             lateness: None,
             expiry: Expiries::new(),
-            closed_left: false,
         })
     }
 }
@@ -435,8 +434,6 @@ struct WindowAggregate<K, T, A: AggregateFunction<T>> {
     /// watermark passes that end. Rebuilt from the windows on start; an entry
     /// whose window merged into a longer session is looked at and passed over.
     expiry: Expiries<K>,
-    /// Whether the watermark has closed windows that are not evicted yet.
-    closed_left: bool,
 }
 
 impl<K, T, A> WindowAggregate<K, T, A>
@@ -556,8 +553,7 @@ where
     fn evict(&mut self, budget: usize) {
         let watermark = self.watermark();
         let state = self.windows.as_mut().expect("started");
-        self.closed_left = self
-            .expiry
+        self.expiry
             .expire(watermark.saturating_add(1), budget, |key| {
                 // Only a key whose earliest window closed is touched: reading it
                 // does not mark it changed for the next checkpoint.
@@ -623,7 +619,7 @@ where
             }
             Assigner::Session { gap } => self.add_session(key, &record, gap, out)?,
         }
-        if self.closed_left {
+        if self.expiry.behind() {
             self.evict(self.evict_per_record());
         }
         Ok(())
