@@ -8,7 +8,9 @@ use std::time::Duration;
 use common::{config, TIMEOUT};
 use rtflow::checkpoint::CheckpointStore;
 use rtflow::prelude::*;
+use rtflow::runtime::connector::Offsets;
 use rtflow::runtime::StreamingQueryProgress;
+use rtflow::runtime::{Source, SourceContext, SourceOutput, SourceReader, SourceStatus};
 
 /// A configuration whose epochs end every 100 ms.
 fn checkpointed(name: &str) -> QueryConfig {
@@ -122,6 +124,51 @@ fn epochs_advance_while_records_keep_flowing() {
             pair[0].sources[0].end_offset
         );
     }
+}
+
+/// A source whose reader, with nothing to read, parks far longer than the
+/// `max_wait` it is given (and than [`TIMEOUT`]): only the runtime's wake-up
+/// ends its wait in time.
+struct Parking;
+
+struct ParkingReader;
+
+impl Source<u32> for Parking {
+    fn kind(&self) -> &str {
+        "parking"
+    }
+
+    fn partitions(&self) -> rtflow::Result<usize> {
+        Ok(1)
+    }
+
+    fn reader(&self, _ctx: &SourceContext) -> rtflow::Result<Box<dyn SourceReader<u32>>> {
+        Ok(Box::new(ParkingReader))
+    }
+}
+
+impl SourceReader<u32> for ParkingReader {
+    fn poll(&mut self, _out: &mut SourceOutput<u32>, _max_wait: Duration) -> Result<SourceStatus> {
+        std::thread::park_timeout(4 * TIMEOUT);
+        Ok(SourceStatus::Active)
+    }
+
+    fn offsets(&self) -> Offsets {
+        Offsets::new()
+    }
+}
+
+#[test]
+fn a_source_parked_in_its_reader_is_woken_for_a_barrier_and_for_stop() {
+    let flow = Dataflow::new("parked");
+    flow.source(Parking).map(|x| x).sink(MemorySink::new());
+    let query = flow.start(config("parked")).unwrap();
+    let first = query.checkpoint_now(TIMEOUT).unwrap();
+    let second = query.checkpoint_now(TIMEOUT).unwrap();
+    assert!(second > first);
+    let (stopped, stop) = std::sync::mpsc::channel();
+    std::thread::spawn(move || stopped.send(query.stop()));
+    assert_eq!(stop.recv_timeout(TIMEOUT), Ok(Ok(())), "stop returns");
 }
 
 #[test]

@@ -197,10 +197,10 @@ impl<T: Data> SourceReader<T> for GeneratorReader<T> {
         let due = self.rows_due();
         if due == 0 {
             // Sleep until the next row is due (at least a pacing step), but no
-            // longer than asked.
+            // longer than asked; a barrier or stop unparks it sooner.
             let rate = self.rate.expect("only a limited rate has nothing due");
             let next_due = Duration::from_secs_f64((self.emitted + 1) as f64 / rate);
-            std::thread::sleep(
+            std::thread::park_timeout(
                 next_due
                     .saturating_sub(self.started.elapsed())
                     .max(PACING_STEP)

@@ -96,6 +96,12 @@ pub trait SourceReader<T>: Send {
     /// Puts whatever is available now into `out` (up to its capacity), waiting at
     /// most `max_wait` when nothing is. Returning promptly keeps stop and
     /// checkpoints responsive.
+    ///
+    /// A reader that waits by sleeping should sleep with
+    /// [`std::thread::park_timeout`]: the runtime unparks a source's thread when
+    /// it ends an epoch or stops the query, so the reader returns at once. A
+    /// barrier held up in one source holds up every record of the other sources
+    /// at the operators that align on it.
     fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus>;
 
     /// The next offset of every partition it owns, by a label of the source's

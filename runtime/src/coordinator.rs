@@ -271,6 +271,23 @@ impl Coordinator {
             // A source that already exited acknowledged through its final report.
             let _ = barriers.send(epoch);
         }
+        self.wake_sources();
+    }
+
+    /// Cuts short the source actors' waits in their readers (see
+    /// [`SourceReader::poll`](crate::SourceReader::poll)), so that a barrier or
+    /// stop just sent leaves each source at once rather than after its wait. A
+    /// source not parked returns from its next park at once and polls again.
+    fn wake_sources(&self) {
+        let sources = self.checkpoints.iter().flat_map(|c| &c.sources);
+        for (thread, _) in self
+            .threads
+            .iter()
+            .zip(sources)
+            .filter(|(_, s)| s.is_some())
+        {
+            thread.thread().unpark();
+        }
     }
 
     /// Every actor acknowledged `epoch`: write its snapshots and manifest durably,
@@ -625,6 +642,7 @@ impl Handler<StopQuery> for Coordinator {
     fn handle(&mut self, _: StopQuery, _ctx: &mut Context<Self>) {
         tracing::info!(query = %self.shared.name, "stopping: ending source streams");
         self.env.stop.store(true, Ordering::Relaxed);
+        self.wake_sources();
     }
 }
 
