@@ -99,9 +99,9 @@ pub trait SourceReader<T>: Send {
     ///
     /// A reader that waits by sleeping should sleep with
     /// [`std::thread::park_timeout`]: the runtime unparks a source's thread when
-    /// it ends an epoch or stops the query, so the reader returns at once. A
-    /// barrier held up in one source holds up every record of the other sources
-    /// at the operators that align on it.
+    /// it ends an epoch or stops the query, so the reader returns at once. Until
+    /// a late source's barrier arrives, every operator aligning on it holds back
+    /// the records the other sources sent after theirs.
     fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus>;
 
     /// The next offset of every partition it owns, by a label of the source's
