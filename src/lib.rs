@@ -10,7 +10,7 @@
 //! joins, ...), [`connectors`] (Kafka, memory, generator, console, foreach, ...)
 //! and [`checkpoint`] (the checkpoint store and commit protocol).
 //! `use rtflow::prelude::*` brings in everything a dataflow needs. With the
-//! `testing` feature, [`testing`] is a property-based harness for testing
+//! `testing` feature, `rtflow::testing` is a property-based harness for testing
 //! dataflows (crashes and restores included) against a batch reference.
 //!
 //! ```

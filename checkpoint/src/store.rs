@@ -1,6 +1,6 @@
 //! The checkpoint store at the query's checkpoint location: epoch manifests and
 //! the query id in sled, state snapshot blobs in one segment file per epoch
-//! beside it ([`segments`](crate::segments)). A commit writes and syncs the
+//! beside it (the private `segments` module). A commit writes and syncs the
 //! epoch's segment, then writes its manifest and flushes, before anyone is told
 //! the epoch committed: a manifest that reads back intact refers only to blobs
 //! already durable. Retention keeps the latest few manifests; segments none of

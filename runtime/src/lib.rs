@@ -1,7 +1,7 @@
 //! # rtflow-runtime
 //!
 //! The engine under rtflow. A user builds a [`Dataflow`] of [`Stream`]s; starting it
-//! hands the graph to the [`coordinator`], an actix actor on its own thread, which
+//! hands the graph to the `coordinator`, an actix actor on its own thread, which
 //! validates it ([`plan`]), fuses forward chains of operators into actors, and
 //! starts one long-running thread per actor. Actors talk only through bounded
 //! `crossbeam-channel` mailbox lanes ([`dispatch`]): a full lane blocks its sender,

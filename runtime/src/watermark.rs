@@ -8,7 +8,7 @@
 //! checkpoint.
 //!
 //! [`WatermarkTracker`] is the logic, free of I/O and clocks (time is passed in);
-//! [`AssignWatermarks`] is the `with_watermark` operator around it.
+//! `AssignWatermarks` is the `with_watermark` operator around it.
 
 use std::sync::Arc;
 use std::time::Duration;

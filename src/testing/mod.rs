@@ -14,7 +14,7 @@
 //!   generate inputs ([`schedule`]), partitionings ([`pin_keys`]), interleavings
 //!   ([`Step::Settle`] points) and crash schedules ([`Step::Crash`] points), and
 //!   shrink a failing schedule to a minimal one.
-//! - [`reference`] computes what a batch job over the same input would answer
+//! - [`reference`](mod@reference) computes what a batch job over the same input would answer
 //!   (counts and sums per key) and compares committed results with it, as
 //!   multisets or per key in order.
 //! - [`check`] runs a property over a strategy with the case count of
