@@ -648,6 +648,17 @@ struct Epochs {
     restart_ms: f64,
 }
 
+/// A checkpoint window: start and end (ns since the Unix epoch), and its row.
+type Window = (u64, u64, usize);
+
+/// The window, of `windows` sorted by start, that a record read at `ingest` and
+/// written at `done` overlaps: the first one ending at or after `ingest`, if it
+/// started by `done`.
+fn overlapped(windows: &[Window], ingest: u64, done: u64) -> Option<&Window> {
+    let i = windows.partition_point(|w| w.1 < ingest);
+    windows.get(i).filter(|w| w.0 <= done)
+}
+
 /// Runs `--seconds` at 1% of the keys per epoch on the built state; classifies
 /// record latencies against the checkpoint windows.
 fn steady_run(
@@ -721,9 +732,9 @@ fn steady_run(
 
     let records = log.records.lock().unwrap().clone();
     let half_epoch = args.epoch_ms * 500_000;
-    let control_windows: Vec<(u64, u64)> = windows
+    let control_windows: Vec<Window> = windows
         .iter()
-        .map(|w| (w.0 + half_epoch, w.1 + half_epoch))
+        .map(|&(start, end, row)| (start + half_epoch, end + half_epoch, row))
         .collect();
     let mut control = Vec::new();
     let (mut during, mut during_compaction, mut between) = (Vec::new(), Vec::new(), Vec::new());
@@ -735,14 +746,11 @@ fn steady_run(
         }
         measured += 1;
         let latency = done.saturating_sub(ingest) as f64 / 1e3;
-        let c = control_windows.partition_point(|w| w.1 < ingest);
-        if control_windows.get(c).is_some_and(|w| w.0 <= done) {
+        if overlapped(&control_windows, ingest, done).is_some() {
             control.push(latency);
         }
-        // The first window that ends at or after the record's ingest.
-        let i = windows.partition_point(|w| w.1 < ingest);
-        match windows.get(i) {
-            Some((start, _, row)) if *start <= done => {
+        match overlapped(&windows, ingest, done) {
+            Some((_, _, row)) => {
                 during.push(latency);
                 per_window[*row].push(latency);
                 if compacted[*row] {
