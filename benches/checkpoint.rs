@@ -38,6 +38,9 @@
 //!    process (this binary with `--recover-child`) timed from spawning it to the
 //!    line it prints when its sink sees the first record.
 //!
+//! `--cpus 0` (a comma-separated list) runs every query's threads on those CPUs
+//! (`QueryConfig::cpu_affinity`); by default the OS places them.
+//!
 //! One JSON line per figure goes to stdout; the command and a summary to stderr.
 //!
 //! ```text
@@ -45,6 +48,7 @@
 //! cargo bench --bench checkpoint -- --keys 1000000 --seconds 40 --epoch-ms 1000 \
 //!     --store-epochs 40 --runs 5
 //! cargo bench --bench checkpoint -- --quick        # 100,000 keys, 15 s
+//! cargo bench --bench checkpoint -- --cpus 0       # the queries on CPU 0 only
 //! ```
 
 use std::collections::{BTreeMap, HashMap};
@@ -76,6 +80,8 @@ struct Args {
     store_epochs: u64,
     runs: u64,
     quick: bool,
+    /// `--cpus`: the CPUs the queries' threads run on.
+    cpus: Option<Vec<usize>>,
     /// Set in the child process of a recovery run: the checkpoint location.
     recover_child: Option<PathBuf>,
 }
@@ -89,6 +95,7 @@ impl Args {
             store_epochs: 40,
             runs: 5,
             quick: std::env::var_os("RTFLOW_BENCH_QUICK").is_some(),
+            cpus: None,
             recover_child: None,
         };
         let words: Vec<String> = std::env::args().skip(1).collect();
@@ -102,6 +109,15 @@ impl Args {
         while let Some(flag) = words.next() {
             if flag == "--recover-child" {
                 args.recover_child = words.next().map(PathBuf::from);
+                continue;
+            }
+            if flag == "--cpus" {
+                let list = words.next().unwrap_or_default();
+                let Ok(cpus) = list.split(',').map(str::parse).collect() else {
+                    eprintln!("--cpus takes a comma-separated list of CPU numbers");
+                    std::process::exit(2);
+                };
+                args.cpus = Some(cpus);
                 continue;
             }
             let value = match flag.as_str() {
@@ -565,6 +581,9 @@ fn config(location: &Path, args: &Args, listener: Option<Arc<Commits>>) -> Query
     if let Some(listener) = listener {
         config = config.listener(listener);
     }
+    if let Some(cpus) = &args.cpus {
+        config = config.cpu_affinity(cpus.iter().copied());
+    }
     config
 }
 
@@ -831,6 +850,11 @@ fn recovery(location: &Path, args: &Args) -> std::result::Result<Recovery, BoxEr
             .arg(location)
             .args(["--keys", &args.keys.to_string()])
             .args(["--epoch-ms", &args.epoch_ms.to_string()])
+            .args(
+                args.cpus
+                    .iter()
+                    .flat_map(|cpus| ["--cpus".to_owned(), cpu_list(cpus)]),
+            )
             .stdout(Stdio::piped())
             .spawn()?;
         let stdout = child.stdout.take().ok_or("no child stdout")?;
@@ -879,6 +903,13 @@ fn recover_child(location: &Path, args: &Args) -> std::result::Result<(), BoxErr
     Ok(())
 }
 
+fn cpu_list(cpus: &[usize]) -> String {
+    cpus.iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 fn main() -> std::result::Result<(), BoxError> {
     let args = Args::parse();
     if let Some(location) = &args.recover_child {
@@ -896,8 +927,15 @@ fn main() -> std::result::Result<(), BoxError> {
 
     eprintln!(
         "command: cargo bench --bench checkpoint -- --keys {} --seconds {} --epoch-ms {} \
-         --store-epochs {} --runs {}",
-        args.keys, args.seconds, args.epoch_ms, args.store_epochs, args.runs
+         --store-epochs {} --runs {}{}",
+        args.keys,
+        args.seconds,
+        args.epoch_ms,
+        args.store_epochs,
+        args.runs,
+        args.cpus
+            .as_ref()
+            .map_or(String::new(), |cpus| format!(" --cpus {}", cpu_list(cpus)))
     );
     let keys = args.keys;
     let changed = args.changed();

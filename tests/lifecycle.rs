@@ -34,6 +34,58 @@ fn stop_drains_records_already_read() {
     assert_eq!(rows, (0..1000).map(|x| (x + 1) * 2).collect::<Vec<_>>());
 }
 
+/// The `Cpus_allowed_list` line of a thread's /proc status ("0-1", "3").
+fn allowed_cpus(status: &str) -> String {
+    let status = std::fs::read_to_string(status).expect("Linux /proc");
+    let line = status
+        .lines()
+        .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list in /proc status");
+    line.trim().to_owned()
+}
+
+#[test]
+fn cpu_affinity_pins_every_actor() {
+    let caller = allowed_cpus("/proc/thread-self/status");
+    // The first CPU this thread may use: "0-1" or "2,5" both start with it.
+    let cpu: usize = caller
+        .split(['-', ','])
+        .next()
+        .and_then(|first| first.parse().ok())
+        .unwrap();
+    let flow = Dataflow::new("pinned");
+    let input = MemorySource::new(2);
+    let out = MemorySink::new();
+    let on_thread = |_| allowed_cpus("/proc/thread-self/status");
+    flow.source(input.clone())
+        .map(on_thread)
+        .rebalance()
+        .map(move |source_cpus| (source_cpus, allowed_cpus("/proc/thread-self/status")))
+        .sink(out.clone());
+    let query = flow
+        .start(
+            config("pinned")
+                .cpu_affinity([cpu])
+                .operator_chaining(false),
+        )
+        .unwrap();
+    input.push_all(0, 0..50u32).unwrap();
+    input.push_all(1, 50..100u32).unwrap();
+    assert!(out.wait_for(100, TIMEOUT));
+    query.stop().unwrap();
+    let expected = (cpu.to_string(), cpu.to_string());
+    assert!(
+        out.rows().iter().all(|cpus| *cpus == expected),
+        "{:?}",
+        out.rows()
+    );
+    assert_eq!(
+        allowed_cpus("/proc/thread-self/status"),
+        caller,
+        "the caller's own thread keeps its affinity"
+    );
+}
+
 #[test]
 fn await_termination_times_out_while_running() {
     let flow = Dataflow::new("wait");

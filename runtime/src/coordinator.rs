@@ -155,6 +155,9 @@ impl Coordinator {
         } = recovery;
         let _span = tracing::info_span!("start", query = %config.name).entered();
         validate(&graph, &config)?;
+        if let Some(cpus) = &config.cpu_affinity {
+            crate::placement::pin_current_thread(cpus)?;
+        }
         self.progress = Some(ProgressTracker::new(
             &self.shared,
             graph.source_descriptions(),

@@ -16,7 +16,8 @@
 //!   snapshotted incrementally at each barrier and restored on start.
 //! - [`connector`]: the [`Source`] and [`Sink`] traits connectors implement.
 //! - [`plan`]: start-time validation (with Spark's error classes), parallelism,
-//!   chaining, slots, and wiring of lanes to operators.
+//!   chaining, slots, and wiring of lanes to operators; `placement`: which CPUs
+//!   the query's threads may run on.
 //! - `actor`: the two loops an actor runs; `inputs`: watermark minimum and barrier
 //!   alignment over an actor's lanes, as pure logic.
 //! - [`query`]: the [`StreamingQuery`] handle; [`metrics`]: counters and latency;
@@ -37,6 +38,7 @@ pub mod graph;
 mod inputs;
 pub mod metrics;
 pub mod operator;
+mod placement;
 pub mod plan;
 pub mod progress;
 pub mod query;
