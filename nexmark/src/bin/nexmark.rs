@@ -53,6 +53,10 @@ struct Args {
     /// The checkpoint interval (the real-time trigger's batch duration).
     #[arg(long, global = true, default_value = "10 seconds")]
     checkpoint_interval: String,
+    /// The CPUs the query's threads run on (QueryConfig::cpu_affinity), as
+    /// "0" or "0,1"; by default the OS places them.
+    #[arg(long, global = true, value_delimiter = ',')]
+    cpus: Option<Vec<usize>>,
 }
 
 #[derive(Subcommand)]
@@ -147,11 +151,13 @@ fn run(args: &Args, rate: Option<u64>) -> Result<(), Box<dyn std::error::Error>>
     let location = std::env::temp_dir().join(format!("rtflow-nexmark-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&location);
     let started = Instant::now();
-    let query = flow.start(
-        QueryConfig::new(format!("nexmark-{}", args.query))
-            .checkpoint_location(&location)
-            .trigger(Trigger::real_time(args.checkpoint_interval.as_str())),
-    )?;
+    let mut config = QueryConfig::new(format!("nexmark-{}", args.query))
+        .checkpoint_location(&location)
+        .trigger(Trigger::real_time(args.checkpoint_interval.as_str()));
+    if let Some(cpus) = &args.cpus {
+        config = config.cpu_affinity(cpus.iter().copied());
+    }
+    let query = flow.start(config)?;
     match args.source {
         SourceKind::Generator => {
             query.await_termination(None)?;
@@ -170,7 +176,10 @@ fn run(args: &Args, rate: Option<u64>) -> Result<(), Box<dyn std::error::Error>>
     let _ = std::fs::remove_dir_all(&location);
     let latency = query.metrics().latency.processing;
     let events_per_s = args.events as f64 / seconds;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = args.cpus.as_ref().map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get()),
+        Vec::len,
+    );
     let us = |ms: f64| (ms * 10_000.0).round() / 10.0;
     let figures = serde_json::json!({
         "query": args.query,
