@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use common::kafka::{bootstrap, consume, produce, topic};
 use common::{config, TIMEOUT};
 use rtflow::prelude::*;
+use rtflow::runtime::{Source, SourceContext, SourceOutput};
 
 /// `count` records per partition, valued "partition:sequence", keyed by sequence.
 fn numbered(partitions: i32, count: usize) -> Vec<(i32, String, Vec<u8>)> {
@@ -98,6 +99,51 @@ fn read_values(name: &str, source: KafkaSource, expected: usize) -> Vec<String> 
     std::thread::sleep(Duration::from_millis(300));
     query.stop().unwrap();
     out.rows()
+}
+
+/// The reader sleeps parked, not inside librdkafka, so both a record and an
+/// unpark (the coordinator's, when it sends a barrier or stops the query) end
+/// a wait far longer than the test's timeout at once.
+#[test]
+fn an_idle_reader_wakes_for_a_record_and_for_an_unpark() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let topic = topic(&bootstrap, "idle-reader", 1);
+    let source = KafkaSource::new(&bootstrap)
+        .subscribe([&topic])
+        .starting_offsets(StartingOffsets::Earliest);
+    assert_eq!(source.partitions().unwrap(), 1);
+    let context = SourceContext {
+        subtask: 0,
+        parallelism: 1,
+        partitions: vec![0],
+        start_offsets: Default::default(),
+    };
+    let mut reader = source.reader(&context).unwrap();
+    let (polled, poll) = std::sync::mpsc::channel();
+    let (next, go) = std::sync::mpsc::channel();
+    let poller = std::thread::spawn(move || {
+        while let Ok(until_records) = go.recv() {
+            let mut out = SourceOutput::new(16);
+            // librdkafka's own events (a log line) may end a wait early too.
+            while {
+                reader.poll(&mut out, Duration::from_secs(3600)).unwrap();
+                until_records && out.is_empty()
+            } {}
+            polled.send(16 - out.remaining()).unwrap();
+        }
+    });
+
+    next.send(false).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    poller.thread().unpark();
+    assert_eq!(poll.recv_timeout(TIMEOUT), Ok(0), "an unpark ends the wait");
+
+    next.send(true).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    produce(&bootstrap, &topic, [(0, "k".into(), b"v".to_vec())]);
+    assert_eq!(poll.recv_timeout(TIMEOUT), Ok(1), "a record ends the wait");
+    drop(next);
+    poller.join().unwrap();
 }
 
 #[test]

@@ -118,7 +118,16 @@ pub struct SourceOutput<T> {
 }
 
 impl<T> SourceOutput<T> {
-    pub(crate) fn new(capacity: usize) -> Self {
+    /// An empty batch of at most `capacity` records: what the actor hands its
+    /// reader, and what a reader's own tests can poll into.
+    ///
+    /// ```
+    /// use rtflow_runtime::SourceOutput;
+    /// let mut out = SourceOutput::new(2);
+    /// out.push("a", 0);
+    /// assert_eq!(out.remaining(), 1);
+    /// ```
+    pub fn new(capacity: usize) -> Self {
         Self {
             records: Vec::with_capacity(capacity),
             capacity,

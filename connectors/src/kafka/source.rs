@@ -1,7 +1,8 @@
 //! [`KafkaSource`]: long-running readers over manually assigned topic partitions.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::Thread;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -327,7 +328,23 @@ impl Source<KafkaRecord> for KafkaSource {
             .iter()
             .map(|i| assigned[*i].clone())
             .collect();
-        let consumer = self.consumer()?;
+        let mut consumer = self.consumer()?;
+        // The reader waits parked, not inside librdkafka: a barrier's unpark
+        // must end the wait at once, and `BaseConsumer::poll` waits out its
+        // whole timeout. librdkafka calls this from its own threads when the
+        // consumer's queue goes from empty to holding an event. A poll that
+        // consumed one of librdkafka's own events (a log line) returns nothing
+        // even if messages follow it; those wait until the reader's sleep
+        // ends (`max_wait`, 20 ms in a query), as rare as such events are.
+        let reader_thread = Arc::new(OnceLock::<Thread>::new());
+        consumer.set_nonempty_callback({
+            let reader_thread = reader_thread.clone();
+            move || {
+                if let Some(thread) = reader_thread.get() {
+                    thread.unpark();
+                }
+            }
+        });
         let mut assignment = TopicPartitionList::new();
         let mut positions = Vec::with_capacity(partitions.len());
         for (topic, partition) in &partitions {
@@ -345,12 +362,15 @@ impl Source<KafkaRecord> for KafkaSource {
             source: format!("kafka {}", self.bootstrap_servers),
             partitions,
             positions,
+            reader_thread,
         }))
     }
 }
 
 struct KafkaReader {
     consumer: BaseConsumer,
+    /// The thread that polls, for the consumer's nonempty callback to unpark.
+    reader_thread: Arc<OnceLock<Thread>>,
     source: String,
     partitions: Vec<(String, i32)>,
     /// The next offset to read, per partition.
@@ -422,10 +442,12 @@ impl SourceReader<KafkaRecord> for KafkaReader {
         out: &mut SourceOutput<KafkaRecord>,
         max_wait: Duration,
     ) -> Result<SourceStatus> {
-        let mut wait = max_wait;
+        self.reader_thread.get_or_init(std::thread::current);
+        let mut waited = max_wait.is_zero();
         while out.remaining() > 0 {
-            match self.consumer.poll(wait) {
-                None => break,
+            match self.consumer.poll(Duration::ZERO) {
+                None if waited => break,
+                None => std::thread::park_timeout(max_wait),
                 Some(Ok(message)) => {
                     let (topic, partition) = (message.topic(), message.partition());
                     if let Some(i) = self
@@ -449,7 +471,7 @@ impl SourceReader<KafkaRecord> for KafkaReader {
                     break;
                 }
             }
-            wait = Duration::ZERO;
+            waited = true;
         }
         Ok(SourceStatus::Active)
     }
