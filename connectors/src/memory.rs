@@ -2,6 +2,7 @@
 //! directly.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::{Thread, ThreadId};
 use std::time::{Duration, Instant};
 
 use rtflow_runtime::connector::{numbered_offsets, Offsets};
@@ -24,12 +25,23 @@ struct Log<T> {
 
 struct Shared<T> {
     log: Mutex<Log<T>>,
-    appended: Condvar,
+    /// The threads of the readers waiting for records. They sleep parked, not
+    /// on a condvar, so that the coordinator's unpark for a barrier or a stop
+    /// wakes them too.
+    readers: Mutex<Vec<Thread>>,
 }
 
 impl<T> Shared<T> {
     fn log(&self) -> MutexGuard<'_, Log<T>> {
         self.log.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn readers(&self) -> MutexGuard<'_, Vec<Thread>> {
+        self.readers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wake_readers(&self) {
+        self.readers().iter().for_each(Thread::unpark);
     }
 }
 
@@ -65,7 +77,7 @@ impl<T: Data> MemorySource<T> {
                     partitions: (0..partitions).map(|_| Vec::new()).collect(),
                     ended: vec![false; partitions],
                 }),
-                appended: Condvar::new(),
+                readers: Mutex::default(),
             }),
         }
     }
@@ -92,7 +104,8 @@ impl<T: Data> MemorySource<T> {
     pub fn end(&self) {
         let mut log = self.shared.log();
         log.ended.iter_mut().for_each(|ended| *ended = true);
-        self.shared.appended.notify_all();
+        drop(log);
+        self.shared.wake_readers();
     }
 
     fn append(
@@ -124,7 +137,8 @@ impl<T: Data> MemorySource<T> {
                 event_time,
             },
         ));
-        self.shared.appended.notify_all();
+        drop(log);
+        self.shared.wake_readers();
         Ok(())
     }
 }
@@ -162,6 +176,7 @@ impl<T: Data> Source<T> for MemorySource<T> {
         Ok(Box::new(MemoryReader {
             shared: self.shared.clone(),
             offsets,
+            thread: None,
         }))
     }
 }
@@ -170,6 +185,16 @@ struct MemoryReader<T> {
     shared: Arc<Shared<T>>,
     /// (partition, next offset) for every partition this reader owns.
     offsets: Vec<(usize, usize)>,
+    /// The thread that polls, once it has polled.
+    thread: Option<ThreadId>,
+}
+
+impl<T> Drop for MemoryReader<T> {
+    fn drop(&mut self) {
+        if let Some(id) = self.thread {
+            self.shared.readers().retain(|thread| thread.id() != id);
+        }
+    }
 }
 
 impl<T: Data> SourceReader<T> for MemoryReader<T> {
@@ -178,9 +203,14 @@ impl<T: Data> SourceReader<T> for MemoryReader<T> {
     }
 
     fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus> {
-        let deadline = Instant::now() + max_wait;
-        let mut log = self.shared.log();
+        if self.thread.is_none() {
+            let current = std::thread::current();
+            self.thread = Some(current.id());
+            self.shared.readers().push(current);
+        }
+        let mut waited = max_wait.is_zero();
         loop {
+            let log = self.shared.log();
             for (partition, offset) in &mut self.offsets {
                 out.set_partition(*partition);
                 let entries = &log.partitions[*partition];
@@ -197,16 +227,14 @@ impl<T: Data> SourceReader<T> for MemoryReader<T> {
             if finished {
                 return Ok(SourceStatus::Finished);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if !out.is_empty() || left.is_zero() {
+            drop(log);
+            if !out.is_empty() || waited {
                 return Ok(SourceStatus::Active);
             }
-            log = self
-                .shared
-                .appended
-                .wait_timeout(log, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            // An append after the look above has unparked this thread already,
+            // so the park returns at once.
+            std::thread::park_timeout(max_wait);
+            waited = true;
         }
     }
 }
@@ -323,5 +351,55 @@ impl<T: Data> SinkWriter<T> for MemoryWriter<T> {
             self.sink.shared.1.notify_all();
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use super::*;
+
+    const TIMEOUT: Duration = Duration::from_secs(30);
+
+    /// Polls `reader` once on a thread of its own, with a wait far longer than
+    /// the test's timeout; the receiver gets how many records it read.
+    fn poll_once(
+        mut reader: Box<dyn SourceReader<u32>>,
+    ) -> (std::thread::JoinHandle<()>, mpsc::Receiver<usize>) {
+        let (polled, poll) = mpsc::channel();
+        let poller = std::thread::spawn(move || {
+            let mut out = SourceOutput::new(8);
+            reader.poll(&mut out, Duration::from_secs(3600)).unwrap();
+            polled.send(8 - out.remaining()).unwrap();
+        });
+        (poller, poll)
+    }
+
+    #[test]
+    fn a_waiting_reader_wakes_for_a_record_and_for_an_unpark() {
+        let source = MemorySource::<u32>::new(1);
+        let context = SourceContext {
+            subtask: 0,
+            parallelism: 1,
+            partitions: vec![0],
+            start_offsets: Offsets::default(),
+        };
+
+        let (poller, poll) = poll_once(source.reader(&context).unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+        poller.thread().unpark();
+        assert_eq!(poll.recv_timeout(TIMEOUT), Ok(0), "an unpark ends the wait");
+        poller.join().unwrap();
+        assert!(
+            source.shared.readers().is_empty(),
+            "a dropped reader is forgotten"
+        );
+
+        let (poller, poll) = poll_once(source.reader(&context).unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+        source.push(0, 7).unwrap();
+        assert_eq!(poll.recv_timeout(TIMEOUT), Ok(1), "a record ends the wait");
+        poller.join().unwrap();
     }
 }
