@@ -234,8 +234,8 @@ pub struct QueryConfig {
     pub metrics_address: Option<SocketAddr>,
     /// The longest time between two progress reports. Default 5 s.
     pub progress_interval: Duration,
-    /// The CPUs the query's threads (coordinator, actors, compaction) may run on.
-    /// Default `None`: the OS places them.
+    /// The CPUs the query's coordinator and actors, and the threads they start,
+    /// may run on. Default `None`: the OS places them.
     pub cpu_affinity: Option<Vec<usize>>,
     /// Told when the query starts, reports progress and terminates.
     pub listeners: Listeners,
@@ -363,7 +363,8 @@ impl QueryConfig {
         self
     }
 
-    /// Runs the query's threads only on `cpus` (Linux).
+    /// Runs the query's coordinator and actors, and the threads they start
+    /// (compaction, Kafka clients), only on `cpus` (Linux).
     ///
     /// On a VM, waking a thread on an idle vCPU can take a millisecond; a
     /// low-rate query whose actors share one CPU hands records over without
