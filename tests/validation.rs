@@ -323,7 +323,7 @@ fn cpu_affinity_must_name_cpus_the_process_may_use() {
     let error = start_error(simple_flow(), config("v").cpu_affinity([]));
     assert_eq!(error.error_class(), "INVALID_CONFIGURATION");
     assert!(error.to_string().contains("names no CPU"), "{error}");
-    let error = start_error(simple_flow(), config("v").cpu_affinity([0, 100_000]));
+    let error = start_error(simple_flow(), config("v").cpu_affinity([100_000]));
     assert_eq!(error.error_class(), "INVALID_CONFIGURATION");
     assert!(error.to_string().contains("CPU 100000"), "{error}");
 }
