@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::kafka::{bootstrap, consume, produce, topic};
 use common::{config, TIMEOUT};
 use rtflow::prelude::*;
-use rtflow::runtime::{Source, SourceContext, SourceOutput};
+use rtflow::runtime::{Source, SourceContext, SourceOutput, SourceWaker};
 
 /// `count` records per partition, valued "partition:sequence", keyed by sequence.
 fn numbered(partitions: i32, count: usize) -> Vec<(i32, String, Vec<u8>)> {
@@ -117,11 +117,14 @@ fn an_idle_reader_wakes_for_a_record_and_for_an_unpark() {
         parallelism: 1,
         partitions: vec![0],
         start_offsets: Default::default(),
+        waker: SourceWaker::default(),
     };
     let mut reader = source.reader(&context).unwrap();
+    let waker = context.waker.clone();
     let (polled, poll) = std::sync::mpsc::channel();
     let (next, go) = std::sync::mpsc::channel();
     let poller = std::thread::spawn(move || {
+        waker.bind_current_thread();
         while let Ok(until_records) = go.recv() {
             let mut out = SourceOutput::new(16);
             // librdkafka's own events (a log line) may end a wait early too.

@@ -2,14 +2,13 @@
 //! directly.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::{Thread, ThreadId};
 use std::time::{Duration, Instant};
 
 use rtflow_runtime::connector::{numbered_offsets, Offsets};
 use rtflow_runtime::record::{nanos_to_event_time, now_nanos};
 use rtflow_runtime::{
     Data, EventTime, Nanos, Record, Result, RtflowError, Sink, SinkContext, SinkWriter, Source,
-    SourceContext, SourceOutput, SourceReader, SourceStatus,
+    SourceContext, SourceOutput, SourceReader, SourceStatus, SourceWaker,
 };
 
 struct Entry<T> {
@@ -25,10 +24,10 @@ struct Log<T> {
 
 struct Shared<T> {
     log: Mutex<Log<T>>,
-    /// The threads of the readers waiting for records. They sleep parked, not
-    /// on a condvar, so that the coordinator's unpark for a barrier or a stop
-    /// wakes them too.
-    readers: Mutex<Vec<Thread>>,
+    /// The wakers of the open readers. Readers sleep parked, not on a
+    /// condvar, so that the coordinator's unpark for a barrier or a stop wakes
+    /// them too.
+    readers: Mutex<Vec<SourceWaker>>,
 }
 
 impl<T> Shared<T> {
@@ -36,12 +35,12 @@ impl<T> Shared<T> {
         self.log.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn readers(&self) -> MutexGuard<'_, Vec<Thread>> {
+    fn readers(&self) -> MutexGuard<'_, Vec<SourceWaker>> {
         self.readers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn wake_readers(&self) {
-        self.readers().iter().for_each(Thread::unpark);
+        self.readers().iter().for_each(SourceWaker::wake);
     }
 }
 
@@ -173,10 +172,11 @@ impl<T: Data> Source<T> for MemorySource<T> {
             }
         }
         drop(log);
+        self.shared.readers().push(ctx.waker.clone());
         Ok(Box::new(MemoryReader {
             shared: self.shared.clone(),
             offsets,
-            thread: None,
+            waker: ctx.waker.clone(),
         }))
     }
 }
@@ -185,15 +185,15 @@ struct MemoryReader<T> {
     shared: Arc<Shared<T>>,
     /// (partition, next offset) for every partition this reader owns.
     offsets: Vec<(usize, usize)>,
-    /// The thread that polls, once it has polled.
-    thread: Option<ThreadId>,
+    /// Its entry in the source's list of wakers, left when the reader goes.
+    waker: SourceWaker,
 }
 
 impl<T> Drop for MemoryReader<T> {
     fn drop(&mut self) {
-        if let Some(id) = self.thread {
-            self.shared.readers().retain(|thread| thread.id() != id);
-        }
+        self.shared
+            .readers()
+            .retain(|waker| !waker.same_as(&self.waker));
     }
 }
 
@@ -203,11 +203,6 @@ impl<T: Data> SourceReader<T> for MemoryReader<T> {
     }
 
     fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus> {
-        if self.thread.is_none() {
-            let current = std::thread::current();
-            self.thread = Some(current.id());
-            self.shared.readers().push(current);
-        }
         let mut waited = max_wait.is_zero();
         loop {
             let log = self.shared.log();
@@ -366,9 +361,11 @@ mod tests {
     /// the test's timeout; the receiver gets how many records it read.
     fn poll_once(
         mut reader: Box<dyn SourceReader<u32>>,
+        waker: SourceWaker,
     ) -> (std::thread::JoinHandle<()>, mpsc::Receiver<usize>) {
         let (polled, poll) = mpsc::channel();
         let poller = std::thread::spawn(move || {
+            waker.bind_current_thread();
             let mut out = SourceOutput::new(8);
             reader.poll(&mut out, Duration::from_secs(3600)).unwrap();
             polled.send(8 - out.remaining()).unwrap();
@@ -379,14 +376,16 @@ mod tests {
     #[test]
     fn a_waiting_reader_wakes_for_a_record_and_for_an_unpark() {
         let source = MemorySource::<u32>::new(1);
-        let context = SourceContext {
+        let context = || SourceContext {
             subtask: 0,
             parallelism: 1,
             partitions: vec![0],
             start_offsets: Offsets::default(),
+            waker: SourceWaker::default(),
         };
 
-        let (poller, poll) = poll_once(source.reader(&context).unwrap());
+        let first = context();
+        let (poller, poll) = poll_once(source.reader(&first).unwrap(), first.waker);
         std::thread::sleep(Duration::from_millis(100));
         poller.thread().unpark();
         assert_eq!(poll.recv_timeout(TIMEOUT), Ok(0), "an unpark ends the wait");
@@ -396,7 +395,8 @@ mod tests {
             "a dropped reader is forgotten"
         );
 
-        let (poller, poll) = poll_once(source.reader(&context).unwrap());
+        let second = context();
+        let (poller, poll) = poll_once(source.reader(&second).unwrap(), second.waker);
         std::thread::sleep(Duration::from_millis(100));
         source.push(0, 7).unwrap();
         assert_eq!(poll.recv_timeout(TIMEOUT), Ok(1), "a record ends the wait");

@@ -9,7 +9,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Select, TryRecvError};
 use rtflow_checkpoint::{ActorId, Offsets};
 
-use crate::connector::{SourceOutput, SourceReader, SourceStatus};
+use crate::connector::{SourceOutput, SourceReader, SourceStatus, SourceWaker};
 use crate::error::{Result, RtflowError};
 use crate::inputs::{Alignment, IdleStep, Inputs};
 use crate::metrics::OperatorMetrics;
@@ -66,6 +66,8 @@ pub(crate) struct ActorEnv {
     pub(crate) report: Reporter,
     /// For source actors: the epochs the coordinator ends, in order.
     pub(crate) barriers: Option<Receiver<Epoch>>,
+    /// For source actors: the waker handed to the reader, bound to this thread.
+    pub(crate) waker: Option<SourceWaker>,
     /// Set when the query fails: every actor exits at once, without output.
     pub(crate) cancel: Arc<AtomicBool>,
     /// Set by `stop()`: sources end their streams, the rest drains.
@@ -175,6 +177,9 @@ fn source_loop<T: Data>(
     emit: &mut dyn Emit<T>,
     env: &ActorEnv,
 ) -> Result<()> {
+    if let Some(waker) = &env.waker {
+        waker.bind_current_thread();
+    }
     let mut out = SourceOutput::new(env.max_records);
     let mut unacked = None;
     loop {

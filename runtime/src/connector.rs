@@ -2,7 +2,8 @@
 //! source actor, a [`Sink`] one [`SinkWriter`] per sink actor.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::thread::Thread;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
@@ -26,6 +27,46 @@ pub struct SourceContext {
     /// Where to resume, as the source's [`SourceReader::offsets`] reported them
     /// at the last committed checkpoint; empty on a first start.
     pub start_offsets: Offsets,
+    /// Ends this reader's wait in [`SourceReader::poll`] from any thread: for a
+    /// client library's callback, or whatever appends the records it reads.
+    pub waker: SourceWaker,
+}
+
+/// Wakes a source reader sleeping in [`std::thread::park_timeout`] (see
+/// [`SourceReader::poll`]), from any thread. The runtime binds it to the source
+/// actor's thread before the first poll; until then a wake does nothing, and
+/// none is needed, since the first poll looks before it sleeps.
+///
+/// ```
+/// use rtflow_runtime::SourceWaker;
+/// let waker = SourceWaker::default();
+/// waker.wake(); // not bound yet: nothing to wake
+/// waker.bind_current_thread();
+/// waker.wake();
+/// std::thread::park(); // returns at once: the wake left its token
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct SourceWaker(Arc<OnceLock<Thread>>);
+
+impl SourceWaker {
+    /// Binds the waker to the calling thread, the one that polls the reader.
+    /// The runtime does this on the source actor's thread; a test that polls a
+    /// reader on a thread of its own does it there. Only the first call binds.
+    pub fn bind_current_thread(&self) {
+        self.0.get_or_init(std::thread::current);
+    }
+
+    /// Ends the reader's current wait, or its next one, at once.
+    pub fn wake(&self) {
+        if let Some(thread) = self.0.get() {
+            thread.unpark();
+        }
+    }
+
+    /// Whether `self` and `other` wake the same reader.
+    pub fn same_as(&self, other: &SourceWaker) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 impl SourceContext {
@@ -99,7 +140,8 @@ pub trait SourceReader<T>: Send {
     ///
     /// A reader that waits by sleeping should sleep with
     /// [`std::thread::park_timeout`]: the runtime unparks a source's thread when
-    /// it ends an epoch or stops the query, so the reader returns at once. Until
+    /// it ends an epoch or stops the query, so the reader returns at once, and
+    /// [`SourceContext::waker`] ends the wait from the thread that has records. Until
     /// a late source's barrier arrives, every operator aligning on it holds back
     /// the records the other sources sent after theirs.
     fn poll(&mut self, out: &mut SourceOutput<T>, max_wait: Duration) -> Result<SourceStatus>;

@@ -121,6 +121,7 @@ impl Coordinator {
             actor: 0,
             report: Arc::new(|_| {}),
             barriers: None,
+            waker: None,
             cancel: Arc::default(),
             stop: Arc::default(),
             max_records: startup.config.max_records_per_message,

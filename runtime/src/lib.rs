@@ -51,6 +51,7 @@ mod wiring;
 pub use config::{OutputMode, QueryConfig, Trigger};
 pub use connector::{
     Sink, SinkContext, SinkWriter, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
+    SourceWaker,
 };
 pub use error::{BoxError, Result, RtflowError};
 pub use graph::{Dataflow, KeyedStream, Stream};

@@ -9,7 +9,7 @@ use rtflow_checkpoint::Offsets;
 
 use crate::actor::ActorEnv;
 use crate::config::QueryConfig;
-use crate::connector::{SinkContext, SourceContext};
+use crate::connector::{SinkContext, SourceContext, SourceWaker};
 use crate::dispatch::Partitioning;
 use crate::error::{Result, RtflowError};
 use crate::graph::{Graph, NodeId, WITH_WATERMARK};
@@ -477,6 +477,7 @@ impl Plan {
                 };
                 let (main, source) = match &node.body {
                     Body::Source(source, _) => {
+                        let waker = SourceWaker::default();
                         let ctx = SourceContext {
                             subtask,
                             parallelism: self.parallelism[head],
@@ -488,6 +489,7 @@ impl Plan {
                                 .get(&node.name)
                                 .cloned()
                                 .unwrap_or_default(),
+                            waker: waker.clone(),
                         };
                         let reader = source.open(&ctx)?;
                         let (barriers, epochs) = crossbeam_channel::unbounded();
@@ -498,6 +500,7 @@ impl Plan {
                                 Role::Source,
                             )),
                             barriers: Some(epochs),
+                            waker: Some(waker),
                             ..env
                         };
                         (

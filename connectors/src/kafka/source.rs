@@ -1,8 +1,7 @@
 //! [`KafkaSource`]: long-running readers over manually assigned topic partitions.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
-use std::thread::Thread;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -336,15 +335,8 @@ impl Source<KafkaRecord> for KafkaSource {
         // consumed one of librdkafka's own events (a log line) returns nothing
         // even if messages follow it; those wait until the reader's sleep
         // ends (`max_wait`, 20 ms in a query), as rare as such events are.
-        let reader_thread = Arc::new(OnceLock::<Thread>::new());
-        consumer.set_nonempty_callback({
-            let reader_thread = reader_thread.clone();
-            move || {
-                if let Some(thread) = reader_thread.get() {
-                    thread.unpark();
-                }
-            }
-        });
+        let waker = ctx.waker.clone();
+        consumer.set_nonempty_callback(move || waker.wake());
         let mut assignment = TopicPartitionList::new();
         let mut positions = Vec::with_capacity(partitions.len());
         for (topic, partition) in &partitions {
@@ -362,15 +354,12 @@ impl Source<KafkaRecord> for KafkaSource {
             source: format!("kafka {}", self.bootstrap_servers),
             partitions,
             positions,
-            reader_thread,
         }))
     }
 }
 
 struct KafkaReader {
     consumer: BaseConsumer,
-    /// The thread that polls, for the consumer's nonempty callback to unpark.
-    reader_thread: Arc<OnceLock<Thread>>,
     source: String,
     partitions: Vec<(String, i32)>,
     /// The next offset to read, per partition.
@@ -442,7 +431,6 @@ impl SourceReader<KafkaRecord> for KafkaReader {
         out: &mut SourceOutput<KafkaRecord>,
         max_wait: Duration,
     ) -> Result<SourceStatus> {
-        self.reader_thread.get_or_init(std::thread::current);
         let mut waited = max_wait.is_zero();
         while out.remaining() > 0 {
             match self.consumer.poll(Duration::ZERO) {
