@@ -2,10 +2,12 @@
 //! examples, benchmarks and tests. Topics get the cluster's default
 //! replication factor (`default.replication.factor`).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_executor::block_on;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, ConfigResource, NewTopic, ResourceSpecifier, TopicReplication,
+};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientConfig;
@@ -24,6 +26,9 @@ pub struct KafkaAdmin {
     options: AdminOptions,
 }
 
+/// How long the broker may take over one administrative request.
+const OPERATION_TIMEOUT: Duration = Duration::from_secs(10);
+
 fn admin_error(message: impl std::fmt::Display) -> RtflowError {
     RtflowError::source("kafka admin", message)
 }
@@ -35,7 +40,7 @@ impl KafkaAdmin {
             .set("bootstrap.servers", bootstrap_servers)
             .create()
             .map_err(admin_error)?;
-        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let options = AdminOptions::new().operation_timeout(Some(OPERATION_TIMEOUT));
         Ok(Self { client, options })
     }
 
@@ -52,19 +57,44 @@ impl KafkaAdmin {
     }
 
     /// The cleanup policy of an existing `topic` (`delete`, `compact`, or both).
+    ///
+    /// A topic another client has just created may not have reached the broker
+    /// that answers yet: it then describes the topic with no settings at all,
+    /// not even the defaults. That answer is asked again until the operation
+    /// timeout has passed.
     pub(crate) fn cleanup_policy(&self, topic: &str) -> Result<String> {
+        let deadline = Instant::now() + OPERATION_TIMEOUT;
+        let mut pause = Duration::from_millis(10);
+        loop {
+            let described = self.describe(topic)?;
+            if !described.entries.is_empty() {
+                return described
+                    .get("cleanup.policy")
+                    .and_then(|entry| entry.value.clone())
+                    .ok_or_else(|| {
+                        admin_error(format!("topic '{topic}' has no cleanup.policy setting"))
+                    });
+            }
+            if Instant::now() + pause > deadline {
+                return Err(admin_error(format!(
+                    "the broker did not describe the settings of topic '{topic}' within {}s",
+                    OPERATION_TIMEOUT.as_secs()
+                )));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    fn describe(&self, topic: &str) -> Result<ConfigResource> {
         let specifier = ResourceSpecifier::Topic(topic);
         let results = block_on(self.client.describe_configs([&specifier], &self.options))
             .map_err(admin_error)?;
-        let described = results
+        results
             .into_iter()
             .next()
             .ok_or_else(|| admin_error(format!("no configuration for topic '{topic}'")))?
-            .map_err(|code| admin_error(format!("could not describe topic '{topic}': {code}")))?;
-        Ok(described
-            .get("cleanup.policy")
-            .and_then(|entry| entry.value.clone())
-            .unwrap_or_default())
+            .map_err(|code| admin_error(format!("could not describe topic '{topic}': {code}")))
     }
 
     fn create(&self, topic: &str, partitions: i32, config: &[(&str, &str)]) -> Result<()> {
@@ -104,5 +134,49 @@ impl KafkaAdmin {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The parallel writers of an exactly-once sink each create the commit
+    /// topic and read its policy at once; the ones that find it already made
+    /// may ask a broker that has not caught up yet.
+    #[test]
+    fn clients_that_create_a_topic_together_all_read_its_policy() {
+        let Ok(bootstrap) = std::env::var("RTFLOW_KAFKA_BOOTSTRAP") else {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "RTFLOW_KAFKA_BOOTSTRAP is not set: run the tests with scripts/test.sh"
+            );
+            eprintln!("skipped: no Kafka broker; run scripts/test.sh to start one");
+            return;
+        };
+        let unique = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        for round in 0..40 {
+            let topic = format!("rtflow-admin-race-{unique}-{round}");
+            let writers: Vec<_> = (0..4)
+                .map(|_| {
+                    let (bootstrap, topic) = (bootstrap.clone(), topic.clone());
+                    std::thread::spawn(move || {
+                        let admin = KafkaAdmin::new(&bootstrap)?;
+                        admin.create_compacted_topic(&topic)?;
+                        admin.cleanup_policy(&topic)
+                    })
+                })
+                .collect();
+            for writer in writers {
+                assert_eq!(writer.join().unwrap(), Ok("compact".to_string()), "{topic}");
+            }
+            KafkaAdmin::new(&bootstrap)
+                .unwrap()
+                .delete_topic(&topic)
+                .unwrap();
+        }
     }
 }
