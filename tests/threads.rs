@@ -4,6 +4,8 @@
 
 mod common;
 
+use std::time::{Duration, Instant};
+
 use common::{config, TIMEOUT};
 use rtflow::prelude::*;
 
@@ -29,6 +31,22 @@ fn rtflow_threads() -> Vec<(String, u32)> {
         .collect()
 }
 
+/// [`rtflow_threads`] once every one of them has named itself. A new thread
+/// names itself when it first runs; until then it carries the name of the
+/// thread that spawned it, so an actor not yet scheduled reads as a second
+/// "rtflow-coord".
+fn named_rtflow_threads() -> Vec<(String, u32)> {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let threads = rtflow_threads();
+        let coordinators = threads.iter().filter(|(name, _)| name == "rtflow-coord");
+        if coordinators.count() <= 1 || Instant::now() > deadline {
+            return threads;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 fn pipeline(input: &MemorySource<u32>, fail_on: u32) -> Dataflow {
     let flow = Dataflow::new("threads");
     flow.source(input.clone())
@@ -52,10 +70,11 @@ fn every_thread_is_joined_on_stop_and_on_failure() {
         .unwrap();
     input.push_all(0, 0..100).unwrap();
     // 3 sources + 3 maps + 2 filters + 2 sinks, and the coordinator.
-    assert_eq!(rtflow_threads().len(), 11);
+    let threads = named_rtflow_threads();
+    assert_eq!(threads.len(), 11);
     // Threads inherit their spawner's policy: the coordinator, which starts
     // the actors, must give way only once they run.
-    for (name, policy) in rtflow_threads() {
+    for (name, policy) in threads {
         let expected = if name == "rtflow-coord" { 5 } else { 0 };
         assert_eq!(policy, expected, "scheduling policy of {name}");
     }
