@@ -57,13 +57,16 @@ impl KafkaAdmin {
     }
 
     /// The cleanup policy of an existing `topic` (`delete`, `compact`, or both).
-    ///
-    /// A topic another client has just created may not have reached the broker
-    /// that answers yet: it then describes the topic with no settings at all,
-    /// not even the defaults. That answer is asked again until the operation
-    /// timeout has passed.
     pub(crate) fn cleanup_policy(&self, topic: &str) -> Result<String> {
-        let deadline = Instant::now() + OPERATION_TIMEOUT;
+        self.cleanup_policy_within(topic, OPERATION_TIMEOUT)
+    }
+
+    /// The broker describes a topic it does not know with no settings at all,
+    /// not even the defaults, and a topic another client has just created may
+    /// not have reached it yet: such an answer is asked again until `timeout`
+    /// has passed.
+    fn cleanup_policy_within(&self, topic: &str, timeout: Duration) -> Result<String> {
+        let deadline = Instant::now() + timeout;
         let mut pause = Duration::from_millis(10);
         loop {
             let described = self.describe(topic)?;
@@ -77,8 +80,9 @@ impl KafkaAdmin {
             }
             if Instant::now() + pause > deadline {
                 return Err(admin_error(format!(
-                    "the broker did not describe the settings of topic '{topic}' within {}s",
-                    OPERATION_TIMEOUT.as_secs()
+                    "the broker did not describe topic '{topic}' within {} ms: it does \
+                     not exist, or the broker has not learnt of it yet",
+                    timeout.as_millis()
                 )));
             }
             std::thread::sleep(pause);
@@ -141,19 +145,24 @@ impl KafkaAdmin {
 mod tests {
     use super::*;
 
-    /// The parallel writers of an exactly-once sink each create the commit
-    /// topic and read its policy at once; the ones that find it already made
-    /// may ask a broker that has not caught up yet.
-    #[test]
-    fn clients_that_create_a_topic_together_all_read_its_policy() {
-        let Ok(bootstrap) = std::env::var("RTFLOW_KAFKA_BOOTSTRAP") else {
+    fn broker() -> Option<String> {
+        let bootstrap = std::env::var("RTFLOW_KAFKA_BOOTSTRAP");
+        if bootstrap.is_err() {
             assert!(
                 std::env::var_os("CI").is_none(),
                 "RTFLOW_KAFKA_BOOTSTRAP is not set: run the tests with scripts/test.sh"
             );
             eprintln!("skipped: no Kafka broker; run scripts/test.sh to start one");
-            return;
-        };
+        }
+        bootstrap.ok()
+    }
+
+    /// The parallel writers of an exactly-once sink each create the commit
+    /// topic and read its policy at once; the ones that find it already made
+    /// may ask a broker that has not caught up yet.
+    #[test]
+    fn clients_that_create_a_topic_together_all_read_its_policy() {
+        let Some(bootstrap) = broker() else { return };
         let unique = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
@@ -178,5 +187,26 @@ mod tests {
                 .delete_topic(&topic)
                 .unwrap();
         }
+    }
+
+    #[test]
+    fn a_missing_topic_has_no_policy_to_read() {
+        let Some(bootstrap) = broker() else { return };
+        let admin = KafkaAdmin::new(&bootstrap).unwrap();
+        let started = Instant::now();
+        let error = admin
+            .cleanup_policy_within("rtflow-admin-no-such-topic", Duration::from_millis(300))
+            .unwrap_err();
+        assert!(
+            started.elapsed() >= Duration::from_millis(150),
+            "it asked again"
+        );
+        assert_eq!(error.error_class(), "SOURCE_FAILED");
+        assert!(
+            error
+                .to_string()
+                .contains("'rtflow-admin-no-such-topic' within 300 ms"),
+            "{error}"
+        );
     }
 }
