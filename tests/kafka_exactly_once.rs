@@ -247,6 +247,25 @@ fn a_commit_topic_that_deletes_old_records_fails_at_start() {
     );
 }
 
+/// The sink creates its commit topic at start; a name the broker refuses
+/// fails the start as the sink's error, naming the topic.
+#[test]
+fn a_commit_topic_the_broker_refuses_fails_the_sink_at_start() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let output = topic(&bootstrap, "rtflow-eos-bad-commits-out", 1);
+    let error = start_error(
+        &bootstrap,
+        &output,
+        checkpointed("exactly-once-bad-commits"),
+        |sink| sink.commit_topic("no spaces allowed"),
+    );
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    assert!(
+        error.to_string().contains("'no spaces allowed'"),
+        "the error names the topic: {error}"
+    );
+}
+
 /// A producer that takes over the writer's transactional id (as the writer's
 /// restarted incarnation would) fences it: the fenced writer fails the query
 /// rather than commit anything more.

@@ -84,11 +84,18 @@ impl<T: Data> TransactionalWriter<T> {
             .commit_topic
             .clone()
             .unwrap_or_else(|| format!("rtflow-commits-{}", ctx.query_id));
-        let admin = KafkaAdmin::new(&sink.bootstrap_servers)?;
-        admin.create_compacted_topic(&commit_topic)?;
+        // The admin's failures are this sink's: its start is what fails.
+        let as_sink_error = |error| match error {
+            RtflowError::Source { message, .. } => sink.error(message),
+            other => other,
+        };
+        let admin = KafkaAdmin::new(&sink.bootstrap_servers).map_err(as_sink_error)?;
+        admin
+            .create_compacted_topic(&commit_topic)
+            .map_err(as_sink_error)?;
         // A restart must find each writer's last commit record however long
         // ago it was written: retention must not delete it.
-        let policy = admin.cleanup_policy(&commit_topic)?;
+        let policy = admin.cleanup_policy(&commit_topic).map_err(as_sink_error)?;
         if policy.trim() != "compact" {
             return Err(sink.error(format!(
                 "the commit topic '{commit_topic}' has cleanup.policy={policy}: retention \
