@@ -386,3 +386,53 @@ fn a_watermark_expiring_many_keys_of_an_inner_join_evicts_them_over_the_records_
     // 600 records after it evict two keys each.
     assert_eq!(expired_keys_held(600), 0, "after 600 more records");
 }
+
+/// A watermark that expires 1,000 unmatched left rows of an outer join: they
+/// go out a slice at a time, and the watermark the join passes on waits for
+/// them, so the sink never receives one behind its watermark.
+#[test]
+fn a_watermark_expiring_many_unmatched_rows_of_an_outer_join_holds_until_they_are_out() {
+    /// `(key, event time)`.
+    type Pair = (u16, i64);
+    const OTHER: u16 = u16::MAX;
+    let right_input = MemorySource::<Pair>::new(1);
+    let right = right_input.clone();
+    let mut harness =
+        DataflowHarness::new("outer-join-hold", 1, move |flow, left: Stream<Pair>| {
+            let by_time = |row: &Pair| row.1;
+            let right = flow
+                .source(right.clone())
+                .with_watermark(by_time, Duration::ZERO);
+            let key = |row: &Pair| row.0;
+            let window = JoinWindow::between(Duration::ZERO, Duration::from_millis(100));
+            left.with_watermark(by_time, Duration::ZERO)
+                .left_join(&right, key, key, window)
+        })
+        .configure(|config| config.default_parallelism(1));
+    harness.start().unwrap();
+    for key in 0..1_000 {
+        harness
+            .push_at(0, (key, 1_000 + key as i64), 1_000)
+            .unwrap();
+    }
+    right_input.push_at(0, (OTHER, 20_000), 20_000).unwrap();
+    for time in 20_000..20_200 {
+        harness.push_at(0, (OTHER, time), time).unwrap();
+    }
+    right_input.end();
+    harness.finish().unwrap();
+
+    let committed = harness.committed_with_watermarks();
+    let unmatched: Vec<_> = committed
+        .iter()
+        .filter(|((left, right), _)| right.is_none() && left.0 != OTHER)
+        .collect();
+    assert_eq!(unmatched.len(), 1_000);
+    for ((left, _), watermark) in &unmatched {
+        let end = left.1 + 100;
+        assert!(
+            watermark.is_none_or(|w| w <= end),
+            "{left:?} (out at {end}) reached the sink behind its watermark {watermark:?}"
+        );
+    }
+}

@@ -48,6 +48,12 @@ impl<K> Expiries<K> {
         self.behind = self.take(limit, budget, expire);
     }
 
+    /// The earliest time a key is scheduled for: an operator that owes output
+    /// for the keys due holds its watermark back to it.
+    pub(crate) fn earliest(&self) -> Option<EventTime> {
+        self.at.first_key_value().map(|(time, _)| *time)
+    }
+
     /// Whether the last [`expire`](Self::expire) left keys due. Later
     /// schedules do not change it: they are for times the watermark has not
     /// passed yet.

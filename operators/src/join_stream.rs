@@ -14,10 +14,12 @@
 //! `tl + after < w` and a right row at `tr` once `tr + before < w`: no future row
 //! of the other side could match them. Rows behind the watermark are dropped as
 //! late. The left outer join emits `(left, None)` for a left row that matched
-//! nothing when it is dropped, that is as soon as the watermark passes the end
-//! of its range. The inner join drops a slice of the expired rows' keys at the
-//! watermark and the rest a few per record after it, so the records behind a
-//! watermark that expires many keys do not wait for all of them.
+//! nothing when it is dropped, stamped with the end of its range. Both joins
+//! drop a slice of the expired rows' keys at the watermark and the rest a few
+//! per record (or per idle flush) after it, so the records behind a watermark
+//! that expires many keys do not wait for all of them; the outer join holds
+//! the watermark it passes on at the earliest unmatched row still to go, so
+//! none is late downstream.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -168,12 +170,28 @@ impl<K, L, R, Out> StreamJoin<K, L, R, Out> {
 }
 
 impl<K: StateKey, L: StateValue, R: StateValue, Out> StreamJoin<K, L, R, Out> {
+    /// The expiry schedule of every buffered row. It is built at the first
+    /// watermark, so a join without one keeps none.
+    fn schedule_all(&self) -> Expiries<K> {
+        let state = self.rows.as_ref().expect("started");
+        let mut expiries = Expiries::new();
+        for (key, rows) in state.iter() {
+            for row in &rows.left {
+                expiries.schedule(self.window.left_expiry(row.time), key.clone());
+            }
+            for (time, _) in &rows.right {
+                expiries.schedule(self.window.right_expiry(*time), key.clone());
+            }
+        }
+        expiries
+    }
+
     /// Drops the expired rows of at most `budget` keys; an outer join emits
     /// those of its left rows that never matched. An expired row cannot match
-    /// a row on time (its range ends before the watermark), so an inner join
-    /// leaves the rest for the records after the watermark instead of holding
-    /// them up; an outer join evicts all at once, as its unmatched rows must go
-    /// out before the watermark does.
+    /// a row on time (its range ends before the watermark), so the rest wait
+    /// for the records and flushes after the watermark instead of holding them
+    /// up; an outer join holds the watermark it passes on back until its
+    /// unmatched rows are out ([`Operator::watermark_hold`]).
     fn evict(&mut self, budget: usize, out: &mut Collector<'_, Out>) -> Result<()> {
         let (Some(state), Some(expiries), Some(lateness)) =
             (&mut self.rows, &mut self.expiries, &self.lateness)
@@ -250,7 +268,16 @@ where
 
     fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
         self.rows = Some(ctx.state.keyed(ROWS)?);
-        self.lateness = Some(Lateness::restore(ctx)?);
+        let lateness = Lateness::restore(ctx)?;
+        let restored = lateness.watermark();
+        self.lateness = Some(lateness);
+        if restored > EventTime::MIN {
+            // The checkpoint may hold rows the watermark had passed but that
+            // were not evicted yet: they go after the first records or flush.
+            let mut expiries = self.schedule_all();
+            expiries.expire(restored, 0, |_| {});
+            self.expiries = Some(expiries);
+        }
         Ok(())
     }
 
@@ -323,26 +350,27 @@ where
         if !self.lateness.as_mut().expect("started").advance(watermark) {
             return Ok(());
         }
-        let state = self.rows.as_ref().expect("started");
-        let window = self.window;
-        self.expiries.get_or_insert_with(|| {
-            let mut expiries = Expiries::new();
-            for (key, rows) in state.iter() {
-                for row in &rows.left {
-                    expiries.schedule(window.left_expiry(row.time), key.clone());
-                }
-                for (time, _) in &rows.right {
-                    expiries.schedule(window.right_expiry(*time), key.clone());
-                }
-            }
-            expiries
-        });
-        let budget = if self.outer {
-            usize::MAX
-        } else {
-            EVICT_PER_WATERMARK
-        };
-        self.evict(budget, out)
+        if self.expiries.is_none() {
+            self.expiries = Some(self.schedule_all());
+        }
+        self.evict(EVICT_PER_WATERMARK, out)
+    }
+
+    fn watermark_hold(&self) -> Option<EventTime> {
+        // Unmatched left rows go out stamped with the end of their range: the
+        // watermark waits for the earliest still to go.
+        let expiries = self.expiries.as_ref().filter(|_| self.outer)?;
+        let watermark = self.lateness.as_ref()?.watermark();
+        expiries.earliest().filter(|time| *time < watermark)
+    }
+
+    fn on_flush(&mut self, out: &mut Collector<'_, Out>) -> Result<()> {
+        // An outer join's held watermark must move on without more records; an
+        // inner join's expired rows can wait for them.
+        if self.outer && self.expiries.as_ref().is_some_and(Expiries::behind) {
+            self.evict(EVICT_PER_WATERMARK, out)?;
+        }
+        Ok(())
     }
 
     fn on_close(&mut self, out: &mut Collector<'_, Out>) -> Result<()> {

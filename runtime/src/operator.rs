@@ -176,6 +176,16 @@ pub trait Operator<In, Out>: Send + 'static {
         Ok(())
     }
 
+    /// The event time of the earliest output the operator still owes for input
+    /// that the watermark has passed, if any. The watermark passed downstream
+    /// stays at or below it, so that output is not late there; it moves on as
+    /// the hold does, after the records and flushes that release it. For an
+    /// operator that spreads the work due at a watermark over the records after
+    /// it instead of holding them all up.
+    fn watermark_hold(&self) -> Option<EventTime> {
+        None
+    }
+
     /// Called when the actor drained its input, and every few milliseconds while it
     /// is idle: for work driven by time (processing-time timers, idle partitions,
     /// watermarks emitted once per batch rather than per record).
@@ -215,6 +225,10 @@ pub(crate) struct Chained<O, In, Out> {
     /// Keyed snapshots the operator began at the last barrier and has not
     /// completed.
     unfinished: usize,
+    /// The watermark received, and the one passed on: lower while the
+    /// operator holds it back ([`Operator::watermark_hold`]).
+    watermark_in: EventTime,
+    watermark_out: EventTime,
     _input: PhantomData<fn(In)>,
 }
 
@@ -235,6 +249,8 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
             records_in: 0,
             counts: Counts::default(),
             unfinished: 0,
+            watermark_in: EventTime::MIN,
+            watermark_out: EventTime::MIN,
             _input: PhantomData,
         })
     }
@@ -257,6 +273,26 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
             counts: &mut self.counts,
         };
         hook(&mut self.operator, &mut out)
+    }
+
+    /// Passes on the received watermark, or the operator's hold if that is
+    /// earlier, when it has advanced past what was passed on.
+    fn pass_watermark(&mut self) -> Result<()> {
+        let watermark = match self.operator.watermark_hold() {
+            Some(hold) => hold.min(self.watermark_in),
+            None => self.watermark_in,
+        };
+        if watermark <= self.watermark_out {
+            return Ok(());
+        }
+        self.watermark_out = watermark;
+        self.next.watermark(watermark)
+    }
+
+    /// Whether the operator holds back a watermark it received.
+    #[inline]
+    fn holding(&self) -> bool {
+        self.watermark_out < self.watermark_in
     }
 
     fn snapshot(&mut self) -> Result<()> {
@@ -287,12 +323,17 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
             meta: record.meta,
             counts: &mut self.counts,
         };
-        self.operator.process(record, &mut out)
+        self.operator.process(record, &mut out)?;
+        if self.holding() {
+            self.pass_watermark()?;
+        }
+        Ok(())
     }
 
     fn watermark(&mut self, watermark: EventTime) -> Result<()> {
         self.out_of_band(watermark, |op, out| op.on_watermark(watermark, out))?;
-        self.next.watermark(watermark)
+        self.watermark_in = watermark;
+        self.pass_watermark()
     }
 
     fn idle(&mut self) -> Result<()> {
@@ -324,6 +365,9 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
 
     fn flush(&mut self) -> Result<()> {
         self.out_of_band(EventTime::MIN, |op, out| op.on_flush(out))?;
+        if self.holding() {
+            self.pass_watermark()?;
+        }
         self.publish_counts();
         self.next.flush()
     }
@@ -341,5 +385,122 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
 
     fn abort(&mut self, error: &crate::RtflowError) {
         self.next.abort(error);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What reaches the next step: records' values and watermarks, in order.
+    #[derive(Debug, PartialEq)]
+    enum Seen {
+        Record(u32),
+        Watermark(EventTime),
+    }
+
+    struct Recorder(Arc<Mutex<Vec<Seen>>>);
+
+    impl Emit<u32> for Recorder {
+        fn record(&mut self, record: Record<u32>) -> Result<()> {
+            self.0.lock().unwrap().push(Seen::Record(record.value));
+            Ok(())
+        }
+        fn watermark(&mut self, watermark: EventTime) -> Result<()> {
+            self.0.lock().unwrap().push(Seen::Watermark(watermark));
+            Ok(())
+        }
+        fn idle(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn barrier(&mut self, _epoch: Epoch) -> Result<()> {
+            Ok(())
+        }
+        fn flush(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn end(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn abort(&mut self, _error: &RtflowError) {}
+    }
+
+    /// Owes one output per time the watermark passed, and pays one per record
+    /// or flush, earliest first.
+    #[derive(Default)]
+    struct Owing {
+        due: Vec<EventTime>,
+        scheduled: Vec<EventTime>,
+    }
+
+    impl Owing {
+        fn pay_one(&mut self, out: &mut Collector<'_, u32>) -> Result<()> {
+            match self.due.pop() {
+                Some(time) => out.emit(time as u32),
+                None => Ok(()),
+            }
+        }
+    }
+
+    impl Operator<u32, u32> for Owing {
+        fn process(&mut self, record: Record<u32>, out: &mut Collector<'_, u32>) -> Result<()> {
+            self.pay_one(out)?;
+            self.scheduled.push(record.value as EventTime);
+            Ok(())
+        }
+        fn on_watermark(
+            &mut self,
+            watermark: EventTime,
+            _out: &mut Collector<'_, u32>,
+        ) -> Result<()> {
+            let (due, later) = self.scheduled.iter().partition(|t| **t < watermark);
+            self.scheduled = later;
+            self.due.extend::<Vec<_>>(due);
+            self.due.sort_by(|a, b| b.cmp(a));
+            Ok(())
+        }
+        fn watermark_hold(&self) -> Option<EventTime> {
+            self.due.last().copied()
+        }
+        fn on_flush(&mut self, out: &mut Collector<'_, u32>) -> Result<()> {
+            self.pay_one(out)
+        }
+    }
+
+    #[test]
+    fn a_held_watermark_follows_the_output_the_operator_still_owes() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut chained = Chained::start(
+            Owing::default(),
+            &OperatorContext::detached("owing", 0, 1),
+            Box::new(Recorder(seen.clone())),
+            Arc::new(OperatorMetrics::default()),
+            SnapshotBuffer::default(),
+        )
+        .unwrap();
+        let record = |value| Record {
+            value,
+            meta: RecordMeta {
+                event_time: value as EventTime,
+                source_time: 0,
+                ingest_time: 0,
+                partition: 0,
+            },
+        };
+        for time in [10, 20, 30] {
+            chained.record(record(time)).unwrap();
+        }
+        // 10 and 20 fall due: the watermark waits at the earliest, 10.
+        chained.watermark(25).unwrap();
+        chained.record(record(40)).unwrap();
+        chained.flush().unwrap();
+        // Nothing owed: the watermark catches up, once.
+        chained.flush().unwrap();
+        chained.watermark(26).unwrap();
+        use Seen::{Record as R, Watermark as W};
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [W(10), R(10), W(20), R(20), W(25), W(26)]
+        );
     }
 }
