@@ -327,29 +327,46 @@ fn late_rows_are_dropped_and_unmatched_left_rows_come_out_once_their_range_has_p
     );
 }
 
+/// `(key, event time)`, for the eviction tests.
+type Pair = (u16, i64);
+/// The key of the rows that move the watermark on, which no buffered row has.
+const OTHER: u16 = u16::MAX;
+/// A left row and its right row, if any.
+type Joined = (Pair, Option<Pair>);
+
+/// A harness whose one-partition left input and the returned right source,
+/// each with a watermark at its event times, are joined (left outer, or inner
+/// with every right row wrapped in `Some`) on one instance, a left row with the
+/// right rows from its time to 100 ms after it.
+fn pair_join(name: &str, outer: bool) -> (DataflowHarness<Pair, Joined>, MemorySource<Pair>) {
+    let right_input = MemorySource::<Pair>::new(1);
+    let right = right_input.clone();
+    let harness = DataflowHarness::new(name, 1, move |flow, left: Stream<Pair>| {
+        let by_time = |row: &Pair| row.1;
+        let right = flow
+            .source(right.clone())
+            .with_watermark(by_time, Duration::ZERO);
+        let key = |row: &Pair| row.0;
+        let window = JoinWindow::between(Duration::ZERO, Duration::from_millis(100));
+        let left = left.with_watermark(by_time, Duration::ZERO);
+        if outer {
+            left.left_join(&right, key, key, window)
+        } else {
+            left.join(&right, key, key, window)
+                .map(|(l, r)| (l, Some(r)))
+        }
+    })
+    .configure(|config| config.default_parallelism(1));
+    (harness, right_input)
+}
+
 /// An inner join buffers a left row of each of 1,000 keys at 1 s (range 0 to
 /// 100 ms after it), then both sides' watermarks move to 20 s, then
 /// `records_after` more left rows of another key arrive: how many of the 1,000
 /// keys are still buffered.
 fn expired_keys_held(records_after: i64) -> usize {
-    /// `(key, event time)`.
-    type Pair = (u16, i64);
     type Rows = BTreeMap<u16, (Vec<(i64, Pair, bool)>, Vec<(i64, Pair)>)>;
-    const OTHER: u16 = u16::MAX;
-    let right_input = MemorySource::<Pair>::new(1);
-    let right = right_input.clone();
-    let mut harness =
-        DataflowHarness::new("join-evict-slices", 1, move |flow, left: Stream<Pair>| {
-            let by_time = |row: &Pair| row.1;
-            let right = flow
-                .source(right.clone())
-                .with_watermark(by_time, Duration::ZERO);
-            let key = |row: &Pair| row.0;
-            let window = JoinWindow::between(Duration::ZERO, Duration::from_millis(100));
-            left.with_watermark(by_time, Duration::ZERO)
-                .join(&right, key, key, window)
-        })
-        .configure(|config| config.default_parallelism(1));
+    let (mut harness, right_input) = pair_join("join-evict-slices", false);
     harness.start().unwrap();
     for key in 0..1_000 {
         harness.push_at(0, (key, 1_000), 1_000).unwrap();
@@ -392,23 +409,7 @@ fn a_watermark_expiring_many_keys_of_an_inner_join_evicts_them_over_the_records_
 /// them, so the sink never receives one behind its watermark.
 #[test]
 fn a_watermark_expiring_many_unmatched_rows_of_an_outer_join_holds_until_they_are_out() {
-    /// `(key, event time)`.
-    type Pair = (u16, i64);
-    const OTHER: u16 = u16::MAX;
-    let right_input = MemorySource::<Pair>::new(1);
-    let right = right_input.clone();
-    let mut harness =
-        DataflowHarness::new("outer-join-hold", 1, move |flow, left: Stream<Pair>| {
-            let by_time = |row: &Pair| row.1;
-            let right = flow
-                .source(right.clone())
-                .with_watermark(by_time, Duration::ZERO);
-            let key = |row: &Pair| row.0;
-            let window = JoinWindow::between(Duration::ZERO, Duration::from_millis(100));
-            left.with_watermark(by_time, Duration::ZERO)
-                .left_join(&right, key, key, window)
-        })
-        .configure(|config| config.default_parallelism(1));
+    let (mut harness, right_input) = pair_join("outer-join-hold", true);
     harness.start().unwrap();
     for key in 0..1_000 {
         harness
