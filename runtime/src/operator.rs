@@ -289,10 +289,14 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
         self.next.watermark(watermark)
     }
 
-    /// Whether the operator holds back a watermark it received.
+    /// Passes on what the operator's hold has released since, if it holds
+    /// back a watermark it received: after each record, flush and the close.
     #[inline]
-    fn holding(&self) -> bool {
-        self.watermark_out < self.watermark_in
+    fn release_held_watermark(&mut self) -> Result<()> {
+        if self.watermark_out < self.watermark_in {
+            self.pass_watermark()?;
+        }
+        Ok(())
     }
 
     fn snapshot(&mut self) -> Result<()> {
@@ -324,10 +328,7 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
             counts: &mut self.counts,
         };
         self.operator.process(record, &mut out)?;
-        if self.holding() {
-            self.pass_watermark()?;
-        }
-        Ok(())
+        self.release_held_watermark()
     }
 
     fn watermark(&mut self, watermark: EventTime) -> Result<()> {
@@ -365,15 +366,14 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
 
     fn flush(&mut self) -> Result<()> {
         self.out_of_band(EventTime::MIN, |op, out| op.on_flush(out))?;
-        if self.holding() {
-            self.pass_watermark()?;
-        }
+        self.release_held_watermark()?;
         self.publish_counts();
         self.next.flush()
     }
 
     fn end(&mut self) -> Result<()> {
         self.out_of_band(EventTime::MAX, |op, out| op.on_close(out))?;
+        self.release_held_watermark()?;
         self.snapshot()?;
         self.publish_counts();
         self.next.end()
@@ -465,6 +465,12 @@ mod tests {
         fn on_flush(&mut self, out: &mut Collector<'_, u32>) -> Result<()> {
             self.pay_one(out)
         }
+        fn on_close(&mut self, out: &mut Collector<'_, u32>) -> Result<()> {
+            while !self.due.is_empty() {
+                self.pay_one(out)?;
+            }
+            Ok(())
+        }
     }
 
     #[test]
@@ -497,10 +503,24 @@ mod tests {
         // Nothing owed: the watermark catches up, once.
         chained.flush().unwrap();
         chained.watermark(26).unwrap();
+        // 30 and 40 fall due; the close pays both and releases the watermark.
+        chained.watermark(50).unwrap();
+        chained.end().unwrap();
         use Seen::{Record as R, Watermark as W};
         assert_eq!(
             *seen.lock().unwrap(),
-            [W(10), R(10), W(20), R(20), W(25), W(26)]
+            [
+                W(10),
+                R(10),
+                W(20),
+                R(20),
+                W(25),
+                W(26),
+                W(30),
+                R(30),
+                R(40),
+                W(50)
+            ]
         );
     }
 }
