@@ -161,3 +161,34 @@ fn a_stop_does_not_let_the_faster_lanes_close_windows_early() {
     );
     assert_eq!(query.metrics().late_records(), 0);
 }
+
+#[test]
+fn a_watermark_after_a_union_waits_for_the_partitions_of_every_input() {
+    let (left, right) = (MemorySource::new(2), MemorySource::new(2));
+    let flow = Dataflow::new("union-watermark");
+    flow.source(left.clone())
+        .union(&flow.source(right.clone()))
+        .with_watermark(|time: &i64| *time, Duration::from_millis(10))
+        .key_by(|time: &i64| *time % 3)
+        .map(|time| time)
+        .sink(MemorySink::new());
+    let query = flow.start(config("union-watermark")).unwrap();
+    left.push_all(0, [1_000]).unwrap();
+    left.push_all(1, [2_000]).unwrap();
+    right.push_all(0, [3_000]).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        query.metrics().watermark(),
+        None,
+        "partition 1 of the right source sent nothing yet"
+    );
+    right.push_all(1, [500]).unwrap();
+    assert_eq!(wait_for_watermark(&query, |w| w.is_some()), Some(490));
+    right.push_all(1, [5_000]).unwrap();
+    assert_eq!(
+        wait_for_watermark(&query, |w| w >= Some(990)),
+        Some(990),
+        "the left source's partition 0 at 1000"
+    );
+    query.stop().unwrap();
+}

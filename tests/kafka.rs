@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use common::kafka::{bootstrap, consume, produce, topic};
 use common::{config, TIMEOUT};
 use rtflow::prelude::*;
+use rtflow::runtime::metrics::Role;
 use rtflow::runtime::{Source, SourceContext, SourceOutput, SourceWaker};
 
 /// `count` records per partition, valued "partition:sequence", keyed by sequence.
@@ -260,7 +261,42 @@ fn pattern_subscription_and_max_partitions() {
         .count();
     query.stop().unwrap();
     assert_eq!(common::sorted(&out), vec!["a0", "a1", "b0", "b1"]);
-    assert_eq!(readers, 2, "4 partitions, at most 2 per reader");
+    assert_eq!(readers, 2, "4 partitions dealt to at most 2 readers");
+}
+
+/// The reference documents' sizing: `maxPartitions` = 8 readers, then a shuffle
+/// into 20 instances, takes 8 + 20 = 28 task slots.
+#[test]
+fn max_partitions_sets_the_readers_and_so_the_task_slots() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let topic = topic(&bootstrap, "rtflow-slots", 12);
+    let build = || {
+        let flow = Dataflow::new("slots");
+        flow.source(
+            KafkaSource::new(&bootstrap)
+                .subscribe([&topic])
+                .max_partitions(8),
+        )
+        .key_by(|record: &KafkaRecord| record.partition)
+        .count()
+        .parallelism(20)
+        .sink(MemorySink::new());
+        flow
+    };
+    let error = build()
+        .start(config("slots").task_slots(27))
+        .expect_err("27 slots are too few");
+    assert_eq!(error.error_class(), "INSUFFICIENT_TASK_SLOTS");
+    assert!(error.to_string().contains("needs 28 task slots"), "{error}");
+    let query = build().start(config("slots").task_slots(28)).unwrap();
+    let readers = query
+        .metrics()
+        .operators
+        .iter()
+        .filter(|o| o.role == Role::Source)
+        .count();
+    query.stop().unwrap();
+    assert_eq!(readers, 8);
 }
 
 fn regex_escape(text: &str) -> String {

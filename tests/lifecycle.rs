@@ -205,7 +205,93 @@ fn foreach_writer_is_opened_per_partition_and_closed_at_the_end() {
     common::run_to_end(flow, config("foreach"));
     assert_eq!(
         *events.lock().unwrap(),
-        vec!["open 0 0", "row 1", "row 2", "close false"]
+        vec!["open 0 1", "row 1", "row 2", "close false"]
+    );
+}
+
+/// Records the epochs a foreach writer is opened for.
+struct Opens(Arc<Mutex<Vec<u64>>>);
+
+impl ForeachWriter<u32> for Opens {
+    fn open(&mut self, _partition_id: usize, epoch_id: u64) -> bool {
+        self.0.lock().unwrap().push(epoch_id);
+        true
+    }
+    fn process(&mut self, _value: u32) -> Result<(), BoxError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_restarted_foreach_writer_opens_the_epoch_after_the_restored_checkpoint() {
+    let config = config("foreach-epochs");
+    let input = MemorySource::new(1);
+    let run = |rows: std::ops::Range<u32>| {
+        let opens = Arc::new(Mutex::new(Vec::new()));
+        let writer_opens = opens.clone();
+        let flow = Dataflow::new("foreach-epochs");
+        flow.source(input.clone())
+            .sink(ForeachSink::new(move || Opens(writer_opens.clone())));
+        let query = flow.start(config.clone()).unwrap();
+        input.push_all(0, rows).unwrap();
+        query.checkpoint_now(TIMEOUT).unwrap();
+        query.checkpoint_now(TIMEOUT).unwrap();
+        query.stop().unwrap();
+        let opens = opens.lock().unwrap().clone();
+        opens
+    };
+    let first = run(0..5);
+    let second = run(5..10);
+    assert_eq!(first[0], 1, "a first run starts at epoch 1: {first:?}");
+    assert!(first.windows(2).all(|w| w[1] == w[0] + 1), "{first:?}");
+    // The stop committed the last epoch the first run opened: an idempotent
+    // writer that skips the epochs it wrote must not skip the new run's.
+    assert_eq!(
+        second[0],
+        first.last().unwrap() + 1,
+        "first run {first:?}, second {second:?}"
+    );
+}
+
+#[test]
+fn a_foreach_writer_stopped_by_another_operators_failure_is_told_that_failure() {
+    struct Closes(Arc<Mutex<Vec<String>>>);
+    impl ForeachWriter<u32> for Closes {
+        fn process(&mut self, _value: u32) -> Result<(), BoxError> {
+            Ok(())
+        }
+        fn close(&mut self, error: Option<&RtflowError>) {
+            if let Some(error) = error {
+                self.0.lock().unwrap().push(error.to_string());
+            }
+        }
+    }
+    let closes = Arc::new(Mutex::new(Vec::new()));
+    let writer_closes = closes.clone();
+    let flow = Dataflow::new("upstream-failure");
+    let input = MemorySource::new(1);
+    flow.source(input.clone())
+        .map(|x: u32| {
+            if x == 5 {
+                panic!("boom on {x}");
+            }
+            x
+        })
+        // The sink runs on actors of its own, which the failure cancels.
+        .rebalance()
+        .sink(ForeachSink::new(move || Closes(writer_closes.clone())));
+    let query = flow.start(config("upstream-failure")).unwrap();
+    input.push_all(0, 0..10).unwrap();
+    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
+    assert_eq!(error.error_class(), "OPERATOR_FAILED");
+    let closes = closes.lock().unwrap();
+    assert!(
+        !closes.is_empty(),
+        "every writer is closed with the failure"
+    );
+    assert!(
+        closes.iter().all(|close| close.contains("boom on 5")),
+        "{closes:?}"
     );
 }
 

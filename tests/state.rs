@@ -238,6 +238,48 @@ fn a_compatible_change_restores_the_state() {
     assert!(sorted(&out).iter().all(|(_, count)| *count == 11));
 }
 
+/// Two sources: the first into a plain sink, the second into word count;
+/// `first_step` may add a step on the first, which shifts every node after it.
+fn two_sources(
+    first: &MemorySource<String>,
+    second: &MemorySource<String>,
+    first_step: bool,
+    config: QueryConfig,
+) -> (StreamingQuery, MemorySink<(String, u64)>) {
+    let flow = Dataflow::new("two-sources");
+    let mut stream = flow.source(first.clone());
+    if first_step {
+        stream = stream.filter(|word| !word.is_empty());
+    }
+    stream.sink(MemorySink::new());
+    let out = MemorySink::new();
+    flow.source(second.clone())
+        .key_by(|word: &String| word.clone())
+        .count()
+        .sink(out.clone());
+    (flow.start(config).unwrap(), out)
+}
+
+#[test]
+fn a_step_added_before_a_later_source_keeps_that_sources_offsets() {
+    let (first, second) = (MemorySource::new(1), MemorySource::new(1));
+    let config = checkpointed("later-source");
+    let (query, out) = two_sources(&first, &second, false, config.clone());
+    first.push_all(0, words(10)).unwrap();
+    second.push_all(0, words(70)).unwrap();
+    assert!(out.wait_for(70, TIMEOUT));
+    query.stop().unwrap();
+    drop(query);
+
+    let (query, out) = two_sources(&first, &second, true, config);
+    second.push_all(0, words(77).skip(70)).unwrap();
+    assert!(out.wait_for(7, TIMEOUT));
+    query.stop().unwrap();
+    // Resumed after its 70 words, not from the start, and with its counts.
+    assert_eq!(out.len(), 7, "{:?}", out.rows());
+    assert_eq!(latest(&out.rows()), expected_counts(77));
+}
+
 #[test]
 fn a_removed_stateful_operator_fails_at_start_naming_it() {
     let (started, _, _) = restart_after_word_count(

@@ -371,3 +371,73 @@ fn csv_table_errors_name_the_file_and_row() {
         .expect("bad row");
     assert!(error.to_string().contains("line: 3"), "{error}");
 }
+
+/// A sink whose writers cannot be opened, as a sink whose system is down.
+struct UnreachableSink;
+
+impl Sink<u32> for UnreachableSink {
+    fn kind(&self) -> &str {
+        "memory"
+    }
+
+    fn writer(&self, ctx: &SinkContext) -> rtflow::Result<Box<dyn SinkWriter<u32>>> {
+        Err(RtflowError::sink(&ctx.uid, "the service is unreachable"))
+    }
+}
+
+#[test]
+fn a_query_rejected_at_start_leaves_nothing_at_its_checkpoint_location() {
+    type Build = fn(&Dataflow);
+    type Configure = fn(QueryConfig) -> QueryConfig;
+    let rejections: [(&str, Build, Configure); 4] = [
+        (
+            "STREAMING_REAL_TIME_MODE.OPERATOR_OR_SINK_NOT_IN_ALLOWLIST",
+            |flow| {
+                flow.source(MemorySource::<u32>::new(1))
+                    .sink(CustomSink { real_time: true })
+            },
+            |config| config,
+        ),
+        (
+            "INSUFFICIENT_TASK_SLOTS",
+            |flow| {
+                flow.source(MemorySource::<u32>::new(4))
+                    .sink(MemorySink::new())
+            },
+            |config| config.task_slots(2),
+        ),
+        (
+            "SINK_FAILED",
+            |flow| {
+                flow.source(MemorySource::<u32>::new(1))
+                    .sink(UnreachableSink)
+            },
+            |config| config,
+        ),
+        (
+            "INVALID_STREAMING_REAL_TIME_MODE_TRIGGER_INTERVAL",
+            |flow| {
+                flow.source(MemorySource::<u32>::new(1))
+                    .sink(MemorySink::new())
+            },
+            |config| config.trigger(Trigger::real_time(Duration::from_millis(10))),
+        ),
+    ];
+    for (class, build, configure) in rejections {
+        let config = configure(config("rejected"));
+        let location = config.checkpoint_location.clone().unwrap();
+        let flow = Dataflow::new("rejected");
+        build(&flow);
+        assert_eq!(start_error(flow, config.clone()).error_class(), class);
+        assert!(!location.exists(), "{class} created {location:?}");
+
+        // An empty directory given by the user stays empty.
+        std::fs::create_dir_all(&location).unwrap();
+        let flow = Dataflow::new("rejected");
+        build(&flow);
+        assert_eq!(start_error(flow, config).error_class(), class);
+        let left: Vec<_> = std::fs::read_dir(&location).unwrap().collect();
+        assert!(left.is_empty(), "{class} wrote {left:?}");
+        std::fs::remove_dir(&location).unwrap();
+    }
+}

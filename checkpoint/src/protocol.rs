@@ -63,6 +63,11 @@ impl<A: Clone> CheckpointTracker<A> {
         }
     }
 
+    /// The number the next epoch triggered will have.
+    pub fn next_epoch(&self) -> Epoch {
+        self.next_epoch
+    }
+
     /// Numbers the next epochs after `epoch` too. Recovery passes it for the
     /// newest damaged checkpoint it passed over: that checkpoint's epoch may have
     /// published output (a transactional sink's commit record names it), which a

@@ -10,8 +10,9 @@ use rtflow_runtime::{
 /// User code that writes rows to an external system.
 pub trait ForeachWriter<T>: Send {
     /// Called when the writer starts epoch `epoch_id` on partition `partition_id`.
-    /// Returning false skips the epoch's rows (for example when they were already
-    /// written before a restart).
+    /// Epochs are numbered across restarts (the first run's first is 1, a
+    /// restarted run's the one after the restored checkpoint), so returning false
+    /// for an epoch already written skips rows written before a restart.
     fn open(&mut self, _partition_id: usize, _epoch_id: Epoch) -> bool {
         true
     }
@@ -20,7 +21,7 @@ pub trait ForeachWriter<T>: Send {
     fn process(&mut self, value: T) -> Result<(), BoxError>;
 
     /// Called at the end of every epoch with `None`, or with the error that is
-    /// failing the query.
+    /// failing the query (whichever actor it came from).
     fn close(&mut self, _error: Option<&RtflowError>) {}
 }
 
@@ -73,7 +74,7 @@ impl<T: Data> Sink<T> for ForeachSink<T> {
 
     fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<T>>> {
         let mut writer = (self.make)();
-        let open = writer.open(ctx.subtask, 0);
+        let open = writer.open(ctx.subtask, ctx.first_epoch);
         Ok(Box::new(ForeachAdapter {
             writer,
             partition: ctx.subtask,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Select, TryRecvError};
 use rtflow_checkpoint::{ActorId, Offsets};
 
+use crate::cancel::Cancel;
 use crate::connector::{SourceOutput, SourceReader, SourceStatus, SourceWaker};
 use crate::error::{Result, RtflowError};
 use crate::inputs::{Alignment, IdleStep, Inputs};
@@ -69,11 +70,15 @@ pub(crate) struct ActorEnv {
     /// For source actors: the waker handed to the reader, bound to this thread.
     pub(crate) waker: Option<SourceWaker>,
     /// Set when the query fails: every actor exits at once, without output.
-    pub(crate) cancel: Arc<AtomicBool>,
+    pub(crate) cancel: Cancel,
     /// Set by `stop()`: sources end their streams, the rest drains.
     pub(crate) stop: Arc<AtomicBool>,
     /// The most records a source reader returns per poll.
     pub(crate) max_records: usize,
+    /// For source actors: the query-wide number of the source's partition 0, and
+    /// the reader's first partition (see [`SourceOutput::set_partition`]).
+    pub(crate) partition_base: u32,
+    pub(crate) first_partition: u32,
     /// The source's record counter (source actors only).
     pub(crate) source_metrics: Option<Arc<OperatorMetrics>>,
     /// Where this actor's stateful operators and sinks put their snapshots.
@@ -82,7 +87,7 @@ pub(crate) struct ActorEnv {
 
 impl ActorEnv {
     fn check_cancel(&self) -> Result<()> {
-        if self.cancel.load(Ordering::Relaxed) {
+        if self.cancel.is_raised() {
             Err(RtflowError::Cancelled)
         } else {
             Ok(())
@@ -180,7 +185,8 @@ fn source_loop<T: Data>(
     if let Some(waker) = &env.waker {
         waker.bind_current_thread();
     }
-    let mut out = SourceOutput::new(env.max_records);
+    let mut out =
+        SourceOutput::for_reader(env.max_records, env.partition_base, env.first_partition);
     let mut unacked = None;
     loop {
         env.check_cancel()?;

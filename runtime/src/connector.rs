@@ -1,7 +1,6 @@
 //! The traits connectors implement: a [`Source`] hands out one [`SourceReader`] per
 //! source actor, a [`Sink`] one [`SinkWriter`] per sink actor.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::Thread;
 use std::time::Duration;
@@ -9,6 +8,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 pub use rtflow_checkpoint::Offsets;
 
+use crate::cancel::Cancel;
 use crate::error::{Result, RtflowError};
 use crate::metrics::{LatencyRecorder, OperatorMetrics};
 use crate::operator::{Emit, SnapshotBuffer};
@@ -156,6 +156,11 @@ pub trait SourceReader<T>: Send {
 pub struct SourceOutput<T> {
     records: Vec<Record<T>>,
     capacity: usize,
+    /// The query-wide number of this source's partition 0: partitions of all the
+    /// sources of a query are numbered in one range, so that a watermark after a
+    /// `union` tells the partitions of different sources apart.
+    base: u32,
+    /// The query-wide number of the partition records are pushed for.
     partition: u32,
 }
 
@@ -170,19 +175,28 @@ impl<T> SourceOutput<T> {
     /// assert_eq!(out.remaining(), 1);
     /// ```
     pub fn new(capacity: usize) -> Self {
+        Self::for_reader(capacity, 0, 0)
+    }
+
+    /// The batch of a reader whose source numbers its partitions from `base` in
+    /// the query, and whose records come from its partition `first` until it says
+    /// otherwise.
+    pub(crate) fn for_reader(capacity: usize, base: u32, first: u32) -> Self {
         Self {
             records: Vec::with_capacity(capacity),
             capacity,
-            partition: 0,
+            base,
+            partition: base + first,
         }
     }
 
     /// Records pushed from now on come from source partition `partition` (as
     /// numbered in [`SourceContext::partitions`]); watermarks track each
-    /// partition's event time.
+    /// partition's event time. A reader of several partitions must call it: until
+    /// it does, records count as its first partition's.
     #[inline]
     pub fn set_partition(&mut self, partition: usize) {
-        self.partition = partition as u32;
+        self.partition = self.base + partition as u32;
     }
 
     /// Adds a record produced at `source_time`; its event time is the source time.
@@ -243,6 +257,10 @@ pub struct SinkContext {
     /// How often the query checkpoints: a writer that holds output back until
     /// its epoch commits holds it about this long.
     pub batch_duration: Duration,
+    /// The epoch the writer's first records belong to: 1 on a first start, the
+    /// epoch after the restored checkpoint on a restart. Epoch `n` ends at
+    /// [`SinkWriter::on_barrier`]`(n)`.
+    pub first_epoch: Epoch,
     /// The writer's state, as the last committed checkpoint left it.
     pub state: StateContext,
 }
@@ -321,7 +339,7 @@ pub(crate) struct SinkEmit<T> {
     watermark: Option<EventTime>,
     /// Epochs the coordinator committed; closed once the query committed its last.
     commits: Receiver<Epoch>,
-    cancel: Arc<AtomicBool>,
+    cancel: Cancel,
 }
 
 /// How long a finished sink waits between looks at the cancel flag while it waits
@@ -335,7 +353,7 @@ impl<T> SinkEmit<T> {
         metrics: Arc<OperatorMetrics>,
         snapshots: SnapshotBuffer,
         commits: Receiver<Epoch>,
-        cancel: Arc<AtomicBool>,
+        cancel: Cancel,
         restored_watermark: Option<EventTime>,
     ) -> Self {
         Self {
@@ -433,7 +451,7 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
 
     fn finish(&mut self) -> Result<()> {
         loop {
-            if self.cancel.load(Ordering::Relaxed) {
+            if self.cancel.is_raised() {
                 return Err(RtflowError::Cancelled);
             }
             match self.commits.recv_timeout(COMMIT_WAIT) {
@@ -446,7 +464,7 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
     }
 
     fn abort(&mut self, error: &RtflowError) {
-        let _ = self.writer.close(Some(error));
+        let _ = self.writer.close(Some(self.cancel.explain(error)));
         self.latency.publish();
     }
 }

@@ -10,6 +10,7 @@
 
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -21,11 +22,11 @@ use crossbeam_channel::Sender;
 use rtflow_checkpoint::{CheckpointStore, CheckpointTracker, Delta, Manifest, Offsets, Recovery};
 
 use crate::actor::{ActorEnv, Report};
+use crate::cancel::Cancel;
 use crate::config::QueryConfig;
 use crate::error::{Result, RtflowError};
-use crate::graph::Graph;
 use crate::metrics::CheckpointStats;
-use crate::plan::{validate, ActorSpec, Plan, Resume};
+use crate::plan::{ActorSpec, Plan, Resume};
 use crate::progress::{
     timestamp, EpochOffsets, ProgressTracker, QueryStartedEvent, QueryTerminatedEvent,
     SourceOffsets,
@@ -65,13 +66,35 @@ struct ActorReport(Report);
 
 /// What the coordinator needs to start a query, and where to say whether it did.
 pub(crate) struct Startup {
-    pub(crate) graph: Graph,
+    pub(crate) plan: Plan,
     pub(crate) config: QueryConfig,
     pub(crate) batch_duration: Duration,
-    pub(crate) store: CheckpointStore,
-    /// The checkpoint the query resumes from.
-    pub(crate) recovery: Recovery,
+    pub(crate) location: Location,
     pub(crate) started: mpsc::Sender<Result<()>>,
+}
+
+/// The checkpoint location of a starting query.
+pub(crate) enum Location {
+    /// A location that held something: opened, with the checkpoint the query
+    /// resumes from.
+    Opened(Box<CheckpointStore>, Recovery),
+    /// A location that does not exist yet or is empty: created once every actor
+    /// is wired, so that a query rejected at start writes nothing there.
+    New(PathBuf),
+}
+
+impl Location {
+    /// The store to commit checkpoints to, created now for a new location.
+    fn into_store(self, config: &QueryConfig, query_id: &str) -> Result<CheckpointStore> {
+        match self {
+            Self::Opened(store, _) => Ok(*store),
+            Self::New(path) => {
+                let store = CheckpointStore::open(&path, config.checkpoints_retained)?;
+                store.query_id(|| query_id.to_owned())?;
+                Ok(store)
+            }
+        }
+    }
 }
 
 /// What an actor acknowledges an epoch with.
@@ -87,13 +110,13 @@ struct Ack {
 struct Checkpoints {
     store: CheckpointStore,
     tracker: CheckpointTracker<Ack>,
-    /// Per actor: for sources, the operator's name and its barrier channel.
+    /// Per actor: for sources, the source's uid and its barrier channel.
     sources: Vec<Option<(String, Sender<Epoch>)>>,
     /// Per sink actor: where to say an epoch committed. Dropped after the final
     /// commit, which lets finished sinks close.
     commits: Vec<Sender<Epoch>>,
     key_groups: u32,
-    /// The offsets of the last committed epoch, per source operator.
+    /// The offsets of the last committed epoch, per source uid.
     committed: SourceOffsets,
     /// When the epoch in flight was triggered.
     triggered_at: Instant,
@@ -122,9 +145,11 @@ impl Coordinator {
             report: Arc::new(|_| {}),
             barriers: None,
             waker: None,
-            cancel: Arc::default(),
+            cancel: Cancel::default(),
             stop: Arc::default(),
             max_records: startup.config.max_records_per_message,
+            partition_base: 0,
+            first_partition: 0,
             source_metrics: None,
             snapshots: Default::default(),
         };
@@ -143,28 +168,29 @@ impl Coordinator {
 
     fn start_actors(&mut self, startup: Startup, ctx: &Context<Self>) -> Result<()> {
         let Startup {
-            graph,
+            plan,
             config,
-            store,
-            recovery,
+            mut location,
             ..
         } = startup;
+        let recovery = match &mut location {
+            Location::Opened(_, recovery) => std::mem::take(recovery),
+            Location::New(_) => Recovery::default(),
+        };
         let Recovery {
             manifest: resume,
             state,
             skipped,
         } = recovery;
         let _span = tracing::info_span!("start", query = %config.name).entered();
-        validate(&graph, &config)?;
         if let Some(cpus) = &config.cpu_affinity {
             crate::placement::pin_current_thread(cpus)?;
         }
         self.progress = Some(ProgressTracker::new(
             &self.shared,
-            graph.source_descriptions(),
-            graph.sink_descriptions(),
+            plan.graph().source_descriptions(),
+            plan.graph().sink_descriptions(),
         ));
-        let plan = Plan::new(graph, &config)?;
         let coordinator = ctx.address();
         self.env.report = Arc::new(move |report| coordinator.do_send(ActorReport(report)));
         let committed = resume
@@ -188,11 +214,16 @@ impl Coordinator {
             resume.as_ref().and_then(|m| m.watermark),
             config.max_key_groups,
         ));
+        let mut tracker = CheckpointTracker::new(plan.actor_count(), resume.map(|m| m.epoch));
+        if let Some(damaged) = skipped.iter().map(|corrupt| corrupt.epoch).max() {
+            tracker.number_after(damaged);
+        }
         let query_id = self.shared.id.to_string();
         let resume_from = Resume {
             query_id: &query_id,
             offsets: &committed,
             state: restored.clone(),
+            first_epoch: tracker.next_epoch(),
         };
         let mut actors = plan.wire(&config, &self.shared.metrics, &self.env, &resume_from)?;
         if let Some((id, meta)) = restored.unclaimed() {
@@ -204,12 +235,8 @@ impl Coordinator {
                 ),
             });
         }
-        let mut tracker = CheckpointTracker::new(actors.len(), resume.map(|m| m.epoch));
-        if let Some(damaged) = skipped.iter().map(|corrupt| corrupt.epoch).max() {
-            tracker.number_after(damaged);
-        }
         self.checkpoints = Some(Checkpoints {
-            store,
+            store: location.into_store(&config, &query_id)?,
             tracker,
             sources: actors.iter_mut().map(|a| a.source.take()).collect(),
             commits: actors.iter_mut().filter_map(|a| a.commits.take()).collect(),
@@ -233,7 +260,7 @@ impl Coordinator {
                     self.running += 1;
                 }
                 Err(error) => {
-                    self.env.cancel.store(true, Ordering::Relaxed);
+                    self.env.cancel.raise(None);
                     self.join_threads();
                     return Err(RtflowError::InvalidConfiguration(format!(
                         "could not start actor thread {index}: {error}; lower the query's \
@@ -464,8 +491,8 @@ impl Coordinator {
     fn fail(&mut self, error: RtflowError) {
         if self.failure.is_none() {
             tracing::error!(%error, "stopping the query");
+            self.env.cancel.raise(Some(error.clone()));
             self.failure = Some(error);
-            self.env.cancel.store(true, Ordering::Relaxed);
             if let Some(checkpoints) = &mut self.checkpoints {
                 checkpoints.tracker.abort();
             }
@@ -500,7 +527,7 @@ fn check_compatible(manifest: &Manifest, plan: &Plan, config: &QueryConfig) -> R
             ),
         });
     }
-    let sources = plan.source_names();
+    let sources = plan.source_uids();
     if let Some(missing) = manifest
         .sources
         .keys()
@@ -509,7 +536,7 @@ fn check_compatible(manifest: &Manifest, plan: &Plan, config: &QueryConfig) -> R
         return Err(RtflowError::IncompatibleCheckpoint {
             difference: format!(
                 "it holds offsets of source '{missing}', which the dataflow no longer has \
-                 (sources are matched by name)"
+                 (sources are matched by uid: give it back its .uid(...))"
             ),
         });
     }

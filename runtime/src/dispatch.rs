@@ -3,12 +3,12 @@
 
 use std::any::Any;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{SendTimeoutError, Sender, TrySendError};
 
+use crate::cancel::Cancel;
 use crate::error::{Result, RtflowError};
 use crate::metrics::MailboxMetrics;
 use crate::operator::Emit;
@@ -151,7 +151,7 @@ pub(crate) struct Output<T> {
     buffers: Vec<Vec<Record<T>>>,
     route: Route<T>,
     max_records: usize,
-    cancel: Arc<AtomicBool>,
+    cancel: Cancel,
 }
 
 impl<T: Data> Output<T> {
@@ -160,7 +160,7 @@ impl<T: Data> Output<T> {
         partitioning: &Partitioning,
         max_key_groups: usize,
         max_records: usize,
-        cancel: Arc<AtomicBool>,
+        cancel: Cancel,
     ) -> Self {
         let route = match partitioning {
             _ if lanes.len() == 1 => Route::Single,
@@ -226,7 +226,7 @@ impl<T: Data> Output<T> {
             Err(TrySendError::Full(mut message)) => {
                 let blocked_since = Instant::now();
                 loop {
-                    if self.cancel.load(Ordering::Relaxed) {
+                    if self.cancel.is_raised() {
                         return Err(RtflowError::Cancelled);
                     }
                     match sender.send_timeout(message, Duration::from_millis(50)) {

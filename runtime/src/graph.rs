@@ -13,6 +13,7 @@ use crate::connector::{Sink, Source};
 use crate::dispatch::{stable_hash, KeyHash, Partitioning};
 use crate::error::Result;
 use crate::operator::{Operator, OperatorContext};
+use crate::progress::SourceDescription;
 use crate::query::StreamingQuery;
 use crate::record::{Data, EventTime};
 use crate::watermark::AssignWatermarks;
@@ -32,6 +33,8 @@ pub(crate) struct Edge {
 
 /// One operator, source or sink of the logical graph.
 pub(crate) struct Node {
+    /// Set by the user, or `{kind}-{index in the graph}`; a source's default is
+    /// its uid.
     pub(crate) name: String,
     /// The stable id the node's checkpointed state is stored under: set by the
     /// user, or `{kind}-{n}` (`{kind}-sink-{n}`) for the n-th source or operator
@@ -58,12 +61,16 @@ pub(crate) struct Graph {
 }
 
 impl Graph {
-    /// (operator name, description) of every source.
-    pub(crate) fn source_descriptions(&self) -> Vec<(String, String)> {
+    /// Every source, as progress reports name it.
+    pub(crate) fn source_descriptions(&self) -> Vec<SourceDescription> {
         self.nodes
             .iter()
             .filter_map(|node| match &node.body {
-                Body::Source(source, _) => Some((node.name.clone(), source.description())),
+                Body::Source(source, _) => Some(SourceDescription {
+                    name: node.name.clone(),
+                    uid: node.uid.clone(),
+                    description: source.description(),
+                }),
                 _ => None,
             })
             .collect()
@@ -88,13 +95,20 @@ impl Graph {
             .iter()
             .filter(|n| n.kind == kind && matches!(n.body, Body::Sink(_)) == is_sink)
             .count();
+        let uid = if is_sink {
+            format!("{kind}-sink-{same_kind}")
+        } else {
+            format!("{kind}-{same_kind}")
+        };
+        // A source is named by its uid: its metrics keep their name when steps
+        // are added elsewhere in the dataflow.
+        let name = match body {
+            Body::Source(..) => uid.clone(),
+            _ => format!("{kind}-{id}"),
+        };
         self.nodes.push(Node {
-            name: format!("{kind}-{id}"),
-            uid: if is_sink {
-                format!("{kind}-sink-{same_kind}")
-            } else {
-                format!("{kind}-{same_kind}")
-            },
+            name,
+            uid,
             kind: kind.to_owned(),
             body,
             inputs,

@@ -28,6 +28,7 @@
 //! this crate; it knows neither.
 
 mod actor;
+mod cancel;
 pub mod config;
 pub mod connector;
 mod coordinator;

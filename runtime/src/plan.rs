@@ -210,6 +210,8 @@ pub(crate) struct Resume<'a> {
     pub(crate) query_id: &'a str,
     pub(crate) offsets: &'a BTreeMap<String, Offsets>,
     pub(crate) state: Arc<Restored>,
+    /// The epoch the first records of this run belong to.
+    pub(crate) first_epoch: Epoch,
 }
 
 /// A validated graph with parallelism resolved and actors decided.
@@ -217,6 +219,9 @@ pub(crate) struct Plan {
     graph: Graph,
     parallelism: Vec<usize>,
     source_partitions: Vec<usize>,
+    /// For source nodes: the query-wide number of their partition 0. The
+    /// partitions of all sources are numbered in one range, in node order.
+    partition_base: Vec<u32>,
     consumers: Vec<Vec<(NodeId, usize)>>,
     /// The node fused after each node in the same actor, if any.
     chained_next: Vec<Option<NodeId>>,
@@ -281,10 +286,19 @@ impl Plan {
                 }
             }
         }
+        let partition_base = source_partitions
+            .iter()
+            .scan(0u32, |next, count| {
+                let base = *next;
+                *next += *count as u32;
+                Some(base)
+            })
+            .collect();
         let plan = Self {
             graph,
             parallelism,
             source_partitions,
+            partition_base,
             consumers,
             chained_next,
             chained_prev,
@@ -299,35 +313,45 @@ impl Plan {
         Ok(plan)
     }
 
-    /// The names of the dataflow's sources.
-    pub(crate) fn source_names(&self) -> BTreeSet<&str> {
+    /// The logical graph the plan runs.
+    pub(crate) fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// The stable ids of the dataflow's sources, which their offsets are
+    /// checkpointed under.
+    pub(crate) fn source_uids(&self) -> BTreeSet<&str> {
         self.graph
             .nodes
             .iter()
             .filter(|n| matches!(n.body, Body::Source(..)))
-            .map(|n| n.name.as_str())
+            .map(|n| n.uid.as_str())
             .collect()
     }
 
-    /// The source partitions whose records reach `subtask` of node `id` without a
-    /// shuffle in between: its own source subtask's on forward edges, all of the
-    /// source's otherwise.
+    /// The source partitions, numbered query-wide, whose records reach `subtask`
+    /// of node `id`, over every input (all of a union's): on forward edges only
+    /// those of the source subtask feeding it, all of the source's otherwise.
     fn partitions_reaching(&self, id: NodeId, subtask: usize) -> Vec<u32> {
-        let (mut node, mut subtask) = (id, Some(subtask));
-        loop {
-            if matches!(self.graph.nodes[node].body, Body::Source(..)) {
-                let parallelism = self.parallelism[node];
-                return (0..self.source_partitions[node] as u32)
-                    .filter(|p| subtask.is_none_or(|s| *p as usize % parallelism == s))
-                    .collect();
-            }
-            let Some(edge) = self.graph.nodes[node].inputs.first() else {
-                return Vec::new();
-            };
-            if !matches!(edge.partitioning, Partitioning::Forward) {
-                subtask = None;
-            }
-            node = edge.from;
+        let mut found = BTreeSet::new();
+        self.collect_partitions(id, Some(subtask), &mut found);
+        found.into_iter().collect()
+    }
+
+    fn collect_partitions(&self, node: NodeId, subtask: Option<usize>, found: &mut BTreeSet<u32>) {
+        if matches!(self.graph.nodes[node].body, Body::Source(..)) {
+            let readers = self.parallelism[node];
+            let base = self.partition_base[node];
+            found.extend(
+                (0..self.source_partitions[node])
+                    .filter(|p| subtask.is_none_or(|s| reader_of(*p, readers) == s))
+                    .map(|p| base + p as u32),
+            );
+            return;
+        }
+        for edge in &self.graph.nodes[node].inputs {
+            let forward = matches!(edge.partitioning, Partitioning::Forward);
+            self.collect_partitions(edge.from, subtask.filter(|_| forward), found);
         }
     }
 
@@ -439,6 +463,7 @@ impl Plan {
                                 subtask,
                                 parallelism,
                                 batch_duration: config.trigger.batch_duration()?,
+                                first_epoch: resume.first_epoch,
                                 state,
                             };
                             let (sender, receiver) = crossbeam_channel::unbounded();
@@ -478,15 +503,16 @@ impl Plan {
                 let (main, source) = match &node.body {
                     Body::Source(source, _) => {
                         let waker = SourceWaker::default();
+                        let readers = self.parallelism[head];
                         let ctx = SourceContext {
                             subtask,
-                            parallelism: self.parallelism[head],
+                            parallelism: readers,
                             partitions: (0..self.source_partitions[head])
-                                .filter(|p| p % self.parallelism[head] == subtask)
+                                .filter(|p| reader_of(*p, readers) == subtask)
                                 .collect(),
                             start_offsets: resume
                                 .offsets
-                                .get(&node.name)
+                                .get(&node.uid)
                                 .cloned()
                                 .unwrap_or_default(),
                             waker: waker.clone(),
@@ -501,11 +527,13 @@ impl Plan {
                             )),
                             barriers: Some(epochs),
                             waker: Some(waker),
+                            partition_base: self.partition_base[head],
+                            first_partition: ctx.partitions[0] as u32,
                             ..env
                         };
                         (
                             source.actor(reader, emit, env),
-                            Some((node.name.clone(), barriers)),
+                            Some((node.uid.clone(), barriers)),
                         )
                     }
                     _ => {
@@ -559,4 +587,10 @@ impl Plan {
             port.fanout(outputs)
         })
     }
+}
+
+/// Which of a source's `readers` reads its partition `partition`: partitions are
+/// dealt round the readers, so each reads at most one more than another.
+fn reader_of(partition: usize, readers: usize) -> usize {
+    partition % readers
 }

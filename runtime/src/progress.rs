@@ -192,7 +192,17 @@ pub(crate) fn timestamp(at: std::time::SystemTime) -> String {
     humantime::format_rfc3339_millis(at).to_string()
 }
 
-/// Offsets per source operator.
+/// A source as progress reports name it.
+pub(crate) struct SourceDescription {
+    /// Its operator name, which its metrics are kept under.
+    pub(crate) name: String,
+    /// Its stable id, which its checkpointed offsets are kept under.
+    pub(crate) uid: String,
+    /// What it reads.
+    pub(crate) description: String,
+}
+
+/// Offsets per source, by uid.
 pub(crate) type SourceOffsets = BTreeMap<String, Offsets>;
 
 /// A committed epoch: the sources' offsets before and after it, and how long
@@ -212,8 +222,7 @@ pub(crate) struct ProgressTracker {
     id: String,
     run_id: String,
     name: String,
-    /// (operator name, description) of every source.
-    sources: Vec<(String, String)>,
+    sources: Vec<SourceDescription>,
     sink: String,
     last_report: Instant,
     last_read: BTreeMap<String, u64>,
@@ -223,7 +232,7 @@ pub(crate) struct ProgressTracker {
 impl ProgressTracker {
     pub(crate) fn new(
         query: &QueryShared,
-        sources: Vec<(String, String)>,
+        sources: Vec<SourceDescription>,
         sinks: Vec<String>,
     ) -> Self {
         Self {
@@ -254,19 +263,22 @@ impl ProgressTracker {
         let sources: Vec<SourceProgress> = self
             .sources
             .iter()
-            .map(|(operator, description)| {
-                let read = snapshot.records_out(operator);
-                let before = self.last_read.insert(operator.clone(), read).unwrap_or(0);
+            .map(|source| {
+                let read = snapshot.records_out(&source.name);
+                let before = self
+                    .last_read
+                    .insert(source.name.clone(), read)
+                    .unwrap_or(0);
                 let rows = read - before;
                 let (start_offset, end_offset) = match offsets {
                     Some(EpochOffsets { start, end, .. }) => (
-                        Some(start.get(operator).cloned().unwrap_or_default()),
-                        end.get(operator).cloned(),
+                        Some(start.get(&source.uid).cloned().unwrap_or_default()),
+                        end.get(&source.uid).cloned(),
                     ),
                     None => (None, None),
                 };
                 SourceProgress {
-                    description: description.clone(),
+                    description: source.description.clone(),
                     start_offset,
                     end_offset,
                     num_input_rows: rows,

@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 use std::io::Write;
+use std::path::Path;
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -11,11 +12,12 @@ use rtflow_checkpoint::CheckpointStore;
 use uuid::Uuid;
 
 use crate::config::QueryConfig;
-use crate::coordinator::{CheckpointNow, Coordinator, Crash, Startup, StopQuery};
+use crate::coordinator::{CheckpointNow, Coordinator, Crash, Location, Startup, StopQuery};
 use crate::endpoint::{register, Registration};
 use crate::error::{Result, RtflowError};
 use crate::graph::Graph;
 use crate::metrics::{MetricsSnapshot, QueryMetrics};
+use crate::plan::{validate, Plan};
 use crate::progress::{StreamingQueryListener, StreamingQueryProgress, StreamingQueryStatus};
 use crate::record::Epoch;
 
@@ -99,26 +101,33 @@ pub struct StreamingQuery {
 impl StreamingQuery {
     pub(crate) fn launch(graph: Graph, config: QueryConfig) -> Result<Self> {
         let batch_duration = config.validate()?;
+        validate(&graph, &config)?;
+        let plan = Plan::new(graph, &config)?;
         let location = config
             .checkpoint_location
             .clone()
             .expect("validated: a checkpoint location is given");
-        let mut store = CheckpointStore::open(&location, config.checkpoints_retained)?;
-        let recovery = store.recover()?;
-        for corrupt in &recovery.skipped {
-            // Its epoch's output may have been published already (an
-            // exactly-once sink commits after the manifest): the replay
-            // publishes it again.
-            tracing::warn!(
-                %corrupt,
-                "passing over a corrupt checkpoint: its epoch is replayed, and output \
-                 sinks published for it may appear twice"
-            );
-        }
-        let id = store.query_id(|| Uuid::new_v4().to_string())?;
-        let id = Uuid::parse_str(&id).map_err(|e| {
-            RtflowError::Checkpoint(format!("the stored query id '{id}' is not a UUID: {e}"))
-        })?;
+        let (location, id) = if is_new_location(&location) {
+            (Location::New(location), Uuid::new_v4())
+        } else {
+            let mut store = CheckpointStore::open(&location, config.checkpoints_retained)?;
+            let recovery = store.recover()?;
+            for corrupt in &recovery.skipped {
+                // Its epoch's output may have been published already (an
+                // exactly-once sink commits after the manifest): the replay
+                // publishes it again.
+                tracing::warn!(
+                    %corrupt,
+                    "passing over a corrupt checkpoint: its epoch is replayed, and output \
+                     sinks published for it may appear twice"
+                );
+            }
+            let id = store.query_id(|| Uuid::new_v4().to_string())?;
+            let id = Uuid::parse_str(&id).map_err(|e| {
+                RtflowError::Checkpoint(format!("the stored query id '{id}' is not a UUID: {e}"))
+            })?;
+            (Location::Opened(Box::new(store), recovery), id)
+        };
         let shared = Arc::new(QueryShared {
             id,
             run_id: Uuid::new_v4(),
@@ -142,11 +151,10 @@ impl StreamingQuery {
                 let system = actix::System::new();
                 system.block_on(async move {
                     let startup = Startup {
-                        graph,
+                        plan,
                         config,
                         batch_duration,
-                        store,
-                        recovery,
+                        location,
                         started: started_tx,
                     };
                     let address = Coordinator::new(coordinator_shared, startup).start();
@@ -440,5 +448,14 @@ impl std::fmt::Debug for StreamingQuery {
             .field("name", &self.shared.name)
             .field("active", &self.is_active())
             .finish()
+    }
+}
+
+/// Whether `location` holds nothing yet: a query starting there creates it only
+/// once it runs, so that one rejected at start leaves nothing behind.
+fn is_new_location(location: &Path) -> bool {
+    match std::fs::read_dir(location) {
+        Ok(mut entries) => entries.next().is_none(),
+        Err(error) => error.kind() == std::io::ErrorKind::NotFound,
     }
 }

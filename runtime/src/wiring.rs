@@ -7,12 +7,12 @@
 
 use std::any::Any;
 use std::marker::PhantomData;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::actor::{run_inbox, run_source, ActorEnv};
+use crate::cancel::Cancel;
 use crate::connector::{Sink, SinkContext, SinkEmit, Source, SourceContext, SourceReader};
 use crate::dispatch::{Fanout, Output, Partitioning};
 use crate::error::Result;
@@ -158,7 +158,7 @@ where
 pub(crate) struct SinkWiring {
     pub(crate) snapshots: SnapshotBuffer,
     pub(crate) commits: Receiver<Epoch>,
-    pub(crate) cancel: Arc<AtomicBool>,
+    pub(crate) cancel: Cancel,
 }
 
 pub(crate) trait ErasedSink: Send {
@@ -225,7 +225,7 @@ pub(crate) trait ErasedPort: Send + Sync {
         partitioning: &Partitioning,
         max_key_groups: usize,
         max_records: usize,
-        cancel: Arc<AtomicBool>,
+        cancel: Cancel,
     ) -> AnyBox;
     fn fanout(&self, outputs: Vec<AnyBox>) -> AnyBox;
     fn inbox_actor(&self, lanes: Vec<AnyBox>, emit: AnyBox, env: ActorEnv) -> ActorMain;
@@ -251,7 +251,7 @@ impl<T: Data> ErasedPort for PortOf<T> {
         partitioning: &Partitioning,
         max_key_groups: usize,
         max_records: usize,
-        cancel: Arc<AtomicBool>,
+        cancel: Cancel,
     ) -> AnyBox {
         let lanes = lanes
             .into_iter()

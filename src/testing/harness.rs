@@ -26,7 +26,7 @@ use serde::de::DeserializeOwned;
 
 use super::Step;
 
-/// The name of the harness's source, as progress reports and checkpoint
+/// The name and uid of the harness's source, as progress reports and checkpoint
 /// manifests show it.
 pub const INPUT: &str = "input";
 
@@ -329,7 +329,7 @@ impl<In: Data, Out: Data> DataflowHarness<In, Out> {
         }
         self.resumed = resumed_offsets(&recovery).values().sum::<usize>() as u64;
         let flow = Dataflow::new(self.name.clone());
-        let input = flow.source(self.source.clone()).name(INPUT);
+        let input = flow.source(self.source.clone()).name(INPUT).uid(INPUT);
         (self.build)(&flow, input).sink(CaptureSink(self.capture.clone()));
         self.query = Some(flow.start(self.config.clone())?);
         Ok(())

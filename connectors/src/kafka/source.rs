@@ -40,8 +40,10 @@ enum Subscription {
 }
 
 /// Reads Kafka topics: one reader actor per topic partition (Spark RTM's 1:1
-/// mapping) unless [`max_partitions`](KafkaSource::max_partitions) lets one reader
-/// take several.
+/// mapping) unless [`max_partitions`](KafkaSource::max_partitions) caps the
+/// readers, each then reading several partitions. Event time is tracked per
+/// topic partition either way: a partition behind the others holds the
+/// watermark back even when its reader reads faster ones too.
 ///
 /// ```no_run
 /// use rtflow_connectors::kafka::{KafkaSource, StartingOffsets};
@@ -112,9 +114,11 @@ impl KafkaSource {
         self
     }
 
-    /// Lets one reader actor read up to `partitions` partitions.
-    pub fn max_partitions(mut self, partitions: usize) -> Self {
-        self.max_partitions = Some(partitions.max(1));
+    /// Runs at most `readers` reader actors (Spark's `maxPartitions`: the number
+    /// of input partitions, and so of task slots, the source takes), the topic
+    /// partitions dealt round them. Without it, one reader per topic partition.
+    pub fn max_partitions(mut self, readers: usize) -> Self {
+        self.max_partitions = Some(readers.max(1));
         self
     }
 
@@ -314,10 +318,8 @@ impl Source<KafkaRecord> for KafkaSource {
     }
 
     fn readers(&self, partitions: usize) -> usize {
-        match self.max_partitions {
-            Some(per_reader) => partitions.div_ceil(per_reader),
-            None => partitions,
-        }
+        self.max_partitions
+            .map_or(partitions, |readers| readers.min(partitions))
     }
 
     fn reader(&self, ctx: &SourceContext) -> Result<Box<dyn SourceReader<KafkaRecord>>> {
@@ -353,6 +355,7 @@ impl Source<KafkaRecord> for KafkaSource {
             consumer,
             source: format!("kafka {}", self.bootstrap_servers),
             partitions,
+            numbers: ctx.partitions.clone(),
             positions,
         }))
     }
@@ -362,6 +365,9 @@ struct KafkaReader {
     consumer: BaseConsumer,
     source: String,
     partitions: Vec<(String, i32)>,
+    /// Each partition's number in the source ([`SourceContext::partitions`]),
+    /// which watermarks track event time by.
+    numbers: Vec<usize>,
     /// The next offset to read, per partition.
     positions: Vec<i64>,
 }
@@ -444,6 +450,7 @@ impl SourceReader<KafkaRecord> for KafkaReader {
                         .position(|(t, p)| *p == partition && t == topic)
                     {
                         self.positions[i] = message.offset() + 1;
+                        out.set_partition(self.numbers[i]);
                     }
                     let (record, timestamp) = record(&message);
                     match timestamp {
@@ -462,5 +469,27 @@ impl SourceReader<KafkaRecord> for KafkaReader {
             waited = true;
         }
         Ok(SourceStatus::Active)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_partitions_caps_the_readers_as_spark_does() {
+        let source = KafkaSource::new("127.0.0.1:1");
+        assert_eq!(
+            source.readers(12),
+            12,
+            "one reader per partition by default"
+        );
+        let capped = KafkaSource::new("127.0.0.1:1").max_partitions(8);
+        assert_eq!(capped.readers(12), 8);
+        assert_eq!(capped.readers(3), 3, "never more readers than partitions");
+        assert_eq!(
+            KafkaSource::new("127.0.0.1:1").max_partitions(0).readers(5),
+            1
+        );
     }
 }
