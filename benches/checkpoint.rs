@@ -285,6 +285,7 @@ fn manifest(epoch: Epoch) -> Manifest {
         state: BTreeMap::new(),
         key_groups: 128,
         committed_at_ms: 0,
+        run_id: "run".into(),
     }
 }
 

@@ -27,6 +27,12 @@ pub struct Manifest {
     pub key_groups: u32,
     /// When the manifest was written (ms since the Unix epoch).
     pub committed_at_ms: u64,
+    /// The run of the query that committed the checkpoint. With the epoch it is
+    /// the checkpoint's identity: epochs are unique within a run and every start
+    /// is a new run, so a checkpoint that a rollback numbers like a lost one
+    /// still differs from it, and output published for the lost one is known
+    /// for what it is.
+    pub run_id: String,
 }
 
 /// A stored manifest whose checksum does not match its bytes.
@@ -85,6 +91,7 @@ mod tests {
             state: BTreeMap::new(),
             key_groups: 128,
             committed_at_ms: 1,
+            run_id: "run".into(),
         }
     }
 

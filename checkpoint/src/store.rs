@@ -522,6 +522,7 @@ mod tests {
             state: BTreeMap::new(),
             key_groups: 128,
             committed_at_ms: epoch,
+            run_id: "run".into(),
         }
     }
 

@@ -248,6 +248,8 @@ pub struct SinkContext {
     pub query: String,
     /// The query's id, kept across restarts.
     pub query_id: String,
+    /// The id of this run of the query, new at every start.
+    pub run_id: String,
     /// The sink's stable id in the dataflow.
     pub uid: String,
     /// This writer's index, `0..parallelism` (Spark's partition id).

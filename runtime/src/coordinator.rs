@@ -212,6 +212,7 @@ impl Coordinator {
             state,
             resume.as_ref().map(|m| m.epoch),
             resume.as_ref().and_then(|m| m.watermark),
+            resume.as_ref().map(|m| m.run_id.clone()),
             config.max_key_groups,
         ));
         let mut tracker = CheckpointTracker::new(plan.actor_count(), resume.map(|m| m.epoch));
@@ -219,8 +220,10 @@ impl Coordinator {
             tracker.number_after(damaged);
         }
         let query_id = self.shared.id.to_string();
+        let run_id = self.shared.run_id.to_string();
         let resume_from = Resume {
             query_id: &query_id,
+            run_id: &run_id,
             offsets: &committed,
             state: restored.clone(),
             first_epoch: tracker.next_epoch(),
@@ -349,6 +352,7 @@ impl Coordinator {
             state: Default::default(),
             key_groups: checkpoints.key_groups,
             committed_at_ms: now_nanos() / 1_000_000,
+            run_id: self.shared.run_id.to_string(),
         };
         let writing = Instant::now();
         let (manifest, stats) = checkpoints.store.commit(manifest, deltas)?;

@@ -208,6 +208,7 @@ pub(crate) struct ActorSpec {
 /// and state.
 pub(crate) struct Resume<'a> {
     pub(crate) query_id: &'a str,
+    pub(crate) run_id: &'a str,
     pub(crate) offsets: &'a BTreeMap<String, Offsets>,
     pub(crate) state: Arc<Restored>,
     /// The epoch the first records of this run belong to.
@@ -459,6 +460,7 @@ impl Plan {
                             let ctx = SinkContext {
                                 query: config.name.clone(),
                                 query_id: resume.query_id.to_owned(),
+                                run_id: resume.run_id.to_owned(),
                                 uid: node.uid.clone(),
                                 subtask,
                                 parallelism,

@@ -69,6 +69,8 @@ pub(crate) struct Restored {
     pub(crate) epoch: Option<Epoch>,
     /// The watermark the checkpoint reached.
     pub(crate) watermark: Option<EventTime>,
+    /// The run that committed the checkpoint.
+    pub(crate) run_id: Option<String>,
     pub(crate) key_groups: usize,
     claimed: Mutex<BTreeSet<StateId>>,
 }
@@ -109,6 +111,7 @@ impl Restored {
         states: BTreeMap<StateId, RestoredState>,
         epoch: Option<Epoch>,
         watermark: Option<EventTime>,
+        run_id: Option<String>,
         key_groups: usize,
     ) -> Self {
         Self {
@@ -118,6 +121,7 @@ impl Restored {
                 .collect(),
             epoch,
             watermark,
+            run_id,
             key_groups,
             claimed: Mutex::default(),
         }
@@ -154,13 +158,19 @@ impl StateContext {
             kind: kind.to_owned(),
             subtask,
             parallelism,
-            restored: Arc::new(Restored::new(BTreeMap::new(), None, None, key_groups)),
+            restored: Arc::new(Restored::new(BTreeMap::new(), None, None, None, key_groups)),
         }
     }
 
     /// The epoch of the checkpoint this start restored from, if any.
     pub fn restored_epoch(&self) -> Option<Epoch> {
         self.restored.epoch
+    }
+
+    /// The run that committed the checkpoint this start restored from: with
+    /// [`restored_epoch`](Self::restored_epoch), the checkpoint's identity.
+    pub fn restored_run_id(&self) -> Option<&str> {
+        self.restored.run_id.as_deref()
     }
 
     /// The watermark of the checkpoint this start restored from: event time must
@@ -832,6 +842,7 @@ mod tests {
         let restored = Arc::new(Restored::new(
             BTreeMap::from([(id, state)]),
             Some(1),
+            None,
             None,
             128,
         ));

@@ -125,7 +125,7 @@ impl<T: Data> Sink<T> for CaptureSink<T> {
         });
         Ok(Box::new(CaptureWriter {
             capture: self.0.clone(),
-            epoch: ctx.state.restored_epoch().map_or(1, |epoch| epoch + 1),
+            epoch: ctx.first_epoch,
             trace,
             watermark: None,
         }))

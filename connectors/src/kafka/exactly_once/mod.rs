@@ -21,6 +21,15 @@
 //! writer reads the commit topic with `read_committed` and writes again, once,
 //! every restored epoch newer than the last commit record under its id, each with
 //! its commit record. Either way E's output is visible once.
+//!
+//! A commit record names the epoch and the run whose checkpoints hold its
+//! output: the checkpoint's identity, which a rolled-back or replaced
+//! checkpoint location cannot reproduce. Before it writes anything, a
+//! restarted writer compares the last record under each id it answers for
+//! with the checkpoint it restored ([`check_restored`]): a topic ahead of the
+//! checkpoint, or naming the restored epoch with another run, means output was
+//! published for a checkpoint the location no longer has, and the query fails
+//! with `CHECKPOINT_FAILED` rather than skip or repeat that output.
 
 mod outbox;
 
@@ -51,8 +60,13 @@ pub(crate) struct TransactionalWriter<T> {
     commit_topic: String,
     serialize: SerializeFn<T>,
     pending: SubtaskState<Pending>,
-    /// The epoch the state was restored from, until the restored output is settled.
-    unresolved: Option<Epoch>,
+    /// Whether the restored checkpoint is still to be checked against the commit
+    /// topic and its output settled.
+    unresolved: bool,
+    /// The checkpoint restored from: its epoch and the run that wrote it.
+    restored: Option<(Epoch, String)>,
+    /// This run's id, which the commit records of its checkpoints name.
+    run_id: String,
     outbox: Outbox,
     /// The barrier the next snapshot belongs to; none at the end of the input.
     barrier: Option<Epoch>,
@@ -104,6 +118,7 @@ impl<T: Data> TransactionalWriter<T> {
             )));
         }
         let restored = ctx.state.restored_epoch();
+        let restored_run = ctx.state.restored_run_id().unwrap_or_default().to_owned();
         Ok(Self {
             producer: KafkaTransactions {
                 producer,
@@ -121,7 +136,9 @@ impl<T: Data> TransactionalWriter<T> {
             commit_topic,
             serialize: sink.serialize.clone(),
             pending,
-            unresolved: restored,
+            unresolved: true,
+            restored: restored.map(|epoch| (epoch, restored_run)),
+            run_id: ctx.run_id.clone(),
             outbox: Outbox::after(restored),
             barrier: None,
         })
@@ -244,11 +261,15 @@ impl Transactions for KafkaTransactions {
         self.check()
     }
 
-    fn commit(&mut self, id: &str, epoch: Epoch) -> Result<()> {
-        let epoch_text = epoch.to_string();
+    fn commit(&mut self, id: &str, epoch: Epoch, run: &str) -> Result<()> {
+        let payload = CommitRecord {
+            epoch,
+            run: Some(run.to_owned()),
+        }
+        .encode();
         let record = BaseRecord::to(&self.commit_topic)
             .key(id)
-            .payload(&epoch_text)
+            .payload(&payload)
             .partition(0);
         self.producer
             .send(record)
@@ -270,9 +291,30 @@ impl<T> TransactionalWriter<T> {
     /// committing is written again, once. Runs on the actor's thread, after every
     /// writer of the sink fenced its previous incarnation.
     fn resolve_restored(&mut self) -> Result<()> {
-        let Some(epoch) = self.unresolved.take() else {
+        if !std::mem::take(&mut self.unresolved) {
+            return Ok(());
+        }
+        // A first start has a new query id, so no writer id of its own has a
+        // record yet: nothing to check or settle.
+        let Some((epoch, run)) = self.restored.clone() else {
             return Ok(());
         };
+        let records = committed_epochs(
+            &self.bootstrap_servers,
+            &self.commit_topic,
+            self.producer.timeout,
+        )
+        .map_err(|e| self.producer.error(e))?;
+        let mut ids: Vec<String> = self
+            .pending
+            .restored()
+            .iter()
+            .map(|(old, _)| (self.id_of)(*old))
+            .collect();
+        ids.push(self.transactional_id.clone());
+        for id in &ids {
+            check_restored(id, records.get(id), (epoch, &run)).map_err(RtflowError::Checkpoint)?;
+        }
         let restored: Vec<_> = self
             .pending
             .restored()
@@ -280,16 +322,12 @@ impl<T> TransactionalWriter<T> {
             .filter(|(_, pending)| !pending.ended.is_empty())
             .map(|(old, pending)| ((self.id_of)(*old), pending))
             .collect();
-        if restored.is_empty() {
-            return Ok(());
-        }
-        let committed = committed_epochs(
-            &self.bootstrap_servers,
-            &self.commit_topic,
-            self.producer.timeout,
-        )
-        .map_err(|e| self.producer.error(e))?;
-        for (id, ended) in outbox::resolve(&restored, epoch, &committed, &mut self.producer)? {
+        let committed: HashMap<String, Epoch> = records
+            .into_iter()
+            .map(|(id, record)| (id, record.epoch))
+            .collect();
+        for (id, ended) in outbox::resolve(&restored, epoch, &run, &committed, &mut self.producer)?
+        {
             tracing::info!(
                 transactional_id = %id,
                 end = ?ended.end,
@@ -301,7 +339,70 @@ impl<T> TransactionalWriter<T> {
     }
 }
 
-/// The last epoch committed under each transactional id, read with
+/// What a commit record says: its writer published the output of `epoch`,
+/// which the checkpoints of run `run` hold (none in records of rtflow versions
+/// that wrote the epoch alone).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct CommitRecord {
+    epoch: Epoch,
+    run: Option<String>,
+}
+
+impl CommitRecord {
+    /// `"{epoch} {run}"`.
+    fn encode(&self) -> String {
+        match &self.run {
+            Some(run) => format!("{} {run}", self.epoch),
+            None => self.epoch.to_string(),
+        }
+    }
+
+    fn decode(payload: &[u8]) -> Option<Self> {
+        let text = std::str::from_utf8(payload).ok()?;
+        let mut fields = text.split(' ');
+        let epoch = fields.next()?.parse().ok()?;
+        Some(Self {
+            epoch,
+            run: fields.next().map(str::to_owned),
+        })
+    }
+}
+
+/// Whether the last commit record of writer `id` agrees with the checkpoint
+/// restored (its epoch and the run that wrote it), so that what the restart
+/// writes again, and what it skips, is decided by the checkpoint's identity and
+/// never by an epoch number alone. An error says what the location lost.
+fn check_restored(
+    id: &str,
+    last: Option<&CommitRecord>,
+    (epoch, run): (Epoch, &str),
+) -> std::result::Result<(), String> {
+    let Some(last) = last else {
+        return Ok(());
+    };
+    let published = match &last.run {
+        Some(run) => format!("the output of epoch {} (run {run})", last.epoch),
+        None => format!("the output of epoch {}", last.epoch),
+    };
+    let advice = "the checkpoint location was damaged, rolled back or replaced; restore \
+                  the location the query last ran on, or start the query on a new \
+                  location (a new query id) to publish its output anew";
+    if last.epoch > epoch {
+        return Err(format!(
+            "the commit topic says writer '{id}' published {published}, newer than the \
+             checkpoint restored (epoch {epoch}): {advice}"
+        ));
+    }
+    if last.epoch == epoch && last.run.as_deref().is_some_and(|r| r != run) {
+        return Err(format!(
+            "the commit topic says writer '{id}' published {published}, but the \
+             checkpoint of epoch {epoch} restored was written by run {run}: {advice}"
+        ));
+    }
+    Ok(())
+}
+
+/// The last commit record under each transactional id, read with
 /// `read_committed` up to the commit topic's high watermark.
 ///
 /// Not up to a `read_committed` reader's own end, the last stable offset: that
@@ -314,7 +415,7 @@ fn committed_epochs(
     bootstrap_servers: &str,
     commit_topic: &str,
     timeout: Duration,
-) -> std::result::Result<HashMap<String, Epoch>, String> {
+) -> std::result::Result<HashMap<String, CommitRecord>, String> {
     let reader = |isolation: &str| -> std::result::Result<BaseConsumer, String> {
         rdkafka::ClientConfig::new()
             .set("bootstrap.servers", bootstrap_servers)
@@ -341,11 +442,9 @@ fn committed_epochs(
     loop {
         if let Some(message) = consumer.poll(Duration::from_millis(50)) {
             let message = message.map_err(|e| format!("reading the commit topic: {e}"))?;
-            let epoch = std::str::from_utf8(message.payload().unwrap_or_default())
-                .ok()
-                .and_then(|text| text.parse().ok());
-            if let (Some(key), Some(epoch)) = (message.key(), epoch) {
-                committed.insert(String::from_utf8_lossy(key).into_owned(), epoch);
+            let record = CommitRecord::decode(message.payload().unwrap_or_default());
+            if let (Some(key), Some(record)) = (message.key(), record) {
+                committed.insert(String::from_utf8_lossy(key).into_owned(), record);
             }
         }
         let position = consumer.position().ok().and_then(|positions| {
@@ -396,8 +495,12 @@ impl<T: Data> SinkWriter<T> for TransactionalWriter<T> {
     }
 
     fn on_commit(&mut self, epoch: Epoch) -> Result<()> {
-        self.outbox
-            .committed(epoch, &self.transactional_id, &mut self.producer)
+        self.outbox.committed(
+            epoch,
+            &self.transactional_id,
+            &self.run_id,
+            &mut self.producer,
+        )
     }
 
     fn close(&mut self, _error: Option<&RtflowError>) -> Result<()> {
@@ -416,6 +519,48 @@ impl<T: Data> SinkWriter<T> for TransactionalWriter<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn record(epoch: Epoch, run: Option<&str>) -> CommitRecord {
+        CommitRecord {
+            epoch,
+            run: run.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn a_commit_record_names_its_epoch_and_run_and_old_ones_their_epoch() {
+        let new = record(7, Some("9f1c"));
+        assert_eq!(new.encode(), "7 9f1c");
+        assert_eq!(CommitRecord::decode(b"7 9f1c"), Some(new));
+        assert_eq!(CommitRecord::decode(b"7"), Some(record(7, None)));
+        assert_eq!(CommitRecord::decode(b"seven"), None);
+    }
+
+    #[test]
+    fn a_restore_is_checked_by_the_checkpoints_identity_not_its_epoch_alone() {
+        // (last commit record, checkpoint restored, whether the restart may go on)
+        let cases = [
+            (None, (4, "a"), true),
+            (Some(record(3, Some("a"))), (4, "a"), true),
+            (Some(record(3, Some("z"))), (4, "a"), true),
+            (Some(record(4, Some("a"))), (4, "a"), true),
+            (Some(record(4, None)), (4, "a"), true),
+            // Output published for a checkpoint the location lost:
+            (Some(record(5, Some("a"))), (4, "a"), false),
+            (Some(record(4, Some("b"))), (4, "a"), false),
+        ];
+        for (last, checkpoint, allowed) in cases {
+            let verdict = check_restored("w-0", last.as_ref(), checkpoint);
+            assert_eq!(
+                verdict.is_ok(),
+                allowed,
+                "{last:?} {checkpoint:?}: {verdict:?}"
+            );
+            if let Err(message) = verdict {
+                assert!(message.contains("'w-0'"), "{message}");
+            }
+        }
+    }
 
     #[test]
     fn a_transaction_may_stay_open_for_two_batch_durations_and_a_flush() {

@@ -24,8 +24,8 @@ pub(crate) trait Transactions {
     fn flush(&mut self) -> Result<()>;
 
     /// Commits the open transaction together with a commit record saying that
-    /// writer `id` committed `epoch`.
-    fn commit(&mut self, id: &str, epoch: Epoch) -> Result<()>;
+    /// writer `id` committed `epoch`, whose checkpoints run `run` wrote.
+    fn commit(&mut self, id: &str, epoch: Epoch, run: &str) -> Result<()>;
 }
 
 /// Where an epoch's output ends, which decides the checkpoint it commits with.
@@ -136,12 +136,14 @@ impl Outbox {
         })
     }
 
-    /// The checkpoint of `epoch` is durable: commits every ended epoch it covers,
-    /// each in its own transaction, then starts sending what waited behind them.
+    /// The checkpoint of `epoch`, written by run `run`, is durable: commits every
+    /// ended epoch it covers, each in its own transaction, then starts sending
+    /// what waited behind them.
     pub(crate) fn committed(
         &mut self,
         epoch: Epoch,
         id: &str,
+        run: &str,
         tx: &mut impl Transactions,
     ) -> Result<()> {
         let mut in_transaction = true;
@@ -153,7 +155,7 @@ impl Outbox {
                     tx.send(message)?;
                 }
             }
-            tx.commit(id, ended.end.record(epoch))?;
+            tx.commit(id, ended.end.record(epoch), run)?;
             in_transaction = false;
             committed_any = true;
         }
@@ -184,6 +186,7 @@ impl Outbox {
 pub(crate) fn resolve(
     restored: &[(String, &Pending)],
     epoch: Epoch,
+    run: &str,
     committed: &HashMap<String, Epoch>,
     tx: &mut impl Transactions,
 ) -> Result<Vec<(String, Ended)>> {
@@ -197,7 +200,7 @@ pub(crate) fn resolve(
             for message in &ended.messages {
                 tx.send(message)?;
             }
-            tx.commit(id, ended.end.record(epoch))?;
+            tx.commit(id, ended.end.record(epoch), run)?;
             rewritten.push((id.clone(), ended.clone()));
         }
     }
@@ -230,7 +233,7 @@ mod tests {
             Ok(())
         }
 
-        fn commit(&mut self, id: &str, epoch: Epoch) -> Result<()> {
+        fn commit(&mut self, id: &str, epoch: Epoch, _run: &str) -> Result<()> {
             assert!(!self.open.is_empty(), "an empty transaction committed");
             self.visible.append(&mut self.open);
             self.flushed = 0;
@@ -289,6 +292,7 @@ mod tests {
     }
 
     const ID: &str = "writer-0";
+    const RUN: &str = "run-0";
 
     impl Run {
         fn new() -> Self {
@@ -328,7 +332,9 @@ mod tests {
                 }
                 Step::Notify => {
                     if let Some(epoch) = self.unnotified.pop_front() {
-                        self.outbox.committed(epoch, ID, &mut self.log).unwrap();
+                        self.outbox
+                            .committed(epoch, ID, RUN, &mut self.log)
+                            .unwrap();
                     }
                 }
                 Step::Crash => self.restart(),
@@ -343,6 +349,7 @@ mod tests {
             resolve(
                 &[(ID.to_string(), &pending)],
                 epoch,
+                RUN,
                 &committed,
                 &mut self.log,
             )
@@ -411,10 +418,10 @@ mod tests {
             vec![End::Barrier(1), End::Barrier(2)],
             "the checkpoint of 2 holds epoch 1 too: it has not committed"
         );
-        outbox.committed(1, ID, &mut log).unwrap();
+        outbox.committed(1, ID, RUN, &mut log).unwrap();
         assert_eq!(log.visible, vec![message(0)]);
         assert_eq!(log.open, vec![message(1)]);
-        outbox.committed(2, ID, &mut log).unwrap();
+        outbox.committed(2, ID, RUN, &mut log).unwrap();
         assert_eq!(log.visible, vec![message(0), message(1)]);
         assert_eq!(log.records[ID], 2);
     }
@@ -435,7 +442,8 @@ mod tests {
         };
         let mut log = Log::default();
         let committed = HashMap::from([(ID.to_string(), 4)]);
-        let rewritten = resolve(&[(ID.to_string(), &pending)], 5, &committed, &mut log).unwrap();
+        let rewritten =
+            resolve(&[(ID.to_string(), &pending)], 5, RUN, &committed, &mut log).unwrap();
         assert_eq!(rewritten.len(), 1);
         assert_eq!(log.visible, vec![message(5)]);
         assert_eq!(log.records[ID], 5);
