@@ -17,6 +17,7 @@
 //!
 //! This crate knows nothing of the runtime: the runtime builds on it.
 
+mod head;
 pub mod manifest;
 pub mod protocol;
 mod segments;

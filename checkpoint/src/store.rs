@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::head::{Head, HEAD_FILE};
 use crate::manifest::{Corrupt, Manifest};
 use crate::segments::Segments;
 use crate::snapshot::{
@@ -31,6 +32,8 @@ pub enum StoreError {
     },
     #[error("checkpoint location {path}: {reason}")]
     Io { path: PathBuf, reason: String },
+    #[error("checkpoint location {path} is damaged: {reason}")]
+    Damaged { path: PathBuf, reason: String },
 }
 
 /// A state as the recovered checkpoint left it.
@@ -111,17 +114,39 @@ const MAX_CHAIN: usize = 32;
 /// background flusher may hold the lock for a moment after a query stopped.
 const LOCK_WAIT: Duration = Duration::from_secs(2);
 
-fn open_db(path: &Path) -> sled::Result<sled::Db> {
+/// Opens sled at `path`. Files sled cannot make sense of are the location's
+/// damage, not its unusability: they fail as [`StoreError::Damaged`].
+fn open_db(path: &Path) -> Result<sled::Db, StoreError> {
     let deadline = Instant::now() + LOCK_WAIT;
+    let error = |kind: fn(PathBuf, String) -> StoreError, reason: String| {
+        Err(kind(path.to_path_buf(), reason))
+    };
+    let unusable = |path, reason| StoreError::Unusable { path, reason };
+    let damaged = |path, reason| StoreError::Damaged { path, reason };
     loop {
-        match sled::open(path) {
-            Err(sled::Error::Io(error))
-                if error.to_string().contains("could not acquire lock")
+        // sled panics on some damage rather than report it.
+        let opened = std::panic::catch_unwind(|| sled::open(path));
+        match opened {
+            Ok(Ok(db)) => return Ok(db),
+            Ok(Err(sled::Error::Io(io)))
+                if io.to_string().contains("could not acquire lock")
                     && Instant::now() < deadline =>
             {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            result => return result,
+            Ok(Err(sled::Error::Io(io)))
+                if matches!(
+                    io.kind(),
+                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData
+                ) =>
+            {
+                return error(damaged, format!("sled cannot read its files: {io}"))
+            }
+            Ok(Err(sled::Error::Io(io))) => return error(unusable, io.to_string()),
+            Ok(Err(other)) => {
+                return error(damaged, format!("sled cannot read its files: {other}"))
+            }
+            Err(_) => return error(damaged, "sled failed reading its files".to_owned()),
         }
     }
 }
@@ -169,7 +194,7 @@ impl CheckpointStore {
             reason,
         };
         std::fs::create_dir_all(&path).map_err(|e| unusable(e.to_string()))?;
-        let db = open_db(&path).map_err(|e| unusable(e.to_string()))?;
+        let db = open_db(&path)?;
         let manifests = db
             .open_tree("manifests")
             .map_err(|e| unusable(e.to_string()))?;
@@ -211,25 +236,94 @@ impl CheckpointStore {
         Ok(id)
     }
 
-    /// Every stored manifest, newest first, each decoded or found corrupt.
-    fn stored_manifests(&self) -> Result<Vec<Result<Manifest, Corrupt>>, StoreError> {
+    /// Every stored manifest, newest first, each decoded or found corrupt,
+    /// checked against the head: a manifest other than the one the head names,
+    /// under the head's epoch, is corrupt.
+    fn stored_manifests(
+        &self,
+        head: Option<Head>,
+    ) -> Result<Vec<Result<Manifest, Corrupt>>, StoreError> {
         self.manifests
             .iter()
             .rev()
             .map(|entry| {
                 let (key, bytes) = entry.map_err(|e| self.io(e))?;
                 let epoch = epoch_of(&key).ok_or_else(|| self.io("bad manifest key"))?;
+                let replaced = head.is_some_and(|head| {
+                    head.epoch == epoch && head.manifest_checksum != crc32fast::hash(&bytes)
+                });
+                if replaced {
+                    return Ok(Err(Corrupt {
+                        epoch,
+                        reason: format!("it is not the manifest {HEAD_FILE} names"),
+                    }));
+                }
                 Ok(Manifest::decode(epoch, &bytes))
             })
             .collect()
+    }
+
+    fn damaged(&self, reason: String) -> StoreError {
+        StoreError::Damaged {
+            path: self.path.clone(),
+            reason,
+        }
+    }
+
+    /// The head of the location, and what the store lost of it: the head's
+    /// checkpoint when its manifest is gone (sled dropped it), as damage
+    /// recovery passes over. A store with no manifest at all but a head, or
+    /// snapshot segments that only a commit leaves behind, lost its
+    /// checkpoints: that fails, since starting afresh would process and
+    /// publish everything again.
+    fn check_head(&self) -> Result<(Option<Head>, Option<Corrupt>), StoreError> {
+        let head = Head::read(&self.path).map_err(|reason| self.damaged(reason))?;
+        let newest = self
+            .manifests
+            .iter()
+            .keys()
+            .next_back()
+            .transpose()
+            .map_err(|e| self.io(e))?
+            .and_then(|key| epoch_of(&key));
+        let Some(newest) = newest else {
+            if let Some(head) = head {
+                return Err(self.damaged(format!(
+                    "its store holds no checkpoint manifest, but {HEAD_FILE} names the \
+                     checkpoint of epoch {}: the store lost its checkpoints",
+                    head.epoch
+                )));
+            }
+            // The first epoch's segment is written before its manifest: a crash
+            // between the two leaves it alone. Any other means a commit was lost.
+            let mut orphans = self.segments.epochs().map_err(|e| self.io(e))?;
+            orphans.retain(|epoch| *epoch != 1);
+            orphans.sort_unstable();
+            if !orphans.is_empty() {
+                return Err(self.damaged(format!(
+                    "it holds snapshot segments of epochs {orphans:?} but its store has no \
+                     checkpoint manifest: the store lost its checkpoints"
+                )));
+            }
+            return Ok((None, None));
+        };
+        let lost = head.filter(|head| head.epoch > newest).map(|head| Corrupt {
+            epoch: head.epoch,
+            reason: format!(
+                "{HEAD_FILE} names it, but its manifest is missing from the store (the \
+                 newest stored is epoch {newest})"
+            ),
+        });
+        Ok((head, lost))
     }
 
     /// The latest checkpoint whose manifest and snapshots are intact, passing over
     /// damaged newer ones. Fails if checkpoints exist but none is intact: restoring
     /// nothing would be wrong.
     pub fn recover(&mut self) -> Result<Recovery, StoreError> {
-        let mut skipped = Vec::new();
-        let stored = self.stored_manifests()?;
+        let (head, lost) = self.check_head()?;
+        let mut skipped: Vec<Corrupt> = lost.into_iter().collect();
+        let stored = self.stored_manifests(head)?;
         let mut intact = Vec::new();
         for manifest in stored {
             let manifest = match manifest {
@@ -267,7 +361,7 @@ impl CheckpointStore {
                     intact.push(manifest.clone());
                     // Older intact manifests stay retained; newer damaged ones
                     // are replaced by the next commits.
-                    for older in self.stored_manifests()?.into_iter().flatten() {
+                    for older in self.stored_manifests(head)?.into_iter().flatten() {
                         if older.epoch < manifest.epoch {
                             intact.push(older);
                         }
@@ -350,6 +444,7 @@ impl CheckpointStore {
         }
 
         let bytes = manifest.encode();
+        let manifest_checksum = crc32fast::hash(&bytes);
         stats.bytes += bytes.len();
         let mut batch = sled::Batch::default();
         // Every stored manifest after the last kept one is a damaged one that
@@ -374,6 +469,12 @@ impl CheckpointStore {
         }
         self.manifests.apply_batch(batch).map_err(|e| self.io(e))?;
         self.db.flush().map_err(|e| self.io(e))?;
+        Head {
+            epoch,
+            manifest_checksum,
+        }
+        .write(&self.path)
+        .map_err(|e| self.io(e))?;
         self.collect_garbage()?;
         Ok((manifest, stats))
     }
@@ -628,6 +729,105 @@ mod tests {
         assert_eq!(
             restored(&recovery),
             vec![(0, 40), (1, 36), (2, 37), (3, 38), (4, 39)]
+        );
+    }
+
+    /// Three committed epochs with state, in a store closed afterwards.
+    fn three_checkpoints(dir: &Path) {
+        let mut store = CheckpointStore::open(dir, 3).unwrap();
+        store.recover().unwrap();
+        for epoch in 1..=3u8 {
+            store
+                .commit(manifest(epoch.into()), vec![delta(0, &[(1, Some(epoch))])])
+                .unwrap();
+        }
+    }
+
+    #[test]
+    fn a_manifest_the_store_dropped_is_passed_over_as_damage_never_silently() {
+        let dir = tempfile::tempdir().unwrap();
+        three_checkpoints(dir.path());
+        // What sled's recovery does when the end of its log is damaged.
+        let store = CheckpointStore::open(dir.path(), 3).unwrap();
+        store.manifests.remove(3u64.to_be_bytes()).unwrap();
+        store.db.flush().unwrap();
+        drop(store);
+
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
+        let recovery = store.recover().unwrap();
+        assert_eq!(recovery.manifest.as_ref().unwrap().epoch, 2);
+        assert_eq!(recovery.skipped.len(), 1, "{:?}", recovery.skipped);
+        assert_eq!(
+            recovery.skipped[0].epoch, 3,
+            "its number is not given again"
+        );
+        assert!(recovery.skipped[0]
+            .reason
+            .contains("missing from the store"));
+    }
+
+    #[test]
+    fn a_store_that_lost_every_manifest_fails_rather_than_start_afresh() {
+        let dir = tempfile::tempdir().unwrap();
+        three_checkpoints(dir.path());
+        let wipe_sled = || {
+            for entry in std::fs::read_dir(dir.path()).unwrap() {
+                let path = entry.unwrap().path();
+                let name = path.file_name().unwrap().to_str().unwrap().to_owned();
+                if name == "snapshots" || name.starts_with(HEAD_FILE) {
+                    continue;
+                }
+                if path.is_dir() {
+                    std::fs::remove_dir_all(&path).unwrap();
+                } else {
+                    std::fs::remove_file(&path).unwrap();
+                }
+            }
+        };
+        wipe_sled();
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
+        let error = store.recover().unwrap_err();
+        assert!(
+            matches!(&error, StoreError::Damaged { reason, .. }
+                if reason.contains("names the checkpoint of epoch 3")),
+            "{error}"
+        );
+        drop(store);
+
+        // Without the head, the segments still tell that commits happened.
+        std::fs::remove_file(dir.path().join(HEAD_FILE)).unwrap();
+        wipe_sled();
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
+        let error = store.recover().unwrap_err();
+        assert!(
+            matches!(&error, StoreError::Damaged { reason, .. }
+                if reason.contains("snapshot segments of epochs [2, 3]")),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn the_first_epochs_segment_alone_is_a_crash_before_the_first_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::open(dir.path(), 3).unwrap();
+        let mut segment = store.segments.create(1).unwrap();
+        segment.append(b"blob").unwrap();
+        segment.finish().unwrap();
+        drop(store);
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
+        assert_eq!(store.recover().unwrap(), Recovery::default());
+    }
+
+    #[test]
+    fn a_damaged_head_fails_the_recovery() {
+        let dir = tempfile::tempdir().unwrap();
+        three_checkpoints(dir.path());
+        std::fs::write(dir.path().join(HEAD_FILE), b"garbage").unwrap();
+        let mut store = CheckpointStore::open(dir.path(), 3).unwrap();
+        let error = store.recover().unwrap_err();
+        assert!(
+            matches!(&error, StoreError::Damaged { reason, .. } if reason.contains(HEAD_FILE)),
+            "{error}"
         );
     }
 

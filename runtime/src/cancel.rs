@@ -3,8 +3,12 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use crate::error::RtflowError;
+
+/// How long [`Cancel::explain`] waits for the coordinator to name a failure.
+const CAUSE_WAIT: Duration = Duration::from_secs(5);
 
 /// Shared by the coordinator and every actor of one query.
 #[derive(Debug, Clone, Default)]
@@ -34,9 +38,20 @@ impl Cancel {
 
     /// The error an actor stopped by `error` should report to its sink: the
     /// failure that cancelled the query when `error` is only the cancellation.
+    /// An actor whose input lane broke because the actor feeding it failed is
+    /// cancelled before the coordinator has heard of that failure: it waits for
+    /// the coordinator to raise the flag, at most [`CAUSE_WAIT`]. Only a failing
+    /// query takes this path.
     pub(crate) fn explain<'a>(&'a self, error: &'a RtflowError) -> &'a RtflowError {
-        if *error != RtflowError::Cancelled || !self.0.raised.load(Ordering::Acquire) {
+        if *error != RtflowError::Cancelled {
             return error;
+        }
+        let deadline = Instant::now() + CAUSE_WAIT;
+        while !self.0.raised.load(Ordering::Acquire) {
+            if Instant::now() >= deadline {
+                return error;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
         self.0.cause.get().unwrap_or(error)
     }
@@ -50,11 +65,15 @@ mod tests {
     fn a_cancelled_actor_learns_the_failure_that_cancelled_it() {
         let cancel = Cancel::default();
         let failure = RtflowError::sink("s", "disk full");
-        assert_eq!(
-            cancel.explain(&RtflowError::Cancelled),
-            &RtflowError::Cancelled
-        );
-        cancel.raise(Some(failure.clone()));
+        let raiser = cancel.clone();
+        let cause = failure.clone();
+        // The coordinator hears of the failure after the actor was cancelled.
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            raiser.raise(Some(cause));
+        });
+        assert_eq!(cancel.explain(&RtflowError::Cancelled), &failure);
+        late.join().unwrap();
         cancel.raise(Some(RtflowError::sink("s", "later")));
         assert!(cancel.is_raised());
         assert_eq!(cancel.explain(&RtflowError::Cancelled), &failure);
