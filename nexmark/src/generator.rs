@@ -631,7 +631,11 @@ pub fn load_kafka(
             KafkaMessage::new(json).partition(*partition)
         },
     ));
-    let location = std::env::temp_dir().join(format!("rtflow-nexmark-load-{}", std::process::id()));
+    // One location per load: loads into different topics may run at once.
+    let location = std::env::temp_dir().join(format!(
+        "rtflow-nexmark-load-{topic}-{}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&location);
     let query = flow.start(
         QueryConfig::new("nexmark-load")

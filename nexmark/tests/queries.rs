@@ -186,91 +186,78 @@ fn a_restarted_query_replays_nothing_and_misses_nothing() {
     assert_eq!(sorted(output.rows()), reference::q0(events()));
 }
 
+/// A query over the events the loader wrote to a new topic of `partitions`
+/// partitions, read by at most `readers` readers: `check` watches the running
+/// query and the rows its sink received. The topic and checkpoint location are
+/// removed afterwards.
+fn over_kafka<T: Clone + Send + 'static>(
+    name: &str,
+    partitions: usize,
+    readers: Option<usize>,
+    query: impl Fn(&Stream<Event>) -> Stream<T>,
+    check: impl FnOnce(&StreamingQuery, &MemorySink<T>),
+) {
+    let Some(bootstrap) = kafka::bootstrap() else {
+        return;
+    };
+    let topic = format!("nexmark-{name}-{}", std::process::id());
+    rtflow_nexmark::load_kafka(generator(), EVENTS, &bootstrap, &topic, partitions).unwrap();
+    let flow = Dataflow::new(name);
+    let mut source = KafkaSource::new(&bootstrap)
+        .subscribe([&topic])
+        .starting_offsets(StartingOffsets::Earliest);
+    if let Some(readers) = readers {
+        source = source.max_partitions(readers);
+    }
+    let events = flow.source(source).map(|record: KafkaRecord| {
+        serde_json::from_slice::<Event>(record.value.as_deref().unwrap_or_default()).unwrap()
+    });
+    let output = MemorySink::new();
+    query(&events).sink(output.clone());
+    let location =
+        std::env::temp_dir().join(format!("rtflow-nexmark-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&location);
+    let running = flow
+        .start(QueryConfig::new(name).checkpoint_location(&location))
+        .unwrap();
+    check(&running, &output);
+    running.stop().unwrap();
+    let _ = std::fs::remove_dir_all(&location);
+    let _ = KafkaAdmin::new(&bootstrap).and_then(|admin| admin.delete_topic(&topic));
+}
+
 /// q5 on a 3-partition topic read by 2 readers, so one reader reads two
 /// partitions: event time is tracked per topic partition, the watermark
 /// advances, no bid is late, and the answer is the reference's.
 #[test]
 fn q5_over_a_kafka_topic_of_three_partitions_equals_the_reference() {
-    let Some(bootstrap) = kafka::bootstrap() else {
-        return;
-    };
-    let topic = format!("nexmark-q5-{}", std::process::id());
-    rtflow_nexmark::load_kafka(generator(), EVENTS, &bootstrap, &topic, 3).unwrap();
     let expected = reference::q5(events());
     let latest = events().iter().map(Event::date_time).max().unwrap();
-
-    let flow = Dataflow::new("q5-kafka");
-    let events = flow
-        .source(
-            KafkaSource::new(&bootstrap)
-                .subscribe([&topic])
-                .starting_offsets(StartingOffsets::Earliest)
-                .max_partitions(2),
-        )
-        .map(|record: KafkaRecord| {
-            serde_json::from_slice::<Event>(record.value.as_deref().unwrap_or_default()).unwrap()
-        });
-    let output = MemorySink::new();
-    queries::q5(&events).sink(output.clone());
-    let location =
-        std::env::temp_dir().join(format!("rtflow-nexmark-kafka-q5-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&location);
-    let query = flow
-        .start(QueryConfig::new("q5-kafka").checkpoint_location(&location))
-        .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while reference::final_q5(output.rows()) != expected
-        || query.metrics().watermark() < Some(latest - 1_000)
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "q5 over Kafka: {} windows of {}, watermark {:?} (latest event {latest})",
-            reference::final_q5(output.rows()).len(),
-            expected.len(),
-            query.metrics().watermark()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let late = query.metrics().late_records();
-    query.stop().unwrap();
-    let _ = std::fs::remove_dir_all(&location);
-    let _ = KafkaAdmin::new(&bootstrap).and_then(|admin| admin.delete_topic(&topic));
-    assert_eq!(late, 0, "no bid is late");
-    assert_eq!(reference::final_q5(output.rows()), expected);
+    over_kafka("q5-kafka", 3, Some(2), queries::q5, |query, output| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        while reference::final_q5(output.rows()) != expected
+            || query.metrics().watermark() < Some(latest - 1_000)
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "q5 over Kafka: {} windows of {}, watermark {:?} (latest event {latest})",
+                reference::final_q5(output.rows()).len(),
+                expected.len(),
+                query.metrics().watermark()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(query.metrics().late_records(), 0, "no bid is late");
+    });
 }
 
 /// The loader writes the events to a topic, and a query reading the topic
 /// gives the answer it gives on the generator.
 #[test]
 fn q2_reads_the_events_the_loader_wrote_to_kafka() {
-    let Some(bootstrap) = kafka::bootstrap() else {
-        return;
-    };
-    let topic = format!("nexmark-test-{}", std::process::id());
-    rtflow_nexmark::load_kafka(generator(), EVENTS, &bootstrap, &topic, 2).unwrap();
     let expected = reference::q2(events());
-
-    let flow = Dataflow::new("q2-kafka");
-    let events = flow
-        .source(
-            KafkaSource::new(&bootstrap)
-                .subscribe([&topic])
-                .starting_offsets(StartingOffsets::Earliest),
-        )
-        .map(|record: KafkaRecord| {
-            serde_json::from_slice::<Event>(record.value.as_deref().unwrap_or_default()).unwrap()
-        });
-    let output = MemorySink::new();
-    queries::q2(&events).sink(output.clone());
-    let location =
-        std::env::temp_dir().join(format!("rtflow-nexmark-kafka-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&location);
-    let query = flow
-        .start(QueryConfig::new("q2-kafka").checkpoint_location(&location))
-        .unwrap();
-    assert!(output.wait_for(expected.len(), Duration::from_secs(60)));
-    query.stop().unwrap();
-    let _ = std::fs::remove_dir_all(&location);
-    let _ = KafkaAdmin::new(&bootstrap).and_then(|admin| admin.delete_topic(&topic));
-    assert_eq!(sorted(output.rows()), expected);
+    over_kafka("q2-kafka", 2, None, queries::q2, |_, output| {
+        assert!(output.wait_for(expected.len(), Duration::from_secs(60)));
+        assert_eq!(sorted(output.rows()), expected);
+    });
 }
