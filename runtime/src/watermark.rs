@@ -109,21 +109,33 @@ impl WatermarkTracker {
             }
         }
         if !any_active {
+            // What the partitions allow that went silent together is passed on
+            // before the stream is declared idle, or it would wait for new data.
+            let seen = self.max.iter().flatten().min().copied();
+            if let Some(watermark) =
+                seen.and_then(|max| self.raise_to(max.saturating_sub(self.delay)))
+            {
+                return Some(Signal::Watermark(watermark));
+            }
             return (!std::mem::replace(&mut self.idle, true)).then_some(Signal::Idle);
         }
         let woke = std::mem::take(&mut self.idle);
         if waiting {
             return None;
         }
-        let candidate = min?.saturating_sub(self.delay);
-        if self.current.is_none_or(|current| candidate > current) {
-            self.current = Some(candidate);
-            return self.current.map(Signal::Watermark);
+        if let Some(watermark) = self.raise_to(min?.saturating_sub(self.delay)) {
+            return Some(Signal::Watermark(watermark));
         }
         // Back from idle: announcing the watermark again makes the stream count.
         woke.then_some(self.current)
             .flatten()
             .map(Signal::Watermark)
+    }
+
+    /// Moves the watermark up to `candidate`, if that is ahead of it.
+    fn raise_to(&mut self, candidate: EventTime) -> Option<EventTime> {
+        let ahead = self.current.is_none_or(|current| candidate > current);
+        ahead.then(|| *self.current.insert(candidate))
     }
 
     /// The last watermark handed out (or the floor).
@@ -257,6 +269,20 @@ mod tests {
             w(790),
             "active again: announced, not moved back"
         );
+    }
+
+    #[test]
+    fn partitions_going_idle_together_pass_on_their_watermark_first() {
+        let mut t = tracker(&[0, 1], Some(100));
+        t.observe(0, 1_000, 0);
+        assert_eq!(t.advance(50 * MS), None, "partition 1 may still deliver");
+        assert_eq!(
+            t.advance(200 * MS),
+            w(990),
+            "both idle: what partition 0 allows"
+        );
+        assert_eq!(t.advance(210 * MS), Some(Signal::Idle));
+        assert_eq!(t.advance(220 * MS), None);
     }
 
     #[test]
