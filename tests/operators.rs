@@ -105,7 +105,19 @@ fn broadcast_join_left_outer_keeps_unmatched_records() {
         .broadcast_left_join(&users(), |order| order.user)
         .map(|(order, name)| (order.id, name))
         .sink(out.clone());
-    run_to_end(flow, config("left"));
+    let query = run_to_end(flow, config("left"));
+    let kinds: Vec<_> = query
+        .metrics()
+        .operators
+        .into_iter()
+        .map(|o| o.operator)
+        .collect();
+    assert!(
+        kinds
+            .iter()
+            .any(|name| name.starts_with("broadcast_left_join-")),
+        "registered under its own kind: {kinds:?}"
+    );
     assert_eq!(
         sorted(&out),
         vec![

@@ -380,6 +380,10 @@ impl Sink<u32> for UnreachableSink {
         "memory"
     }
 
+    fn allowlisted(&self) -> bool {
+        true
+    }
+
     fn writer(&self, ctx: &SinkContext) -> rtflow::Result<Box<dyn SinkWriter<u32>>> {
         Err(RtflowError::sink(&ctx.uid, "the service is unreachable"))
     }

@@ -42,6 +42,10 @@ impl<T> ConsoleSink<T> {
 }
 
 impl<T: Data> Sink<T> for ConsoleSink<T> {
+    fn allowlisted(&self) -> bool {
+        true
+    }
+
     fn kind(&self) -> &str {
         "console"
     }

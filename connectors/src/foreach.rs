@@ -68,6 +68,10 @@ impl<T, F: Fn(T) -> Result<(), BoxError> + Send + Sync> ForeachWriter<T> for FnW
 }
 
 impl<T: Data> Sink<T> for ForeachSink<T> {
+    fn allowlisted(&self) -> bool {
+        true
+    }
+
     fn kind(&self) -> &str {
         "foreach"
     }

@@ -71,6 +71,10 @@ where
     Acc: StateValue,
     Out: Data,
 {
+    fn allowlisted() -> bool {
+        true
+    }
+
     fn stateful() -> bool {
         true
     }

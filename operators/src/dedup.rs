@@ -90,6 +90,10 @@ impl<K, T> DropDuplicates<K, T> {
 }
 
 impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
+    fn allowlisted() -> bool {
+        true
+    }
+
     fn stateful() -> bool {
         true
     }

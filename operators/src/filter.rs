@@ -9,6 +9,10 @@ impl<T, F> Operator<T, T> for Filter<F>
 where
     F: Fn(&T) -> bool + Send + 'static,
 {
+    fn allowlisted() -> bool {
+        true
+    }
+
     #[inline]
     fn process(&mut self, record: Record<T>, out: &mut Collector<'_, T>) -> Result<()> {
         if (self.0)(&record.value) {

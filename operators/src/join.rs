@@ -43,6 +43,10 @@ where
     V: Clone + Send + Sync + 'static,
     F: Fn(&T) -> K + Send + 'static,
 {
+    fn allowlisted() -> bool {
+        true
+    }
+
     #[inline]
     fn process(&mut self, record: Record<T>, out: &mut Collector<'_, (T, V)>) -> Result<()> {
         let rows = self.table.get(&(self.key)(&record.value));
@@ -57,6 +61,10 @@ where
     V: Clone + Send + Sync + 'static,
     F: Fn(&T) -> K + Send + 'static,
 {
+    fn allowlisted() -> bool {
+        true
+    }
+
     #[inline]
     fn process(
         &mut self,

@@ -262,6 +262,10 @@ where
     R: Data + StateValue,
     Out: Data,
 {
+    fn allowlisted() -> bool {
+        true
+    }
+
     fn stateful() -> bool {
         true
     }

@@ -112,7 +112,7 @@ pub trait StreamExt<T: Data>: AsRef<Stream<T>> {
         V: Data + Sync,
     {
         let (table, key) = (table.clone(), Arc::new(key));
-        self.as_ref().transform("broadcast_join", move |_| {
+        self.as_ref().transform("broadcast_left_join", move |_| {
             let key = key.clone();
             BroadcastLeftJoin {
                 table: table.clone(),

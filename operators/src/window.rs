@@ -589,6 +589,10 @@ where
     T: Data,
     A: AggregateFunction<T>,
 {
+    fn allowlisted() -> bool {
+        true
+    }
+
     fn stateful() -> bool {
         true
     }

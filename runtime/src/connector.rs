@@ -282,6 +282,13 @@ pub trait Sink<T>: Send + 'static {
         true
     }
 
+    /// Whether the sink is on real-time mode's allowlist (see
+    /// [`Operator::allowlisted`](crate::Operator::allowlisted)): rtflow's own
+    /// sinks are; one of your own is not unless it says so here.
+    fn allowlisted(&self) -> bool {
+        false
+    }
+
     /// Opens the writer of one sink actor.
     fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<T>>>;
 }

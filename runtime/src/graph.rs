@@ -228,10 +228,11 @@ impl<T: Data> Stream<T> {
         }
     }
 
-    /// Adds an operator of family `kind` (its name on the real-time allowlist) whose
-    /// instances `factory` makes, one per subtask. Operators of rtflow-operators are
-    /// built with it; a user's own `kind` is outside the allowlist unless the check
-    /// is disabled.
+    /// Adds an operator of family `kind` (its name in metrics, errors and state)
+    /// whose instances `factory` makes, one per subtask. Operators of
+    /// rtflow-operators are built with it; one of your own is outside the
+    /// real-time allowlist ([`Operator::allowlisted`]) unless the check is
+    /// disabled.
     pub fn transform<U: Data, O, F>(&self, kind: &str, factory: F) -> Stream<U>
     where
         O: Operator<T, U>,

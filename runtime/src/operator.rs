@@ -163,6 +163,18 @@ pub trait Operator<In, Out>: Send + 'static {
         false
     }
 
+    /// Whether the operator is on real-time mode's allowlist. While
+    /// [`QueryConfig::allowlist_check`](crate::QueryConfig::allowlist_check) is
+    /// on, a query using an operator off it fails at start with
+    /// `STREAMING_REAL_TIME_MODE.OPERATOR_OR_SINK_NOT_IN_ALLOWLIST`. rtflow's own
+    /// operators are on it; one of your own is not unless it says so here.
+    fn allowlisted() -> bool
+    where
+        Self: Sized,
+    {
+        false
+    }
+
     /// Called once on the actor's thread before the first record.
     fn on_start(&mut self, _ctx: &OperatorContext) -> Result<()> {
         Ok(())

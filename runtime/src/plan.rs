@@ -19,35 +19,6 @@ use crate::record::Epoch;
 use crate::state::{Restored, StateContext};
 use crate::wiring::{ActorMain, AnyBox, Body, SinkWiring};
 
-/// Operator kinds a real-time query may use while the allowlist check is on.
-pub const OPERATOR_ALLOWLIST: &[&str] = &[
-    "map",
-    "filter",
-    "flat_map",
-    "broadcast_join",
-    WITH_WATERMARK,
-    "count",
-    "sum",
-    "min",
-    "max",
-    "avg",
-    "reduce",
-    "drop_duplicates",
-    "drop_duplicates_within_watermark",
-    "stream_join",
-    "stream_left_join",
-    "window_count",
-    "window_sum",
-    "window_min",
-    "window_max",
-    "window_avg",
-    "window_aggregate",
-    "process",
-];
-
-/// Sink kinds a real-time query may use while the allowlist check is on.
-pub const SINK_ALLOWLIST: &[&str] = &["kafka", "foreach", "console", "memory"];
-
 /// Checks the dataflow's shape against real-time mode's rules. No I/O.
 pub(crate) fn validate(graph: &Graph, config: &QueryConfig) -> Result<()> {
     if let Some(error) = graph.errors.first() {
@@ -84,12 +55,12 @@ pub(crate) fn validate(graph: &Graph, config: &QueryConfig) -> Result<()> {
     }
     if config.allowlist_check {
         for node in &graph.nodes {
-            let (what, allowed) = match node.body {
+            let (what, allowed) = match &node.body {
                 Body::Source(..) => continue,
-                Body::Operator(..) => ("operator", OPERATOR_ALLOWLIST),
-                Body::Sink(_) => ("sink", SINK_ALLOWLIST),
+                Body::Operator(operator, _) => ("operator", operator.allowlisted()),
+                Body::Sink(sink) => ("sink", sink.allowlisted()),
             };
-            if !allowed.contains(&node.kind.as_str()) {
+            if !allowed {
                 return Err(RtflowError::OperatorOrSinkNotInAllowlist {
                     what,
                     name: node.kind.clone(),

@@ -154,6 +154,10 @@ pub(crate) struct AssignWatermarks<T> {
 }
 
 impl<T: Send + 'static> Operator<T, T> for AssignWatermarks<T> {
+    fn allowlisted() -> bool {
+        true
+    }
+
     fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
         self.tracker = Some(WatermarkTracker::new(
             &ctx.source_partitions,

@@ -99,6 +99,7 @@ impl<T: Data> ErasedSource for SourceNode<T> {
 
 pub(crate) trait ErasedOperator: Send {
     fn stateful(&self) -> bool;
+    fn allowlisted(&self) -> bool;
     fn chain(
         &self,
         ctx: &OperatorContext,
@@ -133,6 +134,10 @@ where
         O::stateful()
     }
 
+    fn allowlisted(&self) -> bool {
+        O::allowlisted()
+    }
+
     fn chain(
         &self,
         ctx: &OperatorContext,
@@ -164,6 +169,7 @@ pub(crate) struct SinkWiring {
 pub(crate) trait ErasedSink: Send {
     fn description(&self) -> String;
     fn supports_real_time(&self) -> bool;
+    fn allowlisted(&self) -> bool;
     fn chain(
         &self,
         ctx: &SinkContext,
@@ -192,6 +198,10 @@ impl<T: Data> ErasedSink for SinkNode<T> {
 
     fn supports_real_time(&self) -> bool {
         self.sink.supports_real_time()
+    }
+
+    fn allowlisted(&self) -> bool {
+        self.sink.allowlisted()
     }
 
     fn chain(

@@ -231,6 +231,10 @@ impl<T: Data> KafkaSink<T> {
 }
 
 impl<T: Data> Sink<T> for KafkaSink<T> {
+    fn allowlisted(&self) -> bool {
+        true
+    }
+
     fn kind(&self) -> &str {
         "kafka"
     }

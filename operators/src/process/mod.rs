@@ -383,6 +383,10 @@ where
     Out: Data,
     P: KeyedProcessor<K, In, Out>,
 {
+    fn allowlisted() -> bool {
+        true
+    }
+
     fn stateful() -> bool {
         true
     }
