@@ -15,6 +15,7 @@
 
 mod admin;
 mod exactly_once;
+mod producer;
 mod sink;
 mod source;
 
@@ -26,7 +27,8 @@ use rdkafka::ClientConfig;
 use rtflow_runtime::{Result, RtflowError};
 
 pub use admin::KafkaAdmin;
-pub use sink::{DeliveryGuarantee, KafkaMessage, KafkaSink};
+pub use producer::KafkaMessage;
+pub use sink::{DeliveryGuarantee, KafkaSink};
 pub use source::{KafkaSource, StartingOffsets};
 
 /// How long start-up waits for the broker's metadata before failing.

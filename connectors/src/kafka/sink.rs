@@ -3,74 +3,18 @@
 //! flight per broker, so order holds across retries; flushed at every barrier);
 //! exactly-once with Kafka transactions (see `exactly_once`).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use rdkafka::config::FromClientConfigAndContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::KafkaError;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::producer::{Producer, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
-use rdkafka::{ClientContext, Message};
 use rtflow_runtime::{Data, Epoch, Record, Result, RtflowError, Sink, SinkContext, SinkWriter};
 
 use super::exactly_once::TransactionalWriter;
+use super::producer::{send, Deliveries, KafkaMessage, ProducerSettings, Serialize};
 use super::{Options, DEFAULT_METADATA_TIMEOUT};
-
-/// What the sink writes for one record.
-///
-/// ```
-/// use rtflow_connectors::kafka::KafkaMessage;
-/// let message = KafkaMessage::new("payload").key("user-1").header("source", "web");
-/// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct KafkaMessage {
-    /// The topic; required with [`KafkaSink::per_record_topic`], ignored otherwise.
-    pub topic: Option<String>,
-    /// The partition; by default librdkafka's partitioner picks it from the key.
-    pub partition: Option<i32>,
-    pub key: Option<Bytes>,
-    pub value: Option<Bytes>,
-    pub headers: Vec<(String, Bytes)>,
-}
-
-impl KafkaMessage {
-    /// A message with this value.
-    pub fn new(value: impl Into<Bytes>) -> Self {
-        Self {
-            value: Some(value.into()),
-            ..Self::default()
-        }
-    }
-
-    /// Sets the key.
-    pub fn key(mut self, key: impl Into<Bytes>) -> Self {
-        self.key = Some(key.into());
-        self
-    }
-
-    /// Adds a header.
-    pub fn header(mut self, name: impl Into<String>, value: impl Into<Bytes>) -> Self {
-        self.headers.push((name.into(), value.into()));
-        self
-    }
-
-    /// Sets the topic (for [`KafkaSink::per_record_topic`]).
-    pub fn topic(mut self, topic: impl Into<String>) -> Self {
-        self.topic = Some(topic.into());
-        self
-    }
-
-    /// Sets the partition.
-    pub fn partition(mut self, partition: i32) -> Self {
-        self.partition = Some(partition);
-        self
-    }
-}
-
-pub(crate) type Serialize<T> = Arc<dyn Fn(&T) -> KafkaMessage + Send + Sync>;
 
 /// What a [`KafkaSink`] promises about each record's delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -95,15 +39,15 @@ pub enum DeliveryGuarantee {
 /// });
 /// ```
 pub struct KafkaSink<T> {
-    pub(crate) bootstrap_servers: String,
-    pub(crate) topic: Option<String>,
-    pub(crate) serialize: Serialize<T>,
+    bootstrap_servers: String,
+    topic: Option<String>,
+    serialize: Serialize<T>,
     options: Options,
-    pub(crate) flush_timeout: Duration,
+    flush_timeout: Duration,
     guarantee: DeliveryGuarantee,
     /// Where exactly-once writers record their commits; by default a topic of
     /// the query's own.
-    pub(crate) commit_topic: Option<String>,
+    commit_topic: Option<String>,
 }
 
 impl<T: Data> KafkaSink<T> {
@@ -175,15 +119,23 @@ impl<T: Data> KafkaSink<T> {
         self
     }
 
-    pub(crate) fn error(&self, message: impl std::fmt::Display) -> RtflowError {
-        RtflowError::sink(self.name(), message)
+    fn error(&self, message: impl std::fmt::Display) -> RtflowError {
+        RtflowError::sink(format!("kafka {}", self.bootstrap_servers), message)
     }
 
-    pub(crate) fn name(&self) -> String {
-        format!("kafka {}", self.bootstrap_servers)
+    /// What its writers are opened with.
+    fn settings(&self) -> Result<ProducerSettings<T>> {
+        Ok(ProducerSettings {
+            bootstrap_servers: self.bootstrap_servers.clone(),
+            topic: self.topic.clone(),
+            serialize: self.serialize.clone(),
+            config: self.config()?,
+            flush_timeout: self.flush_timeout,
+            commit_topic: self.commit_topic.clone(),
+        })
     }
 
-    pub(crate) fn config(&self) -> Result<rdkafka::ClientConfig> {
+    fn config(&self) -> Result<rdkafka::ClientConfig> {
         self.options.client_config(
             "KafkaSink",
             &[
@@ -250,108 +202,20 @@ impl<T: Data> Sink<T> for KafkaSink<T> {
         if let Some(topic) = &self.topic {
             self.check_topic(topic)?;
         }
+        let settings = self.settings()?;
         if self.guarantee == DeliveryGuarantee::ExactlyOnce {
-            return Ok(Box::new(TransactionalWriter::open(self, ctx)?));
+            return Ok(Box::new(TransactionalWriter::open(&settings, ctx)?));
         }
-        let deliveries = Deliveries::default();
-        let producer = ThreadedProducer::from_config_and_context(&self.config()?, deliveries)
-            .map_err(|e| self.error(format!("could not create the producer: {e}")))?;
+        let producer =
+            ThreadedProducer::from_config_and_context(&settings.config, Deliveries::default())
+                .map_err(|e| settings.error(format!("could not create the producer: {e}")))?;
         Ok(Box::new(KafkaWriter {
             producer,
-            topic: self.topic.clone(),
-            serialize: self.serialize.clone(),
-            flush_timeout: self.flush_timeout,
-            sink: format!("kafka {}", self.bootstrap_servers),
+            sink: settings.name(),
+            topic: settings.topic,
+            serialize: settings.serialize,
+            flush_timeout: settings.flush_timeout,
         }))
-    }
-}
-
-/// Keeps the first delivery failure the producer reports, for the writer to raise.
-#[derive(Default)]
-pub(crate) struct Deliveries {
-    failure: Mutex<Option<String>>,
-}
-
-impl Deliveries {
-    /// The first failure reported, as the sink's error.
-    pub(crate) fn check(&self, sink: &str) -> Result<()> {
-        let failure = self
-            .failure
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        match failure {
-            Some(failure) => Err(RtflowError::sink(sink, failure)),
-            None => Ok(()),
-        }
-    }
-}
-
-/// Hands `message` to the producer, waiting while its local queue is full
-/// (backpressure). Fails on a message without a topic.
-pub(crate) fn send(
-    producer: &ThreadedProducer<Deliveries>,
-    message: &KafkaMessage,
-    topic: Option<&str>,
-    sink: &str,
-) -> Result<()> {
-    let Some(topic) = message.topic.as_deref().or(topic) else {
-        return Err(RtflowError::sink(
-            sink,
-            "a KafkaSink::per_record_topic message names no topic; set KafkaMessage::topic",
-        ));
-    };
-    let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
-    for (name, value) in &message.headers {
-        headers = headers.insert(Header {
-            key: name,
-            value: Some(value.as_ref()),
-        });
-    }
-    let mut base = BaseRecord::to(topic).headers(headers);
-    if let Some(key) = &message.key {
-        base = base.key(key.as_ref());
-    }
-    if let Some(value) = &message.value {
-        base = base.payload(value.as_ref());
-    }
-    if let Some(partition) = message.partition {
-        base = base.partition(partition);
-    }
-    loop {
-        match producer.send(base) {
-            Ok(()) => return Ok(()),
-            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                producer.context().check(sink)?;
-                std::thread::sleep(Duration::from_millis(1));
-                base = back;
-            }
-            Err((error, _)) => {
-                return Err(RtflowError::sink(
-                    sink,
-                    format!("could not produce to '{topic}': {error}"),
-                ))
-            }
-        }
-    }
-}
-
-impl ClientContext for Deliveries {}
-
-impl ProducerContext for Deliveries {
-    type DeliveryOpaque = ();
-
-    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
-        if let Err((error, message)) = result {
-            let mut failure = self.failure.lock().unwrap_or_else(|p| p.into_inner());
-            failure.get_or_insert_with(|| {
-                format!(
-                    "delivery to {}-{} failed: {error}",
-                    message.topic(),
-                    message.partition()
-                )
-            });
-        }
     }
 }
 

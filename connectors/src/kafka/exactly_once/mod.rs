@@ -46,7 +46,7 @@ use rtflow_runtime::{Data, Epoch, Record, Result, RtflowError, SinkContext, Sink
 
 use self::outbox::{Outbox, Pending, Transactions};
 use super::admin::KafkaAdmin;
-use super::sink::{send, Deliveries, KafkaMessage, KafkaSink, Serialize as SerializeFn};
+use super::producer::{send, Deliveries, KafkaMessage, ProducerSettings, Serialize as SerializeFn};
 
 /// The name of the writer's state within its sink.
 const PENDING: &str = "pending";
@@ -73,11 +73,11 @@ pub(crate) struct TransactionalWriter<T> {
 }
 
 impl<T: Data> TransactionalWriter<T> {
-    pub(crate) fn open(sink: &KafkaSink<T>, ctx: &SinkContext) -> Result<Self> {
+    pub(crate) fn open(sink: &ProducerSettings<T>, ctx: &SinkContext) -> Result<Self> {
         let prefix = format!("rtflow-{}-{}", ctx.query_id, ctx.uid);
         let id_of = move |subtask: u32| format!("{prefix}-{subtask}");
         let transactional_id = id_of(ctx.subtask as u32);
-        let transaction_timeout = match sink.config()?.get("transaction.timeout.ms") {
+        let transaction_timeout = match sink.config.get("transaction.timeout.ms") {
             Some(set) => set.to_owned(),
             None => transaction_timeout(ctx.batch_duration, sink.flush_timeout)
                 .as_millis()
@@ -159,11 +159,11 @@ fn transaction_timeout(batch_duration: Duration, flush_timeout: Duration) -> Dur
 /// same id is fenced and its open transaction aborted. Its transactions may
 /// stay open for `transaction_timeout` ms.
 fn transactional_producer<T: Data>(
-    sink: &KafkaSink<T>,
+    sink: &ProducerSettings<T>,
     transactional_id: &str,
     transaction_timeout: &str,
 ) -> Result<ThreadedProducer<Deliveries>> {
-    let mut config = sink.config()?;
+    let mut config = sink.config.clone();
     config.set("transactional.id", transactional_id);
     config.set("transaction.timeout.ms", transaction_timeout);
     let producer = ThreadedProducer::from_config_and_context(&config, Deliveries::default())

@@ -1,0 +1,187 @@
+//! What the two Kafka writers share: the message a record becomes
+//! ([`KafkaMessage`]), the settings a writer is opened with
+//! ([`ProducerSettings`], made by [`KafkaSink`](super::KafkaSink)), the
+//! producer's delivery tracking ([`Deliveries`]) and [`send`] with
+//! backpressure. The at-least-once writer (`sink`) and the exactly-once one
+//! (`exactly_once`) build on it, and neither on the other.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{ClientConfig, ClientContext, Message};
+use rtflow_runtime::{Result, RtflowError};
+
+/// What the sink writes for one record.
+///
+/// ```
+/// use rtflow_connectors::kafka::KafkaMessage;
+/// let message = KafkaMessage::new("payload").key("user-1").header("source", "web");
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KafkaMessage {
+    /// The topic; required with
+    /// [`KafkaSink::per_record_topic`](super::KafkaSink::per_record_topic), ignored
+    /// otherwise.
+    pub topic: Option<String>,
+    /// The partition; by default librdkafka's partitioner picks it from the key.
+    pub partition: Option<i32>,
+    pub key: Option<Bytes>,
+    pub value: Option<Bytes>,
+    pub headers: Vec<(String, Bytes)>,
+}
+
+impl KafkaMessage {
+    /// A message with this value.
+    pub fn new(value: impl Into<Bytes>) -> Self {
+        Self {
+            value: Some(value.into()),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the key.
+    pub fn key(mut self, key: impl Into<Bytes>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// Adds a header.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<Bytes>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Sets the topic (for
+    /// [`KafkaSink::per_record_topic`](super::KafkaSink::per_record_topic)).
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topic = Some(topic.into());
+        self
+    }
+
+    /// Sets the partition.
+    pub fn partition(mut self, partition: i32) -> Self {
+        self.partition = Some(partition);
+        self
+    }
+}
+
+pub(crate) type Serialize<T> = Arc<dyn Fn(&T) -> KafkaMessage + Send + Sync>;
+
+/// What a writer of a [`KafkaSink`](super::KafkaSink) is opened with.
+pub(crate) struct ProducerSettings<T> {
+    pub(crate) bootstrap_servers: String,
+    /// The fixed topic, if the sink has one.
+    pub(crate) topic: Option<String>,
+    pub(crate) serialize: Serialize<T>,
+    /// The producer's librdkafka settings.
+    pub(crate) config: ClientConfig,
+    /// How long a flush may wait for acknowledgements.
+    pub(crate) flush_timeout: Duration,
+    /// Where exactly-once writers record their commits, if not the default.
+    pub(crate) commit_topic: Option<String>,
+}
+
+impl<T> ProducerSettings<T> {
+    /// The sink's name in errors.
+    pub(crate) fn name(&self) -> String {
+        format!("kafka {}", self.bootstrap_servers)
+    }
+
+    pub(crate) fn error(&self, message: impl std::fmt::Display) -> RtflowError {
+        RtflowError::sink(self.name(), message)
+    }
+}
+
+/// Keeps the first delivery failure the producer reports, for the writer to raise.
+#[derive(Default)]
+pub(crate) struct Deliveries {
+    failure: Mutex<Option<String>>,
+}
+
+impl Deliveries {
+    /// The first failure reported, as the sink's error.
+    pub(crate) fn check(&self, sink: &str) -> Result<()> {
+        let failure = self
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        match failure {
+            Some(failure) => Err(RtflowError::sink(sink, failure)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Hands `message` to the producer, waiting while its local queue is full
+/// (backpressure). Fails on a message without a topic.
+pub(crate) fn send(
+    producer: &ThreadedProducer<Deliveries>,
+    message: &KafkaMessage,
+    topic: Option<&str>,
+    sink: &str,
+) -> Result<()> {
+    let Some(topic) = message.topic.as_deref().or(topic) else {
+        return Err(RtflowError::sink(
+            sink,
+            "a KafkaSink::per_record_topic message names no topic; set KafkaMessage::topic",
+        ));
+    };
+    let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
+    for (name, value) in &message.headers {
+        headers = headers.insert(Header {
+            key: name,
+            value: Some(value.as_ref()),
+        });
+    }
+    let mut base = BaseRecord::to(topic).headers(headers);
+    if let Some(key) = &message.key {
+        base = base.key(key.as_ref());
+    }
+    if let Some(value) = &message.value {
+        base = base.payload(value.as_ref());
+    }
+    if let Some(partition) = message.partition {
+        base = base.partition(partition);
+    }
+    loop {
+        match producer.send(base) {
+            Ok(()) => return Ok(()),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                producer.context().check(sink)?;
+                std::thread::sleep(Duration::from_millis(1));
+                base = back;
+            }
+            Err((error, _)) => {
+                return Err(RtflowError::sink(
+                    sink,
+                    format!("could not produce to '{topic}': {error}"),
+                ))
+            }
+        }
+    }
+}
+
+impl ClientContext for Deliveries {}
+
+impl ProducerContext for Deliveries {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
+        if let Err((error, message)) = result {
+            let mut failure = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+            failure.get_or_insert_with(|| {
+                format!(
+                    "delivery to {}-{} failed: {error}",
+                    message.topic(),
+                    message.partition()
+                )
+            });
+        }
+    }
+}
