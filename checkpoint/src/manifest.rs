@@ -35,6 +35,34 @@ pub struct Manifest {
     pub run_id: String,
 }
 
+/// A manifest as versions of rtflow before [`Manifest::run_id`] wrote it.
+#[derive(Serialize, Deserialize)]
+struct Unnamed {
+    epoch: Epoch,
+    query_id: String,
+    watermark: Option<i64>,
+    sources: BTreeMap<String, Offsets>,
+    state: BTreeMap<StateId, StateChain>,
+    key_groups: u32,
+    committed_at_ms: u64,
+}
+
+impl From<Unnamed> for Manifest {
+    /// Its run is unknown: the empty id, which no run has.
+    fn from(old: Unnamed) -> Self {
+        Self {
+            epoch: old.epoch,
+            query_id: old.query_id,
+            watermark: old.watermark,
+            sources: old.sources,
+            state: old.state,
+            key_groups: old.key_groups,
+            committed_at_ms: old.committed_at_ms,
+            run_id: String::new(),
+        }
+    }
+}
+
 /// A stored manifest whose checksum does not match its bytes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("the manifest of epoch {epoch} is corrupt: {reason}")]
@@ -68,9 +96,18 @@ impl Manifest {
         if crc32fast::hash(body) != expected {
             return Err(corrupt("checksum mismatch"));
         }
-        let (manifest, _): (Self, usize) =
-            bincode::serde::decode_from_slice(body, bincode::config::standard())
-                .map_err(|e| corrupt(&e.to_string()))?;
+        let manifest: Self =
+            match bincode::serde::decode_from_slice(body, bincode::config::standard()) {
+                Ok((manifest, _)) => manifest,
+                // The checksum held, so the bytes are as written: by a version of
+                // rtflow before checkpoints had a run id.
+                Err(error) => bincode::serde::decode_from_slice::<Unnamed, _>(
+                    body,
+                    bincode::config::standard(),
+                )
+                .map(|(unnamed, _)| unnamed.into())
+                .map_err(|_| corrupt(&error.to_string()))?,
+            };
         if manifest.epoch != epoch {
             return Err(corrupt("stored under another epoch"));
         }
@@ -98,6 +135,31 @@ mod tests {
     #[test]
     fn round_trips() {
         assert_eq!(Manifest::decode(3, &manifest().encode()), Ok(manifest()));
+    }
+
+    #[test]
+    fn a_manifest_written_before_run_ids_decodes_with_an_unknown_run() {
+        let current = manifest();
+        let old = Unnamed {
+            epoch: current.epoch,
+            query_id: current.query_id.clone(),
+            watermark: current.watermark,
+            sources: current.sources.clone(),
+            state: current.state.clone(),
+            key_groups: current.key_groups,
+            committed_at_ms: current.committed_at_ms,
+        };
+        let mut bytes = bincode::serde::encode_to_vec(&old, bincode::config::standard()).unwrap();
+        bytes.extend_from_slice(&crc32fast::hash(&bytes).to_le_bytes());
+        let decoded = Manifest::decode(3, &bytes).unwrap();
+        assert_eq!(decoded.run_id, "");
+        assert_eq!(
+            decoded,
+            Manifest {
+                run_id: String::new(),
+                ..current
+            }
+        );
     }
 
     #[test]

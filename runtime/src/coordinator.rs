@@ -31,8 +31,8 @@ use crate::progress::{
     timestamp, EpochOffsets, ProgressTracker, QueryStartedEvent, QueryTerminatedEvent,
     SourceOffsets,
 };
-use crate::query::QueryShared;
 use crate::record::{now_nanos, Epoch, EventTime};
+use crate::shared::QueryShared;
 use crate::state::Restored;
 
 /// An actor thread ended, with how.
@@ -186,8 +186,13 @@ impl Coordinator {
         if let Some(cpus) = &config.cpu_affinity {
             crate::placement::pin_current_thread(cpus)?;
         }
+        let shared = &self.shared;
         self.progress = Some(ProgressTracker::new(
-            &self.shared,
+            (
+                shared.id.to_string(),
+                shared.run_id.to_string(),
+                shared.name.clone(),
+            ),
             plan.graph().source_descriptions(),
             plan.graph().sink_descriptions(),
         ));

@@ -15,8 +15,8 @@ use prometheus::{Encoder, TextEncoder};
 
 use crate::error::{Result, RtflowError};
 use crate::metrics::LatencyHistograms;
-use crate::query::QueryShared;
 use crate::record::now_nanos;
+use crate::shared::QueryShared;
 
 /// Upper bounds of the latency histograms' buckets, in milliseconds: 1 µs to 10 s.
 const LATENCY_BUCKETS_MS: [f64; 22] = [

@@ -9,7 +9,8 @@
 //!
 //! How the parts fit:
 //!
-//! - [`graph`]: the builder ([`Dataflow`], [`Stream`], [`KeyedStream`]).
+//! - [`dataflow`]: the builder ([`Dataflow`], [`Stream`], [`KeyedStream`]) of
+//!   the logical `graph`.
 //! - [`operator`]: the [`Operator`] trait operator authors implement, and the
 //!   [`Emit`] chain an actor pushes records through.
 //! - [`state`]: checkpointed keyed and per-instance state for operators and sinks,
@@ -32,11 +33,13 @@ mod cancel;
 pub mod config;
 pub mod connector;
 mod coordinator;
+pub mod dataflow;
 pub mod dispatch;
 mod endpoint;
 pub mod error;
-pub mod graph;
+mod graph;
 mod inputs;
+pub mod key_groups;
 pub mod metrics;
 pub mod operator;
 mod placement;
@@ -44,6 +47,7 @@ pub mod plan;
 pub mod progress;
 pub mod query;
 pub mod record;
+mod shared;
 pub mod state;
 pub mod table;
 pub mod watermark;
@@ -54,8 +58,8 @@ pub use connector::{
     Sink, SinkContext, SinkWriter, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
     SourceWaker,
 };
+pub use dataflow::{Dataflow, KeyedStream, Stream};
 pub use error::{BoxError, Result, RtflowError};
-pub use graph::{Dataflow, KeyedStream, Stream};
 pub use metrics::{LatencyReport, MetricsSnapshot, Percentiles};
 pub use operator::{Collector, Emit, Operator, OperatorContext};
 pub use progress::{StreamingQueryListener, StreamingQueryProgress, StreamingQueryStatus};

@@ -10,7 +10,6 @@ use serde::{Deserialize, Serialize};
 use rtflow_checkpoint::Offsets;
 
 use crate::metrics::{MetricsSnapshot, Percentiles, QueryMetrics};
-use crate::query::QueryShared;
 use crate::record::Epoch;
 
 /// One report of a query's progress: published at every checkpoint commit, at
@@ -230,15 +229,16 @@ pub(crate) struct ProgressTracker {
 }
 
 impl ProgressTracker {
+    /// Reports for the query `name` with ids `id` and `run_id`.
     pub(crate) fn new(
-        query: &QueryShared,
+        (id, run_id, name): (String, String, String),
         sources: Vec<SourceDescription>,
         sinks: Vec<String>,
     ) -> Self {
         Self {
-            id: query.id.to_string(),
-            run_id: query.run_id.to_string(),
-            name: query.name.clone(),
+            id,
+            run_id,
+            name,
             sources,
             sink: sinks.join(", "),
             last_report: Instant::now(),

@@ -1,9 +1,8 @@
 //! [`StreamingQuery`]: the handle on a started dataflow.
 
-use std::collections::VecDeque;
 use std::io::Write;
 use std::path::Path;
-use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -16,76 +15,11 @@ use crate::coordinator::{CheckpointNow, Coordinator, Crash, Location, Startup, S
 use crate::endpoint::{register, Registration};
 use crate::error::{Result, RtflowError};
 use crate::graph::Graph;
-use crate::metrics::{MetricsSnapshot, QueryMetrics};
+use crate::metrics::MetricsSnapshot;
 use crate::plan::{validate, Plan};
-use crate::progress::{StreamingQueryListener, StreamingQueryProgress, StreamingQueryStatus};
+use crate::progress::{StreamingQueryProgress, StreamingQueryStatus};
 use crate::record::Epoch;
-
-/// How many progress reports a query keeps for `recent_progress`.
-const RECENT_PROGRESS: usize = 100;
-
-#[derive(Debug, Clone, PartialEq)]
-enum Lifecycle {
-    Starting,
-    Active,
-    Terminated(Option<RtflowError>),
-}
-
-/// What the coordinator, the handle and the metrics endpoint share.
-pub(crate) struct QueryShared {
-    pub(crate) id: Uuid,
-    pub(crate) run_id: Uuid,
-    pub(crate) name: String,
-    pub(crate) metrics: QueryMetrics,
-    pub(crate) listeners: Vec<Arc<dyn StreamingQueryListener>>,
-    lifecycle: Mutex<Lifecycle>,
-    changed: Condvar,
-    progress: Mutex<VecDeque<StreamingQueryProgress>>,
-}
-
-impl QueryShared {
-    fn lifecycle(&self) -> MutexGuard<'_, Lifecycle> {
-        self.lifecycle
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn progress(&self) -> MutexGuard<'_, VecDeque<StreamingQueryProgress>> {
-        self.progress
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Whether the query runs, and whether it failed.
-    pub(crate) fn liveness(&self) -> (bool, bool) {
-        match &*self.lifecycle() {
-            Lifecycle::Starting | Lifecycle::Active => (true, false),
-            Lifecycle::Terminated(failure) => (false, failure.is_some()),
-        }
-    }
-
-    /// Keeps a progress report and hands it to the listeners.
-    pub(crate) fn publish(&self, progress: StreamingQueryProgress) {
-        for listener in &self.listeners {
-            listener.on_query_progress(&progress);
-        }
-        let mut recent = self.progress();
-        if recent.len() == RECENT_PROGRESS {
-            recent.pop_front();
-        }
-        recent.push_back(progress);
-    }
-
-    pub(crate) fn activate(&self) {
-        *self.lifecycle() = Lifecycle::Active;
-        self.changed.notify_all();
-    }
-
-    pub(crate) fn terminate(&self, failure: Option<RtflowError>) {
-        *self.lifecycle() = Lifecycle::Terminated(failure);
-        self.changed.notify_all();
-    }
-}
+use crate::shared::{Lifecycle, QueryShared};
 
 /// A running query: its identity, status, metrics, and how to stop it.
 ///
@@ -128,16 +62,11 @@ impl StreamingQuery {
             })?;
             (Location::Opened(Box::new(store), recovery), id)
         };
-        let shared = Arc::new(QueryShared {
+        let shared = Arc::new(QueryShared::new(
             id,
-            run_id: Uuid::new_v4(),
-            name: config.name.clone(),
-            metrics: QueryMetrics::new(),
-            listeners: config.listeners.0.clone(),
-            lifecycle: Mutex::new(Lifecycle::Starting),
-            changed: Condvar::new(),
-            progress: Mutex::default(),
-        });
+            config.name.clone(),
+            config.listeners.0.clone(),
+        ));
         let endpoint = config
             .metrics_address
             .map(|address| register(address, shared.clone()))
@@ -259,7 +188,7 @@ impl StreamingQuery {
         if self.is_active() {
             self.coordinator.do_send(StopQuery);
         }
-        self.wait(None);
+        self.shared.wait(None);
         self.join_coordinator();
         Ok(())
     }
@@ -297,6 +226,7 @@ impl StreamingQuery {
     /// # struct Discard;
     /// # impl rtflow_runtime::Sink<u32> for Discard {
     /// #     fn kind(&self) -> &str { "memory" }
+    /// #     fn allowlisted(&self) -> bool { true }
     /// #     fn writer(&self, _: &rtflow_runtime::SinkContext)
     /// #         -> rtflow_runtime::Result<Box<dyn rtflow_runtime::SinkWriter<u32>>> { Ok(Box::new(Discard)) }
     /// # }
@@ -321,7 +251,7 @@ impl StreamingQuery {
                 "no checkpoint committed within {timeout:?} of checkpoint_now()"
             ))),
             // The coordinator ended without answering: the query failed or ended.
-            Err(mpsc::RecvTimeoutError::Disconnected) => match self.wait(None) {
+            Err(mpsc::RecvTimeoutError::Disconnected) => match self.shared.wait(None) {
                 Lifecycle::Terminated(Some(error)) => Err(error),
                 _ => self.metrics().checkpoint.map(|c| c.epoch).ok_or_else(|| {
                     RtflowError::Checkpoint("the query ended without a checkpoint".into())
@@ -341,14 +271,14 @@ impl StreamingQuery {
         if self.is_active() {
             self.coordinator.do_send(Crash);
         }
-        self.wait(None);
+        self.shared.wait(None);
         self.join_coordinator();
     }
 
     /// Waits until the query terminates, or at most `timeout`. Returns whether it
     /// terminated, or the error it failed with.
     pub fn await_termination(&self, timeout: Option<Duration>) -> Result<bool> {
-        match self.wait(timeout) {
+        match self.shared.wait(timeout) {
             Lifecycle::Terminated(Some(error)) => {
                 self.join_coordinator();
                 Err(error)
@@ -392,34 +322,6 @@ impl StreamingQuery {
                 metrics.latency.processing.p99,
             );
             let _ = out.flush();
-        }
-    }
-
-    fn wait(&self, timeout: Option<Duration>) -> Lifecycle {
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mut lifecycle = self.shared.lifecycle();
-        loop {
-            if matches!(*lifecycle, Lifecycle::Terminated(_)) {
-                return lifecycle.clone();
-            }
-            lifecycle = match deadline {
-                None => self
-                    .shared
-                    .changed
-                    .wait(lifecycle)
-                    .unwrap_or_else(|poisoned| poisoned.into_inner()),
-                Some(deadline) => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return lifecycle.clone();
-                    }
-                    self.shared
-                        .changed
-                        .wait_timeout(lifecycle, left)
-                        .unwrap_or_else(|poisoned| poisoned.into_inner())
-                        .0
-                }
-            };
         }
     }
 

@@ -55,8 +55,8 @@ use rtflow_checkpoint::{Delta, Entry, RestoredState, StateId, StateMeta};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::dispatch::{key_group, stable_hash, subtask_for_key_group};
 use crate::error::{Result, RtflowError};
+use crate::key_groups::{key_group, stable_hash, subtask_for_key_group};
 use crate::metrics::StateRows;
 use crate::record::{Epoch, EventTime};
 
