@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{config, sorted, TIMEOUT};
 use rtflow::checkpoint::CheckpointStore;
 use rtflow::prelude::*;
-use rtflow::runtime::state::{KeyedState, StateSnapshot};
+use rtflow::runtime::state::{KeyedState, Table};
 
 /// Epochs end every 100 ms.
 fn checkpointed(name: &str) -> QueryConfig {
@@ -349,53 +349,89 @@ fn a_changed_key_group_count_fails_at_start() {
     assert!(error.to_string().contains("64"), "{error}");
 }
 
-/// Begins keyed snapshots but never continues them: its checkpoints would miss
-/// every change.
-struct ForgetfulCount(Option<KeyedState<String, u64>>);
+/// Counts records per word in keyed state it claims when made; declares it
+/// as its table unless `declared` is false.
+struct CustomCount {
+    counts: KeyedState<String, u64>,
+    declared: bool,
+}
 
-impl Operator<String, u64> for ForgetfulCount {
-    fn on_start(&mut self, ctx: &OperatorContext) -> rtflow::Result<()> {
-        self.0 = Some(ctx.state.keyed("counts")?);
-        Ok(())
-    }
-
-    fn process(
-        &mut self,
-        record: Record<String>,
-        out: &mut Collector<'_, u64>,
-    ) -> rtflow::Result<()> {
-        let count = self
-            .0
-            .as_mut()
-            .expect("started")
-            .get_or_insert_with(record.value, || 0);
-        *count += 1;
-        let count = *count;
-        out.emit(count)
-    }
-
-    fn snapshot(&mut self, out: &mut StateSnapshot) -> rtflow::Result<()> {
-        self.0.as_mut().expect("started").begin_snapshot(out)
+impl CustomCount {
+    fn new(ctx: &OperatorContext, declared: bool) -> rtflow::Result<Self> {
+        Ok(Self {
+            counts: ctx.state.keyed("counts")?,
+            declared,
+        })
     }
 }
 
-#[test]
-fn a_keyed_snapshot_begun_and_never_continued_fails_the_query() {
-    let flow = Dataflow::new("forgetful");
-    let input = MemorySource::new(1);
+impl Operator<String, (String, u64)> for CustomCount {
+    fn process(
+        &mut self,
+        record: Record<String>,
+        out: &mut Collector<'_, (String, u64)>,
+    ) -> rtflow::Result<()> {
+        let count = self.counts.get_or_insert_with(record.value.clone(), || 0);
+        *count += 1;
+        let count = *count;
+        out.emit((record.value, count))
+    }
+
+    fn tables(
+        &mut self,
+        table: &mut dyn FnMut(&mut dyn Table) -> rtflow::Result<()>,
+    ) -> rtflow::Result<()> {
+        if self.declared {
+            table(&mut self.counts)?;
+        }
+        Ok(())
+    }
+}
+
+fn custom_count(
+    input: &MemorySource<String>,
+    config: QueryConfig,
+    declared: bool,
+) -> rtflow::Result<(StreamingQuery, MemorySink<(String, u64)>)> {
+    let flow = Dataflow::new("custom");
+    let out = MemorySink::new();
     flow.source(input.clone())
-        .transform("forgetful_count", |_| ForgetfulCount(None))
-        .sink(MemorySink::new());
-    let query = flow
-        .start(checkpointed("forgetful").allowlist_check(false))
-        .unwrap();
-    input.push_all(0, words(10)).unwrap();
-    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
-    assert_eq!(error.error_class(), "CHECKPOINT_FAILED");
+        .key_by(|word: &String| word.clone())
+        .as_ref()
+        .try_transform("custom_count", move |ctx| CustomCount::new(ctx, declared))
+        .sink(out.clone());
+    Ok((flow.start(config.allowlist_check(false))?, out))
+}
+
+#[test]
+fn a_declared_table_is_checkpointed_and_restored_by_the_runtime() {
+    let input = MemorySource::new(1);
+    let config = checkpointed("custom-table");
+    let (query, out) = custom_count(&input, config.clone(), true).unwrap();
+    input.push_all(0, words(70)).unwrap();
+    assert!(out.wait_for(70, TIMEOUT));
+    query.stop().unwrap();
+    drop(query);
+
+    let (query, out) = custom_count(&input, config, true).unwrap();
+    input.push_all(0, words(77).skip(70)).unwrap();
+    assert!(out.wait_for(7, TIMEOUT));
+    query.stop().unwrap();
+    assert_eq!(latest(&out.rows()), expected_counts(77));
+}
+
+#[test]
+fn a_state_claimed_but_not_declared_fails_at_start() {
+    let input = MemorySource::new(1);
+    let Err(error) = custom_count(&input, checkpointed("undeclared"), false) else {
+        panic!("its checkpoints would miss the counts")
+    };
+    assert_eq!(error.error_class(), "OPERATOR_FAILED");
+    let message = error.to_string();
+    assert!(message.contains("claimed 1 states"), "{message}");
     assert!(
-        error
-            .to_string()
-            .contains("continue_snapshot did not complete"),
-        "{error}"
+        message.contains("declares 0 in Operator::tables"),
+        "{message}"
     );
+    assert!(message.contains("CustomCount"), "{message}");
 }

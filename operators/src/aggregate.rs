@@ -5,7 +5,7 @@
 use std::hash::Hash;
 use std::sync::Arc;
 
-use rtflow_runtime::state::{KeyedState, StateSnapshot};
+use rtflow_runtime::state::{KeyedState, Table};
 use rtflow_runtime::{Collector, Data, Operator, OperatorContext, Record, Result};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -45,19 +45,21 @@ impl<T, Acc, Out> Clone for Aggregation<T, Acc, Out> {
 pub struct RunningAggregate<K, T, Acc, Out> {
     key: Arc<dyn Fn(&T) -> K + Send + Sync>,
     aggregation: Aggregation<T, Acc, Out>,
-    state: Option<KeyedState<K, Acc>>,
+    state: KeyedState<K, Acc>,
 }
 
-impl<K, T, Acc, Out> RunningAggregate<K, T, Acc, Out> {
+impl<K: StateKey, T, Acc: StateValue, Out> RunningAggregate<K, T, Acc, Out> {
+    /// An instance whose accumulators `ctx` restores.
     pub fn new(
         key: Arc<dyn Fn(&T) -> K + Send + Sync>,
         aggregation: Aggregation<T, Acc, Out>,
-    ) -> Self {
-        Self {
+        ctx: &OperatorContext,
+    ) -> Result<Self> {
+        Ok(Self {
             key,
             aggregation,
-            state: None,
-        }
+            state: ctx.state.keyed(ACCUMULATORS)?,
+        })
     }
 }
 
@@ -79,17 +81,9 @@ where
         true
     }
 
-    fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
-        self.state = Some(ctx.state.keyed(ACCUMULATORS)?);
-        Ok(())
-    }
-
     #[inline]
     fn process(&mut self, record: Record<T>, out: &mut Collector<'_, (K, Out)>) -> Result<()> {
-        let state = self
-            .state
-            .as_mut()
-            .expect("started before the first record");
+        let state = &mut self.state;
         let key = (self.key)(&record.value);
         let result = match state.get_mut(&key) {
             Some(acc) => {
@@ -106,17 +100,7 @@ where
         out.emit((key, result))
     }
 
-    fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        match &mut self.state {
-            Some(state) => state.begin_snapshot(out),
-            None => Ok(()),
-        }
-    }
-
-    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
-        match &mut self.state {
-            Some(state) => state.continue_snapshot(budget, out),
-            None => Ok(true),
-        }
+    fn tables(&mut self, table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
+        table(&mut self.state)
     }
 }

@@ -27,7 +27,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rtflow_runtime::state::{KeyedState, StateSnapshot};
+use rtflow_runtime::state::{KeyedState, Table};
 use rtflow_runtime::{
     Collector, Data, EventTime, Operator, OperatorContext, Record, Result, Stream,
 };
@@ -50,36 +50,36 @@ pub struct DropDuplicates<K, T> {
     /// How long after its first occurrence's event time a key is kept (ms).
     keep: i64,
     /// Per key: the event time its first occurrence was seen at plus `keep`.
-    seen: Option<KeyedState<K, EventTime>>,
+    seen: KeyedState<K, EventTime>,
+    /// When each key is due, built from `seen` at the first watermark.
     expiries: Option<Expiries<K>>,
-    lateness: Option<Lateness>,
+    lateness: Lateness,
 }
 
-impl<K, T> DropDuplicates<K, T> {
+impl<K: StateKey, T> DropDuplicates<K, T> {
     /// Deduplicates by `key`, keeping each key until the watermark passes its
-    /// first occurrence's event time plus `keep`.
-    pub fn new(key: Arc<dyn Fn(&T) -> K + Send + Sync>, keep: Duration) -> Self {
-        Self {
+    /// first occurrence's event time plus `keep`; `ctx` restores what it saw.
+    pub fn new(
+        key: Arc<dyn Fn(&T) -> K + Send + Sync>,
+        keep: Duration,
+        ctx: &OperatorContext,
+    ) -> Result<Self> {
+        Ok(Self {
             key,
             keep: keep.as_millis() as i64,
-            seen: None,
+            seen: ctx.state.keyed(SEEN)?,
             expiries: None,
-            lateness: None,
-        }
+            lateness: Lateness::restore(ctx)?,
+        })
     }
 
     /// Forgets at most `budget` of the keys whose time the watermark passed.
     /// Evicting them all at once held up the records behind the watermark.
-    fn evict(&mut self, budget: usize)
-    where
-        K: StateKey,
-    {
-        let (Some(seen), Some(expiries), Some(lateness)) =
-            (&mut self.seen, &mut self.expiries, &self.lateness)
-        else {
+    fn evict(&mut self, budget: usize) {
+        let Some(expiries) = &mut self.expiries else {
             return;
         };
-        let watermark = lateness.watermark();
+        let (seen, watermark) = (&mut self.seen, self.lateness.watermark());
         expiries.expire(watermark, budget, |key| {
             // A key seen again since it was scheduled holds a later time.
             if seen.get(&key).is_some_and(|until| *until < watermark) {
@@ -98,28 +98,18 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
         true
     }
 
-    fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
-        self.seen = Some(ctx.state.keyed(SEEN)?);
-        self.lateness = Some(Lateness::restore(ctx)?);
-        Ok(())
-    }
-
     #[inline]
     fn process(&mut self, record: Record<T>, out: &mut Collector<'_, T>) -> Result<()> {
         if self.expiries.as_ref().is_some_and(Expiries::behind) {
             self.evict(EVICT_PER_RECORD);
         }
         let time = record.meta.event_time;
-        let lateness = self
-            .lateness
-            .as_ref()
-            .expect("started before the first record");
-        if lateness.is_late(time) {
+        if self.lateness.is_late(time) {
             out.drop_late();
             return Ok(());
         }
-        let watermark = lateness.watermark();
-        let seen = self.seen.as_mut().expect("started before the first record");
+        let watermark = self.lateness.watermark();
+        let seen = &mut self.seen;
         let key = (self.key)(&record.value);
         // An expired key not evicted yet is as good as gone.
         if seen.get(&key).is_some_and(|until| *until >= watermark) {
@@ -134,10 +124,10 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
     }
 
     fn on_watermark(&mut self, watermark: EventTime, _out: &mut Collector<'_, T>) -> Result<()> {
-        if !self.lateness.as_mut().expect("started").advance(watermark) {
+        if !self.lateness.advance(watermark) {
             return Ok(());
         }
-        let seen = self.seen.as_ref().expect("started");
+        let seen = &self.seen;
         self.expiries.get_or_insert_with(|| {
             let mut expiries = Expiries::new();
             for (key, until) in seen.iter() {
@@ -154,19 +144,9 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
         Ok(())
     }
 
-    fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        if let (Some(seen), Some(lateness)) = (&mut self.seen, &mut self.lateness) {
-            seen.begin_snapshot(out)?;
-            lateness.snapshot(out)?;
-        }
-        Ok(())
-    }
-
-    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
-        match &mut self.seen {
-            Some(seen) => seen.continue_snapshot(budget, out),
-            None => Ok(true),
-        }
+    fn tables(&mut self, table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
+        table(&mut self.seen)?;
+        table(&mut self.lateness)
     }
 }
 
@@ -243,5 +223,5 @@ fn dedup<K: StateKey, T: Data>(
     stream
         .key_by(move |value: &T| shuffle_key(value))
         .as_ref()
-        .transform(kind, move |_| DropDuplicates::new(key.clone(), keep))
+        .try_transform(kind, move |ctx| DropDuplicates::new(key.clone(), keep, ctx))
 }

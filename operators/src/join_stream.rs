@@ -24,7 +24,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rtflow_runtime::state::{KeyedState, StateSnapshot};
+use rtflow_runtime::state::{KeyedState, Table};
 use rtflow_runtime::{
     Collector, Data, EventTime, Operator, OperatorContext, Record, RecordMeta, Result, Stream,
 };
@@ -128,52 +128,70 @@ pub struct StreamJoin<K, L, R, Out> {
     outer: bool,
     /// Makes an output of a pair, or of an unmatched left row (outer join only).
     output: fn(L, Option<R>) -> Out,
-    rows: Option<KeyedState<K, Rows<L, R>>>,
+    rows: KeyedState<K, Rows<L, R>>,
+    /// When each buffered row expires, built at the first watermark (or at a
+    /// restore that has one), so a join without a watermark keeps none.
     expiries: Option<Expiries<K>>,
-    lateness: Option<Lateness>,
+    lateness: Lateness,
 }
 
-impl<K, L, R> StreamJoin<K, L, R, (L, R)> {
-    /// Inner join of the rows of both sides with equal `key` within `window`.
-    pub fn inner(key: KeyFn<Either<L, R>, K>, window: JoinWindow) -> Self {
-        Self::new(key, window, false, |left, right| {
+impl<K: StateKey, L: StateValue, R: StateValue> StreamJoin<K, L, R, (L, R)> {
+    /// Inner join of the rows of both sides with equal `key` within `window`;
+    /// `ctx` restores the rows buffered.
+    pub fn inner(
+        key: KeyFn<Either<L, R>, K>,
+        window: JoinWindow,
+        ctx: &OperatorContext,
+    ) -> Result<Self> {
+        Self::new(key, window, false, ctx, |left, right| {
             (left, right.expect("an inner join emits matched pairs only"))
         })
     }
 }
 
-impl<K, L, R> StreamJoin<K, L, R, (L, Option<R>)> {
+impl<K: StateKey, L: StateValue, R: StateValue> StreamJoin<K, L, R, (L, Option<R>)> {
     /// Left outer join of the rows of both sides with equal `key` within
     /// `window`: also emits `(left, None)` for left rows without a match.
-    pub fn left_outer(key: KeyFn<Either<L, R>, K>, window: JoinWindow) -> Self {
-        Self::new(key, window, true, |left, right| (left, right))
-    }
-}
-
-impl<K, L, R, Out> StreamJoin<K, L, R, Out> {
-    fn new(
+    pub fn left_outer(
         key: KeyFn<Either<L, R>, K>,
         window: JoinWindow,
-        outer: bool,
-        output: fn(L, Option<R>) -> Out,
-    ) -> Self {
-        Self {
-            key,
-            window,
-            outer,
-            output,
-            rows: None,
-            expiries: None,
-            lateness: None,
-        }
+        ctx: &OperatorContext,
+    ) -> Result<Self> {
+        Self::new(key, window, true, ctx, |left, right| (left, right))
     }
 }
 
 impl<K: StateKey, L: StateValue, R: StateValue, Out> StreamJoin<K, L, R, Out> {
-    /// The expiry schedule of every buffered row. It is built at the first
-    /// watermark, so a join without one keeps none.
+    fn new(
+        key: KeyFn<Either<L, R>, K>,
+        window: JoinWindow,
+        outer: bool,
+        ctx: &OperatorContext,
+        output: fn(L, Option<R>) -> Out,
+    ) -> Result<Self> {
+        let mut join = Self {
+            key,
+            window,
+            outer,
+            output,
+            rows: ctx.state.keyed(ROWS)?,
+            expiries: None,
+            lateness: Lateness::restore(ctx)?,
+        };
+        let restored = join.lateness.watermark();
+        if restored > EventTime::MIN {
+            // The checkpoint may hold rows the watermark had passed but that
+            // were not evicted yet: they go after the first records or flush.
+            let mut expiries = join.schedule_all();
+            expiries.expire(restored, 0, |_| {});
+            join.expiries = Some(expiries);
+        }
+        Ok(join)
+    }
+
+    /// The expiry schedule of every buffered row.
     fn schedule_all(&self) -> Expiries<K> {
-        let state = self.rows.as_ref().expect("started");
+        let state = &self.rows;
         let mut expiries = Expiries::new();
         for (key, rows) in state.iter() {
             for row in &rows.left {
@@ -193,11 +211,10 @@ impl<K: StateKey, L: StateValue, R: StateValue, Out> StreamJoin<K, L, R, Out> {
     /// up; an outer join holds the watermark it passes on back until its
     /// unmatched rows are out ([`Operator::watermark_hold`]).
     fn evict(&mut self, budget: usize, out: &mut Collector<'_, Out>) -> Result<()> {
-        let (Some(state), Some(expiries), Some(lateness)) =
-            (&mut self.rows, &mut self.expiries, &self.lateness)
-        else {
+        let Some(expiries) = &mut self.expiries else {
             return Ok(());
         };
+        let (state, lateness) = (&mut self.rows, &self.lateness);
         let (window, outer, output) = (self.window, self.outer, self.output);
         let watermark = lateness.watermark();
         let expired = |time: EventTime| time < watermark;
@@ -270,21 +287,6 @@ where
         true
     }
 
-    fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
-        self.rows = Some(ctx.state.keyed(ROWS)?);
-        let lateness = Lateness::restore(ctx)?;
-        let restored = lateness.watermark();
-        self.lateness = Some(lateness);
-        if restored > EventTime::MIN {
-            // The checkpoint may hold rows the watermark had passed but that
-            // were not evicted yet: they go after the first records or flush.
-            let mut expiries = self.schedule_all();
-            expiries.expire(restored, 0, |_| {});
-            self.expiries = Some(expiries);
-        }
-        Ok(())
-    }
-
     fn process(
         &mut self,
         record: Record<Either<L, R>>,
@@ -294,20 +296,12 @@ where
             self.evict(EVICT_PER_RECORD, out)?;
         }
         let (meta, time) = (record.meta, record.meta.event_time);
-        let lateness = self
-            .lateness
-            .as_ref()
-            .expect("started before the first record");
-        if lateness.is_late(time) {
+        if self.lateness.is_late(time) {
             out.drop_late();
             return Ok(());
         }
         let key = (self.key)(&record.value);
-        let rows = self
-            .rows
-            .as_mut()
-            .expect("started before the first record")
-            .get_or_insert_with(key.clone(), Rows::default);
+        let rows = self.rows.get_or_insert_with(key.clone(), Rows::default);
         let window = self.window;
         let expiry = match record.value {
             Either::Left(left) => {
@@ -351,7 +345,7 @@ where
     }
 
     fn on_watermark(&mut self, watermark: EventTime, out: &mut Collector<'_, Out>) -> Result<()> {
-        if !self.lateness.as_mut().expect("started").advance(watermark) {
+        if !self.lateness.advance(watermark) {
             return Ok(());
         }
         if self.expiries.is_none() {
@@ -364,7 +358,7 @@ where
         // Unmatched left rows go out stamped with the end of their range: the
         // watermark waits for the earliest still to go.
         let expiries = self.expiries.as_ref().filter(|_| self.outer)?;
-        let watermark = self.lateness.as_ref()?.watermark();
+        let watermark = self.lateness.watermark();
         expiries.earliest().filter(|time| *time < watermark)
     }
 
@@ -381,19 +375,9 @@ where
         self.evict(usize::MAX, out)
     }
 
-    fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        if let (Some(rows), Some(lateness)) = (&mut self.rows, &mut self.lateness) {
-            rows.begin_snapshot(out)?;
-            lateness.snapshot(out)?;
-        }
-        Ok(())
-    }
-
-    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
-        match &mut self.rows {
-            Some(rows) => rows.continue_snapshot(budget, out),
-            None => Ok(true),
-        }
+    fn tables(&mut self, table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
+        table(&mut self.rows)?;
+        table(&mut self.lateness)
     }
 }
 
@@ -442,7 +426,9 @@ pub trait StreamJoinExt<L: Data + StateValue>: AsRef<Stream<L>> {
     {
         let key = join_key(Arc::new(left_key), Arc::new(right_key));
         keyed_union(self.as_ref(), right.as_ref(), key.clone())
-            .transform(STREAM_JOIN, move |_| StreamJoin::inner(key.clone(), window))
+            .try_transform(STREAM_JOIN, move |ctx| {
+                StreamJoin::inner(key.clone(), window, ctx)
+            })
     }
 
     /// Left outer join: the pairs of [`join`](Self::join) as `(left, Some(right))`,
@@ -461,8 +447,8 @@ pub trait StreamJoinExt<L: Data + StateValue>: AsRef<Stream<L>> {
     {
         let key = join_key(Arc::new(left_key), Arc::new(right_key));
         keyed_union(self.as_ref(), right.as_ref(), key.clone())
-            .transform(STREAM_LEFT_JOIN, move |_| {
-                StreamJoin::left_outer(key.clone(), window)
+            .try_transform(STREAM_LEFT_JOIN, move |ctx| {
+                StreamJoin::left_outer(key.clone(), window, ctx)
             })
     }
 }

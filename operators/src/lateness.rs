@@ -15,7 +15,7 @@
 //! from any); the least never drops a record the old instances would have
 //! taken.
 
-use rtflow_runtime::state::{StateSnapshot, SubtaskState};
+use rtflow_runtime::state::{StateSnapshot, SubtaskState, Table};
 use rtflow_runtime::{EventTime, OperatorContext, Result};
 
 /// The name of an operator instance's watermark within its operator.
@@ -64,8 +64,10 @@ impl Lateness {
         self.state.set(watermark);
         true
     }
+}
 
-    pub(crate) fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+impl Table for Lateness {
+    fn begin_snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         self.state.snapshot(out)
     }
 }

@@ -262,8 +262,8 @@ impl<K: StateKey, T: Data> KeyedStreamExt<K, T> for KeyedStream<K, T> {
         aggregation: Aggregation<T, Acc, Out>,
     ) -> Stream<(K, Out)> {
         let key = self.key_fn();
-        self.as_ref().transform(kind, move |_| {
-            RunningAggregate::new(key.clone(), aggregation.clone())
+        self.as_ref().try_transform(kind, move |ctx| {
+            RunningAggregate::new(key.clone(), aggregation.clone(), ctx)
         })
     }
 }

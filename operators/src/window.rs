@@ -43,7 +43,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rtflow_runtime::record::EventTime;
-use rtflow_runtime::state::{KeyedState, StateSnapshot};
+use rtflow_runtime::state::{KeyedState, Table};
 use rtflow_runtime::{
     Collector, Data, KeyedStream, Operator, OperatorContext, Record, Result, Stream,
 };
@@ -288,13 +288,8 @@ impl<K: StateKey, T: Data> WindowedStream<K, T> {
         aggregate: A,
     ) -> Stream<(K, Window, A::Out)> {
         let (key, windowing, aggregate) = (self.key.clone(), self.windowing, Arc::new(aggregate));
-        self.stream.transform(kind, move |_| WindowAggregate {
-            key: key.clone(),
-            windowing: windowing.0,
-            aggregate: aggregate.clone(),
-            windows: None,
-            lateness: None,
-            expiry: Expiries::new(),
+        self.stream.try_transform(kind, move |ctx| {
+            WindowAggregate::new(key.clone(), windowing.0, aggregate.clone(), ctx)
         })
     }
 }
@@ -427,9 +422,9 @@ struct WindowAggregate<K, T, A: AggregateFunction<T>> {
     key: KeyFn<T, K>,
     windowing: Assigner,
     aggregate: Arc<A>,
-    windows: Option<KeyedState<K, Panes<A::Acc>>>,
+    windows: KeyedState<K, Panes<A::Acc>>,
     /// The watermark this instance closed windows at, checkpointed.
-    lateness: Option<Lateness>,
+    lateness: Lateness,
     /// Keys by the end of a window they opened: which keys to look at when the
     /// watermark passes that end. Rebuilt from the windows on start; an entry
     /// whose window merged into a longer session is looked at and passed over.
@@ -442,13 +437,37 @@ where
     T: Data,
     A: AggregateFunction<T>,
 {
+    /// An instance whose open windows `ctx` restores; those the restored
+    /// watermark closed are evicted now.
+    fn new(
+        key: KeyFn<T, K>,
+        windowing: Assigner,
+        aggregate: Arc<A>,
+        ctx: &OperatorContext,
+    ) -> Result<Self> {
+        let windows: KeyedState<K, Panes<A::Acc>> = ctx.state.keyed(WINDOWS)?;
+        let mut expiry = Expiries::new();
+        for (key, panes) in windows.iter() {
+            for (window, _) in panes {
+                expiry.schedule(window.end, key.clone());
+            }
+        }
+        let mut operator = Self {
+            key,
+            windowing,
+            aggregate,
+            windows,
+            lateness: Lateness::restore(ctx)?,
+            expiry,
+        };
+        operator.evict(usize::MAX);
+        Ok(operator)
+    }
+
     /// The watermark windows close at.
     #[inline]
     fn watermark(&self) -> EventTime {
-        self.lateness
-            .as_ref()
-            .expect("started before the first record")
-            .watermark()
+        self.lateness.watermark()
     }
 
     /// Adds `record` to its open sliding windows and emits their aggregates.
@@ -474,11 +493,7 @@ where
             out.drop_late();
             return Ok(());
         }
-        let state = self
-            .windows
-            .as_mut()
-            .expect("started before the first record");
-        let panes = state.get_or_insert_with(key.clone(), Vec::new);
+        let panes = self.windows.get_or_insert_with(key.clone(), Vec::new);
         for start in starts {
             let window = Window {
                 start,
@@ -510,11 +525,7 @@ where
             out.drop_late();
             return Ok(());
         }
-        let state = self
-            .windows
-            .as_mut()
-            .expect("started before the first record");
-        let panes = state.get_or_insert_with(key.clone(), Vec::new);
+        let panes = self.windows.get_or_insert_with(key.clone(), Vec::new);
         let mut window = Window {
             start: time,
             end: time.saturating_add(gap),
@@ -552,7 +563,7 @@ where
     /// 2-6 ms at every slide), so the rest are left for the next records.
     fn evict(&mut self, budget: usize) {
         let watermark = self.watermark();
-        let state = self.windows.as_mut().expect("started");
+        let state = &mut self.windows;
         self.expiry
             .expire(watermark.saturating_add(1), budget, |key| {
                 // Only a key whose earliest window closed is touched: reading it
@@ -597,19 +608,6 @@ where
         true
     }
 
-    fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
-        let windows: KeyedState<K, Panes<A::Acc>> = ctx.state.keyed(WINDOWS)?;
-        self.lateness = Some(Lateness::restore(ctx)?);
-        for (key, panes) in windows.iter() {
-            for (window, _) in panes {
-                self.expiry.schedule(window.end, key.clone());
-            }
-        }
-        self.windows = Some(windows);
-        self.evict(usize::MAX);
-        Ok(())
-    }
-
     #[inline]
     fn process(
         &mut self,
@@ -634,7 +632,7 @@ where
         watermark: EventTime,
         _out: &mut Collector<'_, (K, Window, A::Out)>,
     ) -> Result<()> {
-        if self.lateness.as_mut().expect("started").advance(watermark) {
+        if self.lateness.advance(watermark) {
             self.evict(EVICT_PER_WATERMARK);
         }
         Ok(())
@@ -645,20 +643,8 @@ where
         Ok(())
     }
 
-    fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        if let Some(windows) = &mut self.windows {
-            windows.begin_snapshot(out)?;
-        }
-        if let Some(lateness) = &mut self.lateness {
-            lateness.snapshot(out)?;
-        }
-        Ok(())
-    }
-
-    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
-        match &mut self.windows {
-            Some(windows) => windows.continue_snapshot(budget, out),
-            None => Ok(true),
-        }
+    fn tables(&mut self, table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
+        table(&mut self.windows)?;
+        table(&mut self.lateness)
     }
 }

@@ -139,6 +139,17 @@ impl<T: Data> Stream<T> {
         O: Operator<T, U>,
         F: Fn(&OperatorContext) -> O + Send + Sync + 'static,
     {
+        self.try_transform(kind, move |ctx| Ok(factory(ctx)))
+    }
+
+    /// Like [`transform`](Self::transform), for operators whose making can
+    /// fail: one that claims its state from `ctx.state` when made, and so holds
+    /// it from the start (see [`crate::state`]).
+    pub fn try_transform<U: Data, O, F>(&self, kind: &str, factory: F) -> Stream<U>
+    where
+        O: Operator<T, U>,
+        F: Fn(&OperatorContext) -> Result<O> + Send + Sync + 'static,
+    {
         let body = Body::Operator(
             Box::new(OperatorNode::<T, U, O, F>::new(factory)),
             Arc::new(PortOf::<U>::new()),

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use crate::error::{Result, RtflowError};
 use crate::metrics::OperatorMetrics;
 use crate::record::{now_nanos, Epoch, EventTime, Record, RecordMeta};
-use crate::state::{StateContext, StateSnapshot};
+use crate::state::{StateContext, StateSnapshot, Table};
 
 /// Where the stateful operators of one actor put their snapshots at a barrier; the
 /// actor sends them to the coordinator with its acknowledgement.
@@ -175,7 +175,8 @@ pub trait Operator<In, Out>: Send + 'static {
         false
     }
 
-    /// Called once on the actor's thread before the first record.
+    /// Called once before the first record, when the query wires the actor
+    /// (on the coordinator's thread).
     fn on_start(&mut self, _ctx: &OperatorContext) -> Result<()> {
         Ok(())
     }
@@ -205,19 +206,13 @@ pub trait Operator<In, Out>: Send + 'static {
         Ok(())
     }
 
-    /// Called at every barrier, and once more after `on_close`: hand what state
-    /// changed since the last call to `out` (see [`crate::state`]).
-    fn snapshot(&mut self, _out: &mut StateSnapshot) -> Result<()> {
+    /// The checkpointed state the operator holds: calls `table` once with each
+    /// [`Table`] it claimed from its [`StateContext`] (see [`crate::state`]).
+    /// The runtime snapshots them at every barrier and once more after
+    /// `on_close`; an operator that claimed more states than it declares here
+    /// fails at start.
+    fn tables(&mut self, _table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
         Ok(())
-    }
-
-    /// Called after `snapshot`, between records, until it returns `true`: encode
-    /// about `budget` more entries of a snapshot that `snapshot` only set aside,
-    /// and hand them to `out` once complete. An operator with
-    /// [`KeyedState`](crate::state::KeyedState) passes the call on to it; records
-    /// then never wait for their state to be encoded.
-    fn continue_snapshot(&mut self, _budget: usize, _out: &mut StateSnapshot) -> Result<bool> {
-        Ok(true)
     }
 
     /// Called once when every input has ended, before the end is passed downstream.
@@ -234,9 +229,6 @@ pub(crate) struct Chained<O, In, Out> {
     snapshots: SnapshotBuffer,
     records_in: u64,
     counts: Counts,
-    /// Keyed snapshots the operator began at the last barrier and has not
-    /// completed.
-    unfinished: usize,
     /// The watermark received, and the one passed on: lower while the
     /// operator holds it back ([`Operator::watermark_hold`]).
     watermark_in: EventTime,
@@ -253,6 +245,24 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
         snapshots: SnapshotBuffer,
     ) -> Result<Self> {
         operator.on_start(ctx)?;
+        let mut declared = 0;
+        operator.tables(&mut |_| {
+            declared += 1;
+            Ok(())
+        })?;
+        let claimed = ctx.state.claims.load(std::sync::atomic::Ordering::Relaxed);
+        if declared < claimed {
+            return Err(RtflowError::Operator {
+                operator: ctx.operator.clone(),
+                subtask: ctx.subtask,
+                message: format!(
+                    "it claimed {claimed} states from its StateContext but declares {declared} \
+                     in Operator::tables ({}): its checkpoints would miss the others; declare \
+                     every state it holds",
+                    std::any::type_name::<O>()
+                ),
+            });
+        }
         Ok(Self {
             operator,
             next,
@@ -260,7 +270,6 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
             snapshots,
             records_in: 0,
             counts: Counts::default(),
-            unfinished: 0,
             watermark_in: EventTime::MIN,
             watermark_out: EventTime::MIN,
             _input: PhantomData,
@@ -313,9 +322,9 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
 
     fn snapshot(&mut self) -> Result<()> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
-        let (before, rows_before) = (snapshot.incomplete, snapshot.rows);
-        self.operator.snapshot(&mut snapshot)?;
-        self.unfinished = (self.unfinished + snapshot.incomplete).saturating_sub(before);
+        let rows_before = snapshot.rows;
+        self.operator
+            .tables(&mut |table| table.begin_snapshot(&mut snapshot))?;
         if O::stateful() {
             self.metrics.set_state(snapshot.rows.since(rows_before));
         }
@@ -360,18 +369,11 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
 
     fn continue_snapshot(&mut self, budget: usize) -> Result<bool> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
-        let before = snapshot.incomplete;
-        let done = self.operator.continue_snapshot(budget, &mut snapshot)?;
-        self.unfinished = (self.unfinished + snapshot.incomplete).saturating_sub(before);
-        if done && self.unfinished > 0 {
-            // The checkpoint would miss the epoch's changes: fail loudly.
-            return Err(RtflowError::Checkpoint(format!(
-                "operator {} began a keyed snapshot (KeyedState::begin_snapshot) that its \
-                 continue_snapshot did not complete: pass Operator::continue_snapshot on to \
-                 the state, or call KeyedState::snapshot instead",
-                std::any::type_name::<O>()
-            )));
-        }
+        let mut done = true;
+        self.operator.tables(&mut |table| {
+            done &= table.continue_snapshot(budget, &mut snapshot)?;
+            Ok(())
+        })?;
         drop(snapshot);
         Ok(self.next.continue_snapshot(budget)? && done)
     }

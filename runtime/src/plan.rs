@@ -425,6 +425,7 @@ impl Plan {
                         subtask,
                         parallelism,
                         restored: resume.state.clone(),
+                        claims: Arc::default(),
                     };
                     emit = Some(match &node.body {
                         Body::Sink(sink) => {

@@ -128,7 +128,7 @@ where
     In: Data,
     Out: Data,
     O: Operator<In, Out>,
-    F: Fn(&OperatorContext) -> O + Send + Sync + 'static,
+    F: Fn(&OperatorContext) -> Result<O> + Send + Sync + 'static,
 {
     fn stateful(&self) -> bool {
         O::stateful()
@@ -146,7 +146,7 @@ where
         snapshots: SnapshotBuffer,
     ) -> Result<AnyBox> {
         let next: Box<dyn Emit<Out>> = unbox(next);
-        let operator = (self.factory)(ctx);
+        let operator = (self.factory)(ctx)?;
         let chained = Chained::start(
             operator,
             ctx,

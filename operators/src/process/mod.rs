@@ -103,7 +103,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use rtflow_runtime::record::{nanos_to_event_time, now_nanos};
-use rtflow_runtime::state::StateSnapshot;
+use rtflow_runtime::state::Table;
 use rtflow_runtime::{
     Collector, Data, EventTime, KeyedStream, Operator, OperatorContext, Record, RecordMeta, Result,
     RtflowError, StateContext, Stream,
@@ -314,7 +314,7 @@ impl<K: StateKey, Out> ProcessContext<'_, '_, K, Out> {
 pub struct KeyedProcess<K, In, Out, P> {
     key: Arc<dyn Fn(&In) -> K + Send + Sync>,
     processor: P,
-    store: Option<Store<K>>,
+    store: Store<K>,
     watermark: Option<EventTime>,
     /// The processing time of the batch of records being handled, read at its
     /// first record: a clock read per record cost a sixth of a busy operator.
@@ -322,29 +322,40 @@ pub struct KeyedProcess<K, In, Out, P> {
     _out: PhantomData<fn() -> Out>,
 }
 
-impl<K, In, Out, P> KeyedProcess<K, In, Out, P> {
-    /// The operator running `processor` on the keys `key` reads.
-    pub fn new(key: Arc<dyn Fn(&In) -> K + Send + Sync>, processor: P) -> Self {
-        Self {
-            key,
-            processor,
-            store: None,
-            watermark: None,
-            batch_time: None,
-            _out: PhantomData,
-        }
-    }
-}
-
 impl<K, In, Out, P> KeyedProcess<K, In, Out, P>
 where
     K: StateKey,
     P: KeyedProcessor<K, In, Out>,
 {
+    /// The operator running `processor` on the keys `key` reads, with the
+    /// states the processor declares and its timers restored by `ctx`.
+    pub fn new(
+        key: Arc<dyn Fn(&In) -> K + Send + Sync>,
+        mut processor: P,
+        ctx: &OperatorContext,
+    ) -> Result<Self> {
+        let mut states = Vec::new();
+        processor.init(&mut StateDeclarations {
+            ctx: &ctx.state,
+            states: &mut states,
+        })?;
+        Ok(Self {
+            key,
+            processor,
+            store: Store {
+                states,
+                timers: Timers::start(&ctx.state)?,
+            },
+            watermark: ctx.state.restored_watermark(),
+            batch_time: None,
+            _out: PhantomData,
+        })
+    }
+
     /// Fires the timers of `queue` due by `upto`, earliest first, including those
     /// registered while firing.
     fn fire(&mut self, queue: Queue, upto: i64, out: &mut Collector<'_, Out>) -> Result<()> {
-        let store = self.store.as_mut().expect("started before the first timer");
+        let store = &mut self.store;
         let now = nanos_to_event_time(now_nanos());
         while let Some((time, key)) = store.timers.pop(queue, upto) {
             let (timer, event_time) = match queue {
@@ -391,25 +402,8 @@ where
         true
     }
 
-    fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
-        let mut states = Vec::new();
-        self.processor.init(&mut StateDeclarations {
-            ctx: &ctx.state,
-            states: &mut states,
-        })?;
-        self.store = Some(Store {
-            states,
-            timers: Timers::start(&ctx.state)?,
-        });
-        self.watermark = ctx.state.restored_watermark();
-        Ok(())
-    }
-
     fn process(&mut self, record: Record<In>, out: &mut Collector<'_, Out>) -> Result<()> {
-        let store = self
-            .store
-            .as_mut()
-            .expect("started before the first record");
+        let store = &mut self.store;
         let key = (self.key)(&record.value);
         let mut ctx = ProcessContext {
             key: &key,
@@ -436,25 +430,11 @@ where
         self.fire(Queue::Sweep, now, out)
     }
 
-    fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        let Some(store) = &mut self.store else {
-            return Ok(());
-        };
-        for state in &mut store.states {
-            state.snapshot(out)?;
+    fn tables(&mut self, table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
+        for state in &mut self.store.states {
+            table(state.table())?;
         }
-        store.timers.snapshot(out)
-    }
-
-    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
-        let Some(store) = &mut self.store else {
-            return Ok(true);
-        };
-        let mut done = store.timers.continue_snapshot(budget, out)?;
-        for state in &mut store.states {
-            done &= state.continue_snapshot(budget, out)?;
-        }
-        Ok(done)
+        table(self.store.timers.table())
     }
 }
 
@@ -474,8 +454,8 @@ impl<K: StateKey, T: Data> KeyedProcessExt<K, T> for KeyedStream<K, T> {
         P: KeyedProcessor<K, T, Out>,
     {
         let key = self.key_fn();
-        self.as_ref().transform("process", move |_| {
-            KeyedProcess::new(key.clone(), factory())
+        self.as_ref().try_transform("process", move |ctx| {
+            KeyedProcess::new(key.clone(), factory(), ctx)
         })
     }
 }

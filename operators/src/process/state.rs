@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::time::Duration;
 
-use rtflow_runtime::state::{KeyedState, StateSnapshot};
+use rtflow_runtime::state::{KeyedState, Table};
 use rtflow_runtime::{Result, StateContext};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -212,8 +212,8 @@ impl<K: StateKey, C: Cell> Declared<K, C> {
 pub(crate) trait AnyState<K>: Send {
     fn name(&self) -> &'static str;
     fn as_any(&mut self) -> &mut dyn Any;
-    fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()>;
-    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool>;
+    /// Its keyed storage, which the operator declares as a table.
+    fn table(&mut self) -> &mut dyn Table;
     /// Deletes what of `key` expired at `now`; returns the next expiry left.
     fn sweep(&mut self, key: &K, now: ProcessingTime) -> Option<ProcessingTime>;
 }
@@ -227,12 +227,8 @@ impl<K: StateKey, C: Cell> AnyState<K> for Declared<K, C> {
         self
     }
 
-    fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        self.state.begin_snapshot(out)
-    }
-
-    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
-        self.state.continue_snapshot(budget, out)
+    fn table(&mut self) -> &mut dyn Table {
+        &mut self.state
     }
 
     fn sweep(&mut self, key: &K, now: ProcessingTime) -> Option<ProcessingTime> {

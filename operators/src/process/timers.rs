@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
-use rtflow_runtime::state::{KeyedState, StateSnapshot};
+use rtflow_runtime::state::{KeyedState, Table};
 use rtflow_runtime::{EventTime, Result, StateContext};
 use serde::{Deserialize, Serialize};
 
@@ -226,15 +226,8 @@ impl<K: StateKey> Timers<K> {
         }
     }
 
-    pub(crate) fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        self.rows.begin_snapshot(out)
-    }
-
-    pub(crate) fn continue_snapshot(
-        &mut self,
-        budget: usize,
-        out: &mut StateSnapshot,
-    ) -> Result<bool> {
-        self.rows.continue_snapshot(budget, out)
+    /// The timers' keyed storage, which the operator declares as a table.
+    pub(crate) fn table(&mut self) -> &mut dyn Table {
+        &mut self.rows
     }
 }

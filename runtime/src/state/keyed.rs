@@ -30,7 +30,7 @@ const CAPTURED: u64 = 0;
 /// writes only the keys changed since the previous one.
 ///
 /// A snapshot is taken in two steps so that records do not wait for it. At the
-/// barrier, [`snapshot`](Self::snapshot) only sets the epoch's changed keys
+/// barrier, [`begin_snapshot`](Self::begin_snapshot) only sets the epoch's changed keys
 /// aside. [`continue_snapshot`](Self::continue_snapshot) then encodes them a
 /// slice at a time between records; a key that a record is about to change
 /// first is encoded then, with its value at the barrier (copy on write).
@@ -244,11 +244,10 @@ where
 
     /// Takes a snapshot of the keys changed since the previous one without
     /// encoding them: [`continue_snapshot`](Self::continue_snapshot) does, and
-    /// hands them to `out`. An operator that begins a snapshot in
-    /// [`Operator::snapshot`](crate::Operator::snapshot) must continue it in
-    /// [`Operator::continue_snapshot`](crate::Operator::continue_snapshot); the
-    /// runtime fails the query otherwise. A snapshot still incomplete is
-    /// completed first.
+    /// hands them to `out`. A snapshot still incomplete is completed first. The
+    /// runtime calls both for the tables an operator declares
+    /// ([`Operator::tables`](crate::Operator::tables)); a sink writer holding
+    /// keyed state calls [`snapshot`](Self::snapshot).
     pub fn begin_snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         self.continue_snapshot(usize::MAX, out)?;
         let changed = std::mem::take(&mut self.changed);
@@ -259,7 +258,6 @@ where
         });
         self.capture = Some(Capture::new(self.tag, changed));
         self.tag += 1;
-        out.incomplete += 1;
         Ok(())
     }
 
@@ -291,7 +289,6 @@ where
         }
         let capture = self.capture.take().expect("checked above");
         capture.finish(self.id.clone(), self.meta.clone(), self.part, out)?;
-        out.incomplete = out.incomplete.saturating_sub(1);
         Ok(true)
     }
 

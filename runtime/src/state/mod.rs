@@ -1,43 +1,46 @@
 //! Checkpointed state for operator and sink authors.
 //!
 //! State lives in memory, in the actor that owns it, so reading and updating it
-//! costs a hash-map lookup. Each state remembers which keys changed since the last
-//! barrier; the operator's `snapshot` hook hands only those to the checkpoint
-//! ([`StateSnapshot`]), which stores them as one incremental blob. On start, a
-//! [`StateContext`] gives each instance back what the last committed checkpoint
-//! held for the key groups it owns.
-//!
-//! `KeyedState::snapshot` encodes the changed keys at the barrier, while
-//! records wait. An operator with many changed keys per epoch can instead call
-//! `begin_snapshot` there and `continue_snapshot` from its own
-//! `continue_snapshot` hook: the runtime then encodes a slice at a time between
-//! records (the built-in stateful operators do this).
+//! costs a hash-map lookup. An operator claims each state from its
+//! [`StateContext`] (which hands back what the last committed checkpoint held
+//! for the key groups the instance owns) and declares it in
+//! [`Operator::tables`](crate::Operator::tables). The runtime does the rest: at
+//! every barrier it sets aside what each declared [`Table`] changed since the
+//! previous one, encodes it a slice at a time between records, and stores it as
+//! one incremental blob per table ([`StateSnapshot`]). A state claimed but not
+//! declared fails the query at start.
 //!
 //! ```
-//! use rtflow_runtime::state::{KeyedState, StateSnapshot};
-//! use rtflow_runtime::{Collector, Operator, OperatorContext, Record, Result};
+//! use rtflow_runtime::state::{KeyedState, Table};
+//! use rtflow_runtime::{Collector, Dataflow, Operator, OperatorContext, Record, Result, Stream};
 //!
 //! /// Counts records per word and emits the running count.
-//! struct WordCount(Option<KeyedState<String, u64>>);
+//! struct WordCount {
+//!     counts: KeyedState<String, u64>,
+//! }
+//!
+//! impl WordCount {
+//!     fn new(ctx: &OperatorContext) -> Result<Self> {
+//!         Ok(Self { counts: ctx.state.keyed("counts")? })
+//!     }
+//! }
 //!
 //! impl Operator<String, (String, u64)> for WordCount {
-//!     fn on_start(&mut self, ctx: &OperatorContext) -> Result<()> {
-//!         self.0 = Some(ctx.state.keyed("counts")?);
-//!         Ok(())
-//!     }
-//!
 //!     fn process(&mut self, record: Record<String>, out: &mut Collector<'_, (String, u64)>) -> Result<()> {
-//!         let counts = self.0.as_mut().expect("started");
-//!         let count = counts.get_or_insert_with(record.value.clone(), || 0);
+//!         let count = self.counts.get_or_insert_with(record.value.clone(), || 0);
 //!         *count += 1;
 //!         let count = *count;
 //!         out.emit((record.value, count))
 //!     }
 //!
-//!     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-//!         self.0.as_mut().expect("started").snapshot(out)
+//!     fn tables(&mut self, table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
+//!         table(&mut self.counts)
 //!     }
 //! }
+//!
+//! # fn build(words: Stream<String>) {
+//! words.try_transform("word_count", WordCount::new);
+//! # }
 //! ```
 
 mod keyed;
@@ -50,6 +53,7 @@ mod tests;
 use std::any::type_name;
 use std::collections::BTreeMap;
 use std::hash::Hash;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use rtflow_checkpoint::{StateId, StateMeta};
@@ -61,6 +65,22 @@ use self::restored::Grouped;
 pub(crate) use self::restored::Restored;
 pub use self::snapshot::StateSnapshot;
 pub use self::subtask::SubtaskState;
+
+/// A state an operator holds and declares in
+/// [`Operator::tables`](crate::Operator::tables), as Arroyo's tables: the runtime
+/// snapshots it at every barrier, a slice at a time between records, and the
+/// operator never forwards a snapshot itself.
+pub trait Table: Send {
+    /// At the barrier: sets aside what changed since the previous barrier,
+    /// completing a snapshot still incomplete first.
+    fn begin_snapshot(&mut self, out: &mut StateSnapshot) -> Result<()>;
+
+    /// Between records: encodes about `budget` more entries of the snapshot
+    /// begun, and hands them to `out` once complete; returns whether it is.
+    fn continue_snapshot(&mut self, _budget: usize, _out: &mut StateSnapshot) -> Result<bool> {
+        Ok(true)
+    }
+}
 use crate::error::{Result, RtflowError};
 use crate::key_groups::subtask_for_key_group;
 use crate::record::{Epoch, EventTime};
@@ -75,6 +95,9 @@ pub struct StateContext {
     pub(crate) subtask: usize,
     pub(crate) parallelism: usize,
     pub(crate) restored: Arc<Restored>,
+    /// How many states the instance claimed ([`keyed`](Self::keyed) and
+    /// [`per_subtask`](Self::per_subtask)): what it must declare as tables.
+    pub(crate) claims: Arc<AtomicUsize>,
 }
 
 impl StateContext {
@@ -86,6 +109,7 @@ impl StateContext {
             subtask,
             parallelism,
             restored: Arc::new(Restored::new(BTreeMap::new(), None, None, None, key_groups)),
+            claims: Arc::default(),
         }
     }
 
@@ -143,6 +167,7 @@ impl StateContext {
     {
         let key_groups = self.restored.key_groups;
         let (id, meta, restored) = self.claim(name, type_name::<(K, V)>())?;
+        self.claims.fetch_add(1, Ordering::Relaxed);
         let mine =
             |group| subtask_for_key_group(group, key_groups, self.parallelism) == self.subtask;
         KeyedState::restore(
@@ -179,6 +204,7 @@ impl StateContext {
         V: Serialize + DeserializeOwned,
     {
         let (id, meta, grouped) = self.claim(name, type_name::<V>())?;
+        self.claims.fetch_add(1, Ordering::Relaxed);
         let mut restored = Vec::new();
         let mine = |subtask| subtask % self.parallelism == self.subtask;
         for (subtask, bytes) in grouped.iter().flat_map(|g| g.live(mine)) {
@@ -213,4 +239,24 @@ fn decode<T: DeserializeOwned>(id: &StateId, bytes: &[u8]) -> Result<T> {
         .map_err(|e| RtflowError::IncompatibleCheckpoint {
             difference: format!("{id} cannot be read as its declared type: {e}"),
         })
+}
+
+impl<K, V> Table for KeyedState<K, V>
+where
+    K: Hash + Eq + Clone + Serialize + DeserializeOwned + Send,
+    V: Serialize + DeserializeOwned + Send,
+{
+    fn begin_snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+        KeyedState::begin_snapshot(self, out)
+    }
+
+    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
+        KeyedState::continue_snapshot(self, budget, out)
+    }
+}
+
+impl<V: Serialize + Send> Table for SubtaskState<V> {
+    fn begin_snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
+        self.snapshot(out)
+    }
 }

@@ -18,8 +18,6 @@ pub struct StateSnapshot {
     /// For an actor that ends in a sink: the watermark the sink had reached at the
     /// barrier (`Some(None)` before its first).
     pub(crate) sink_watermark: Option<Option<EventTime>>,
-    /// Keyed snapshots begun and not yet complete.
-    pub(crate) incomplete: usize,
     /// The keyed state of the snapshots begun, summed.
     pub(crate) rows: StateRows,
 }
