@@ -16,6 +16,8 @@
 //! - [`state`]: checkpointed keyed and per-instance state for operators and sinks,
 //!   snapshotted incrementally at each barrier and restored on start.
 //! - [`connector`]: the [`Source`] and [`Sink`] traits connectors implement.
+//! - [`tester`]: one operator instance driven outside a query, for operator
+//!   unit tests.
 //! - [`plan`]: start-time validation (with Spark's error classes), parallelism,
 //!   chaining, slots, and wiring of lanes to operators; `placement`: which CPUs
 //!   the query's threads may run on.
@@ -50,6 +52,7 @@ pub mod record;
 mod shared;
 pub mod state;
 pub mod table;
+pub mod tester;
 pub mod watermark;
 mod wiring;
 
