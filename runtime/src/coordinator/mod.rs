@@ -1,5 +1,5 @@
-//! The coordinator: the control-plane actor of one query. It validates and plans
-//! the dataflow, starts one thread per actor, ends an epoch every batch duration
+//! The coordinator: the control-plane actor of one query. It wires the planned
+//! dataflow, starts one thread per actor, ends an epoch every batch duration
 //! (barriers from the sources, acknowledgements from every actor, then a durable
 //! manifest), publishes progress, and stops the query on `stop()` or on the first
 //! failure.
@@ -7,6 +7,13 @@
 //! It is an actix actor on a thread of its own with its own `System`, so queries
 //! behave the same inside or outside a user's async runtime. Only low-rate control
 //! messages go through it; records never do.
+//!
+//! What it decides about epochs, free of actix and I/O, is in `epochs`: what
+//! the acknowledgements of an epoch make of its manifest, and which
+//! `checkpoint_now` requests an epoch answers; when an epoch commits is
+//! `rtflow_checkpoint::CheckpointTracker`'s.
+
+mod epochs;
 
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -19,8 +26,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Message, System};
 use crossbeam_channel::Sender;
-use rtflow_checkpoint::{CheckpointStore, CheckpointTracker, Delta, Manifest, Offsets, Recovery};
+use rtflow_checkpoint::{CheckpointStore, CheckpointTracker, Manifest, Recovery};
 
+use self::epochs::{assemble, Ack, Assembled, Requests};
 use crate::actor::{ActorEnv, Report};
 use crate::cancel::Cancel;
 use crate::config::QueryConfig;
@@ -31,7 +39,7 @@ use crate::progress::{
     timestamp, EpochOffsets, ProgressTracker, QueryStartedEvent, QueryTerminatedEvent,
     SourceOffsets,
 };
-use crate::record::{now_nanos, Epoch, EventTime};
+use crate::record::{now_nanos, Epoch};
 use crate::shared::QueryShared;
 use crate::state::Restored;
 
@@ -97,15 +105,6 @@ impl Location {
     }
 }
 
-/// What an actor acknowledges an epoch with.
-#[derive(Clone, Default)]
-struct Ack {
-    offsets: Offsets,
-    deltas: Vec<Delta>,
-    /// For an actor ending in a sink: its watermark at the barrier.
-    sink_watermark: Option<Option<EventTime>>,
-}
-
 /// The checkpoint side of a running query.
 struct Checkpoints {
     store: CheckpointStore,
@@ -120,9 +119,7 @@ struct Checkpoints {
     committed: SourceOffsets,
     /// When the epoch in flight was triggered.
     triggered_at: Instant,
-    /// `checkpoint_now` requests: the epoch that answers each, once one was
-    /// triggered after the request.
-    requests: Vec<(Option<Epoch>, mpsc::Sender<Epoch>)>,
+    requests: Requests<mpsc::Sender<Epoch>>,
 }
 
 pub(crate) struct Coordinator {
@@ -251,7 +248,7 @@ impl Coordinator {
             key_groups: config.max_key_groups as u32,
             committed,
             triggered_at: Instant::now(),
-            requests: Vec::new(),
+            requests: Requests::default(),
         });
         tracing::info!(actors = actors.len(), "starting actors");
         for (index, actor) in actors.into_iter().enumerate() {
@@ -303,9 +300,7 @@ impl Coordinator {
         };
         tracing::debug!(epoch, "ending epoch");
         checkpoints.triggered_at = Instant::now();
-        for (answer, _) in &mut checkpoints.requests {
-            answer.get_or_insert(epoch);
-        }
+        checkpoints.requests.triggered(epoch);
         for (_, barriers) in checkpoints.sources.iter().flatten() {
             // A source that already exited acknowledged through its final report.
             let _ = barriers.send(epoch);
@@ -334,21 +329,15 @@ impl Coordinator {
     fn commit(&mut self, epoch: Epoch, acks: Vec<Ack>) -> Result<()> {
         let checkpoints = self.checkpoints.as_mut().expect("checkpoints run");
         let _span = tracing::info_span!("checkpoint", epoch).entered();
-        let mut sources = SourceOffsets::new();
-        let mut deltas = Vec::new();
-        // The query's watermark at the barrier: the lowest any sink had reached,
-        // none while a sink had none.
-        let mut watermark = Some(EventTime::MAX);
-        for (source, ack) in checkpoints.sources.iter().zip(acks) {
-            if let Some((name, _)) = source {
-                sources.entry(name.clone()).or_default().extend(ack.offsets);
-            }
-            if let Some(sink) = ack.sink_watermark {
-                watermark = watermark.zip(sink).map(|(a, b)| a.min(b));
-            }
-            deltas.extend(ack.deltas);
-        }
-        let watermark = watermark.filter(|w| *w != EventTime::MAX);
+        let uids = checkpoints
+            .sources
+            .iter()
+            .map(|source| source.as_ref().map(|(uid, _)| uid.as_str()));
+        let Assembled {
+            sources,
+            watermark,
+            deltas,
+        } = assemble(uids, acks);
         let manifest = Manifest {
             epoch,
             query_id: self.shared.id.to_string(),
@@ -469,30 +458,15 @@ impl Coordinator {
         let Some(checkpoints) = &mut self.checkpoints else {
             return;
         };
-        let committed = checkpoints.tracker.last_completed();
-        checkpoints.requests.retain(|(answer, reply)| match answer {
-            Some(epoch) if Some(*epoch) <= committed => {
-                let _ = reply.send(*epoch);
-                false
-            }
-            _ => true,
-        });
-        if checkpoints
-            .requests
-            .iter()
-            .all(|(answer, _)| answer.is_some())
-        {
-            return;
-        }
         let tracker = &checkpoints.tracker;
-        if tracker.all_finished() && tracker.in_flight().is_none() {
-            // Every actor ended and the final epoch committed all they said.
-            if let Some(last) = committed {
-                for (_, reply) in checkpoints.requests.drain(..) {
-                    let _ = reply.send(last);
-                }
-            }
-        } else {
+        let finished = tracker.all_finished() && tracker.in_flight().is_none();
+        let served = checkpoints
+            .requests
+            .serve(tracker.last_completed(), finished);
+        for (reply, epoch) in served.answered {
+            let _ = reply.send(epoch);
+        }
+        if served.trigger {
             self.trigger_checkpoint();
         }
     }
@@ -661,7 +635,7 @@ impl Handler<CheckpointNow> for Coordinator {
     fn handle(&mut self, CheckpointNow(reply): CheckpointNow, _ctx: &mut Context<Self>) {
         // A failing query drops the request: the caller learns of the failure.
         if let (None, Some(checkpoints)) = (&self.failure, &mut self.checkpoints) {
-            checkpoints.requests.push((None, reply));
+            checkpoints.requests.push(reply);
             self.serve_requests();
         }
     }
