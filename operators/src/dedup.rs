@@ -225,3 +225,117 @@ fn dedup<K: StateKey, T: Data>(
         .as_ref()
         .try_transform(kind, move |ctx| DropDuplicates::new(key.clone(), keep, ctx))
 }
+
+#[cfg(test)]
+mod tests {
+    use rtflow_runtime::tester::Emitted;
+
+    use super::*;
+    use rtflow_runtime::tester::run;
+    use rtflow_runtime::tester::Step::{self, Barrier, Record, Restore, Watermark};
+
+    /// Deduplicates click ids, keeping each `keep` ms past its first time.
+    fn clicks(
+        kind: &str,
+        keep: u64,
+        steps: impl IntoIterator<Item = Step<u32>>,
+    ) -> Vec<Emitted<u32>> {
+        let id: Arc<dyn Fn(&u32) -> u32 + Send + Sync> = Arc::new(|id| *id);
+        let keep = Duration::from_millis(keep);
+        run(
+            kind,
+            |ctx| DropDuplicates::new(id.clone(), keep, ctx),
+            steps,
+        )
+    }
+
+    #[test]
+    fn the_first_record_of_a_key_passes_and_its_duplicates_are_dropped() {
+        let steps = [
+            Record(1, 10),
+            Record(2, 10),
+            Record(1, 12),
+            Record(2, 5),
+            Record(3, 11),
+        ];
+        let expected = [
+            Emitted::Record(1, 10),
+            Emitted::Record(2, 10),
+            Emitted::Record(3, 11),
+        ];
+        assert_eq!(clicks(DROP_DUPLICATES, 0, steps), expected);
+    }
+
+    #[test]
+    fn a_key_is_forgotten_once_the_watermark_passes_its_first_time() {
+        let steps = [
+            Record(1, 10),
+            // A watermark at the key's time has not passed it.
+            Watermark(10),
+            Record(1, 12),
+            Watermark(11),
+            Record(1, 12),
+        ];
+        let expected = [
+            Emitted::Record(1, 10),
+            Emitted::Watermark(10),
+            Emitted::Watermark(11),
+            Emitted::Record(1, 12),
+        ];
+        assert_eq!(clicks(DROP_DUPLICATES, 0, steps), expected);
+    }
+
+    #[test]
+    fn with_the_event_time_in_the_key_a_duplicate_after_its_key_was_forgotten_is_late() {
+        let steps = [Record((1, 10), 10), Watermark(11), Record((1, 10), 10)];
+        let expected = [Emitted::Record((1, 10), 10), Emitted::Watermark(11)];
+        let click = |click: &(u32, i64)| *click;
+        let dedup = |ctx: &_| DropDuplicates::new(Arc::new(click), Duration::ZERO, ctx);
+        assert_eq!(run(DROP_DUPLICATES, dedup, steps), expected);
+    }
+
+    #[test]
+    fn within_the_watermark_duplicates_are_dropped_until_it_passes_the_first_time_plus_the_delay() {
+        let steps = [
+            Record(1, 10),
+            Record(1, 14),
+            Record(1, 8),
+            Watermark(15),
+            Record(1, 15),
+            Watermark(16),
+            Record(1, 16),
+            Record(1, 20),
+        ];
+        let expected = [
+            Emitted::Record(1, 10),
+            Emitted::Watermark(15),
+            Emitted::Watermark(16),
+            Emitted::Record(1, 16),
+        ];
+        assert_eq!(clicks(DROP_DUPLICATES_WITHIN_WATERMARK, 5, steps), expected);
+    }
+
+    #[test]
+    fn a_restored_instance_still_drops_the_keys_it_saw_and_the_late_records() {
+        let steps = [
+            Record(1, 10),
+            Record(2, 20),
+            Watermark(15),
+            Barrier,
+            Restore,
+            Record(1, 15),
+            Record(2, 20),
+            Record(3, 14),
+            Record(3, 15),
+        ];
+        // Key 1 was forgotten at the watermark; 2 was not; 3 at 14 is late.
+        let expected = [
+            Emitted::Record(1, 10),
+            Emitted::Record(2, 20),
+            Emitted::Watermark(15),
+            Emitted::Record(1, 15),
+            Emitted::Record(3, 15),
+        ];
+        assert_eq!(clicks(DROP_DUPLICATES, 0, steps), expected);
+    }
+}

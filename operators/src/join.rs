@@ -78,3 +78,67 @@ where
         emit_matches(record.value, rows, out, Some)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rtflow_runtime::tester::Emitted;
+
+    use super::*;
+    use rtflow_runtime::tester::run;
+    use rtflow_runtime::tester::Step::{self, Record, Watermark};
+
+    /// (user, item)
+    type Order = (u32, &'static str);
+
+    fn users() -> StaticTable<u32, &'static str> {
+        StaticTable::from_rows("users", [(1, "ada"), (2, "grace"), (1, "lovelace")])
+    }
+
+    fn user(order: &Order) -> u32 {
+        order.0
+    }
+
+    fn orders() -> [Step<Order>; 4] {
+        [
+            Record((1, "pen"), 10),
+            Record((3, "ink"), 20),
+            Watermark(25),
+            Record((2, "cap"), 30),
+        ]
+    }
+
+    #[test]
+    fn an_inner_join_emits_a_pair_per_matching_row_and_drops_the_unmatched() {
+        let expected = [
+            Emitted::Record(((1, "pen"), "ada"), 10),
+            Emitted::Record(((1, "pen"), "lovelace"), 10),
+            Emitted::Watermark(25),
+            Emitted::Record(((2, "cap"), "grace"), 30),
+        ];
+        let join = |_: &_| {
+            Ok(BroadcastJoin {
+                table: users(),
+                key: user,
+            })
+        };
+        assert_eq!(run("broadcast_join", join, orders()), expected);
+    }
+
+    #[test]
+    fn a_left_join_emits_none_for_a_record_without_a_matching_row() {
+        let expected = [
+            Emitted::Record(((1, "pen"), Some("ada")), 10),
+            Emitted::Record(((1, "pen"), Some("lovelace")), 10),
+            Emitted::Record(((3, "ink"), None), 20),
+            Emitted::Watermark(25),
+            Emitted::Record(((2, "cap"), Some("grace")), 30),
+        ];
+        let join = |_: &_| {
+            Ok(BroadcastLeftJoin {
+                table: users(),
+                key: user,
+            })
+        };
+        assert_eq!(run("broadcast_left_join", join, orders()), expected);
+    }
+}

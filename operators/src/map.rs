@@ -18,3 +18,37 @@ where
         out.emit((self.0)(record.value))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rtflow_runtime::tester::Emitted;
+
+    use super::*;
+    use rtflow_runtime::tester::{run, Step::Record, Step::Watermark};
+
+    #[test]
+    fn every_value_is_mapped_and_keeps_its_event_time() {
+        let steps = [
+            Record("a", 10),
+            Record("abc", 5),
+            Watermark(8),
+            Record("", 20),
+        ];
+        let expected = [
+            Emitted::Record(1, 10),
+            Emitted::Record(3, 5),
+            Emitted::Watermark(8),
+            Emitted::Record(0, 20),
+        ];
+        let len = |_: &_| Ok(Map(|word: &str| word.len()));
+        assert_eq!(run("map", len, steps), expected);
+    }
+
+    #[test]
+    fn only_a_watermark_ahead_of_the_last_one_is_passed_on() {
+        let steps = [Watermark(10), Watermark(10), Watermark(5), Watermark(12)];
+        let expected = [Emitted::Watermark(10), Emitted::Watermark(12)];
+        let double = |_: &_| Ok(Map(|n: u32| n * 2));
+        assert_eq!(run("map", double, steps), expected);
+    }
+}

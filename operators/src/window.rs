@@ -648,3 +648,190 @@ where
         table(&mut self.lateness)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::ops::Range;
+
+    use rtflow_runtime::tester::{Emitted, OperatorTester};
+
+    use super::*;
+    use rtflow_runtime::tester::run;
+    use rtflow_runtime::tester::Step::{self, Barrier, Record, Restore, Watermark};
+
+    /// Counts per user and window: the output of `window(windowing).count()`.
+    type Counts = Vec<Emitted<(String, Window, u64)>>;
+
+    type Tester = OperatorTester<&'static str, (String, Window, u64)>;
+
+    fn count_windows(
+        windowing: Windowing,
+    ) -> impl Fn(&OperatorContext) -> Result<WindowAggregate<String, &'static str, Count>> {
+        let user: KeyFn<&'static str, String> = Arc::new(|user| user.to_string());
+        move |ctx| WindowAggregate::new(user.clone(), windowing.0, Arc::new(Count), ctx)
+    }
+
+    fn counts(windowing: Windowing, steps: impl IntoIterator<Item = Step<&'static str>>) -> Counts {
+        run("window_count", count_windows(windowing), steps)
+    }
+
+    fn update(
+        user: &str,
+        window: Range<i64>,
+        count: u64,
+        time: EventTime,
+    ) -> Emitted<(String, Window, u64)> {
+        let window = Window {
+            start: window.start,
+            end: window.end,
+        };
+        Emitted::Record((user.to_owned(), window, count), time)
+    }
+
+    fn ms(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn tumbling_windows_count_each_users_records_per_window() {
+        let steps = [
+            Record("ann", 1),
+            Record("ann", 9),
+            Record("bob", 7),
+            Watermark(8),
+            Record("ann", 10),
+        ];
+        let expected = [
+            update("ann", 0..10, 1, 1),
+            update("ann", 0..10, 2, 9),
+            update("bob", 0..10, 1, 7),
+            Emitted::Watermark(8),
+            update("ann", 10..20, 1, 10),
+        ];
+        assert_eq!(counts(Window::tumbling(ms(10)), steps), expected);
+    }
+
+    #[test]
+    fn a_sliding_record_updates_every_window_it_falls_into_earliest_first() {
+        let steps = [Record("ann", 7), Record("ann", 12)];
+        let expected = [
+            update("ann", 0..10, 1, 7),
+            update("ann", 5..15, 1, 7),
+            update("ann", 5..15, 2, 12),
+            update("ann", 10..20, 1, 12),
+        ];
+        assert_eq!(counts(Window::sliding(ms(10), ms(5)), steps), expected);
+    }
+
+    #[test]
+    fn a_sliding_record_behind_the_watermark_still_updates_its_open_windows() {
+        let steps = [Record("ann", 7), Watermark(10), Record("ann", 8)];
+        let expected = [
+            update("ann", 0..10, 1, 7),
+            update("ann", 5..15, 1, 7),
+            Emitted::Watermark(10),
+            update("ann", 5..15, 2, 8),
+        ];
+        assert_eq!(counts(Window::sliding(ms(10), ms(5)), steps), expected);
+    }
+
+    #[test]
+    fn sessions_merge_when_a_record_bridges_them() {
+        let steps = [
+            Record("ann", 0),
+            Record("ann", 30),
+            Record("ann", 5),
+            // Exactly a gap after the last record: a session of its own.
+            Record("ann", 15),
+            Record("ann", 22),
+        ];
+        let expected = [
+            update("ann", 0..10, 1, 0),
+            update("ann", 30..40, 1, 30),
+            update("ann", 0..15, 2, 5),
+            update("ann", 15..25, 1, 15),
+            update("ann", 15..40, 3, 22),
+        ];
+        assert_eq!(counts(Window::session(ms(10)), steps), expected);
+    }
+
+    #[test]
+    fn a_late_record_is_dropped_once_its_windows_closed() {
+        let steps = [
+            Record("ann", 5),
+            Watermark(10),
+            Record("ann", 9),
+            Record("ann", 10),
+        ];
+        let expected = [
+            update("ann", 0..10, 1, 5),
+            Emitted::Watermark(10),
+            update("ann", 10..20, 1, 10),
+        ];
+        assert_eq!(counts(Window::tumbling(ms(10)), steps), expected);
+    }
+
+    #[test]
+    fn a_session_record_behind_the_watermark_is_dropped_though_its_session_is_open() {
+        // It could belong to a session that closed: merging it would split it.
+        let steps = [
+            Record("ann", 10),
+            Watermark(15),
+            Record("ann", 14),
+            Record("ann", 15),
+        ];
+        let expected = [
+            update("ann", 10..20, 1, 10),
+            Emitted::Watermark(15),
+            update("ann", 10..25, 2, 15),
+        ];
+        assert_eq!(counts(Window::session(ms(10)), steps), expected);
+    }
+
+    #[test]
+    fn a_closed_window_is_deleted_from_the_next_checkpoint() {
+        let mut windows =
+            Tester::new("window_count", count_windows(Window::tumbling(ms(10)))).unwrap();
+        windows.record("ann", 5).unwrap();
+        windows.record("bob", 15).unwrap();
+        // Whether each entry of the windows state a barrier writes is an
+        // update (or a deletion).
+        let written = |windows: &mut Tester, epoch| -> Vec<bool> {
+            let deltas = windows.barrier(epoch).unwrap();
+            deltas
+                .iter()
+                .filter(|delta| delta.state.name == WINDOWS)
+                .flat_map(|delta| &delta.entries)
+                .map(|entry| entry.value.is_some())
+                .collect()
+        };
+        assert_eq!(written(&mut windows, 1), [true, true]);
+        windows.watermark(10).unwrap();
+        // Only ann's window closed; bob's is left alone.
+        assert_eq!(written(&mut windows, 2), [false]);
+    }
+
+    #[test]
+    fn a_restored_instance_goes_on_from_the_windows_of_the_last_barrier() {
+        let steps = [
+            Record("ann", 5),
+            Record("ann", 15),
+            Watermark(10),
+            Barrier,
+            // Lost with the instance; its source replays it.
+            Record("ann", 16),
+            Restore,
+            // Its window closed before the barrier: late, not a new window.
+            Record("ann", 9),
+            Record("ann", 16),
+        ];
+        let expected = [
+            update("ann", 0..10, 1, 5),
+            update("ann", 10..20, 1, 15),
+            Emitted::Watermark(10),
+            update("ann", 10..20, 2, 16),
+            update("ann", 10..20, 2, 16),
+        ];
+        assert_eq!(counts(Window::tumbling(ms(10)), steps), expected);
+    }
+}

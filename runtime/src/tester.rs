@@ -1,13 +1,15 @@
 //! [`OperatorTester`]: one operator instance driven outside a query, as its
 //! actor would drive it (records, watermarks, flushes, barriers, the end), with
 //! what it emits recorded in order. Operator unit tests write their inputs and
-//! expected outputs as small tables, in the RisingWave style.
+//! expected outputs as small tables, in the RisingWave style: a list of
+//! [`Step`]s, and what [`run`] says the operator emitted over them.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use rtflow_checkpoint::snapshot::{blob_ref, decode_blob, encode_blob};
-use rtflow_checkpoint::{Delta, RestoredState, StateId};
+pub use rtflow_checkpoint::Delta;
+use rtflow_checkpoint::{RestoredState, StateId};
 
 use crate::error::{Result, RtflowError};
 use crate::metrics::OperatorMetrics;
@@ -179,6 +181,58 @@ impl<In: Send + 'static, Out: Send + 'static> OperatorTester<In, Out> {
             })
             .collect()
     }
+}
+
+/// One step of a table-driven operator test.
+pub enum Step<T> {
+    /// A record with its event time.
+    Record(T, EventTime),
+    Watermark(EventTime),
+    /// The actor drained its mailbox.
+    Flush,
+    /// A checkpoint barrier; epochs count from 1.
+    Barrier,
+    /// The instance is lost: a new one is restored from the barriers (and
+    /// end) so far, as a restart from the last of them would.
+    Restore,
+    /// Every input ended; the last snapshot counts as a checkpoint.
+    End,
+}
+
+/// What an instance of the operator `make` makes emits over `steps`, in
+/// order: records with their event times, and the watermarks passed on. A
+/// test tool: panics if the operator fails.
+pub fn run<In, Out, O>(
+    kind: &str,
+    make: impl Fn(&OperatorContext) -> Result<O>,
+    steps: impl IntoIterator<Item = Step<In>>,
+) -> Vec<Emitted<Out>>
+where
+    In: Send + 'static,
+    Out: Send + 'static,
+    O: Operator<In, Out>,
+{
+    let mut tester = OperatorTester::new(kind, &make).unwrap();
+    let mut checkpoints = Vec::new();
+    let mut emitted = Vec::new();
+    for step in steps {
+        match step {
+            Step::Record(value, time) => tester.record(value, time).unwrap(),
+            Step::Watermark(watermark) => tester.watermark(watermark).unwrap(),
+            Step::Flush => tester.flush().unwrap(),
+            Step::Barrier => {
+                let epoch = checkpoints.len() as u64 + 1;
+                checkpoints.push(tester.barrier(epoch).unwrap());
+            }
+            Step::Restore => {
+                emitted.extend(tester.take());
+                tester = OperatorTester::restored(kind, (0, 1), &checkpoints, &make).unwrap();
+            }
+            Step::End => checkpoints.push(tester.end().unwrap()),
+        }
+    }
+    emitted.extend(tester.take());
+    emitted
 }
 
 /// The end of the tester's chain.

@@ -459,3 +459,119 @@ impl<K: StateKey, T: Data> KeyedProcessExt<K, T> for KeyedStream<K, T> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rtflow_runtime::tester::Emitted;
+
+    use super::*;
+    use rtflow_runtime::tester::run;
+    use rtflow_runtime::tester::Step::{self, Barrier, End, Record, Restore, Watermark};
+
+    const COUNT: ValueState<u64> = ValueState::new("count");
+
+    /// Counts each user's records and reports the count 10 ms of event time
+    /// after the first, starting over then.
+    struct CountFor10Ms;
+
+    impl KeyedProcessor<String, &'static str, (String, u64)> for CountFor10Ms {
+        fn init(&mut self, states: &mut StateDeclarations<'_, String>) -> Result<()> {
+            states.declare(&COUNT)
+        }
+
+        fn handle_input(
+            &mut self,
+            _user: &String,
+            _record: &'static str,
+            ctx: &mut ProcessContext<'_, '_, String, (String, u64)>,
+        ) -> Result<()> {
+            let mut count = ctx.value(&COUNT);
+            let next = count.get().copied().unwrap_or(0) + 1;
+            count.set(next);
+            if next == 1 {
+                let end = ctx.event_time() + 10;
+                ctx.register_timer(Timer::EventTime(end));
+            }
+            Ok(())
+        }
+
+        fn on_timer(
+            &mut self,
+            user: &String,
+            _timer: Timer,
+            ctx: &mut ProcessContext<'_, '_, String, (String, u64)>,
+        ) -> Result<()> {
+            let count = ctx.value(&COUNT).clear().unwrap_or(0);
+            ctx.emit((user.clone(), count))
+        }
+    }
+
+    fn counts(steps: impl IntoIterator<Item = Step<&'static str>>) -> Vec<Emitted<(String, u64)>> {
+        let user: Arc<dyn Fn(&&'static str) -> String + Send + Sync> =
+            Arc::new(|user| user.to_string());
+        run(
+            "process",
+            |ctx| KeyedProcess::new(user.clone(), CountFor10Ms, ctx),
+            steps,
+        )
+    }
+
+    fn report(user: &str, count: u64, time: EventTime) -> Emitted<(String, u64)> {
+        Emitted::Record((user.to_owned(), count), time)
+    }
+
+    #[test]
+    fn a_timer_fires_once_the_watermark_reaches_it_before_the_watermark_goes_on() {
+        let steps = [
+            Record("ann", 0),
+            Record("ann", 3),
+            Record("bob", 5),
+            Watermark(9),
+            Watermark(10),
+            Record("ann", 12),
+            Watermark(15),
+        ];
+        let expected = [
+            Emitted::Watermark(9),
+            report("ann", 2, 10),
+            Emitted::Watermark(10),
+            report("bob", 1, 15),
+            Emitted::Watermark(15),
+        ];
+        assert_eq!(counts(steps), expected);
+    }
+
+    #[test]
+    fn a_timer_registered_behind_the_watermark_fires_at_the_next_one() {
+        // The record is late, but the processor decides what to do with it.
+        let steps = [Watermark(20), Record("ann", 5), Watermark(21)];
+        let expected = [
+            Emitted::Watermark(20),
+            report("ann", 1, 15),
+            Emitted::Watermark(21),
+        ];
+        assert_eq!(counts(steps), expected);
+    }
+
+    #[test]
+    fn a_restored_instance_goes_on_from_the_states_and_timers_of_the_last_barrier() {
+        let steps = [
+            Record("ann", 0),
+            Barrier,
+            // Lost with the instance: the count goes on from 1.
+            Record("ann", 4),
+            Restore,
+            Record("ann", 5),
+            Watermark(10),
+        ];
+        let expected = [report("ann", 2, 10), Emitted::Watermark(10)];
+        assert_eq!(counts(steps), expected);
+    }
+
+    #[test]
+    fn the_end_leaves_pending_timers_for_the_restarted_query() {
+        let steps = [Record("ann", 0), End, Restore, Watermark(10)];
+        let expected = [report("ann", 1, 10), Emitted::Watermark(10)];
+        assert_eq!(counts(steps), expected);
+    }
+}
