@@ -1,4 +1,4 @@
-//! Stream-stream joins (inner and left outer) against a batch reference, on
+//! Stream-stream joins (inner, left and right outer) against a batch reference, on
 //! random inputs, partitionings, parallelisms, join windows, arrival orders,
 //! checkpoints and crashes (`rtflow::testing`), and the checkpointed rows
 //! compared with those the watermark must still hold. `PROPTEST_CASES=n` runs
@@ -23,7 +23,7 @@ const RIGHT_TICK: u8 = 251;
 
 /// `(key, event time, tag)`.
 type Row = (u8, i64, u8);
-type Out = (Row, Option<Row>);
+type Out = (Option<Row>, Option<Row>);
 /// The join's state as checkpointed: per key, the buffered left rows (time,
 /// row, whether it matched) and right rows (time, row).
 type Buffered = BTreeMap<u8, (Vec<(i64, Row, bool)>, Vec<(i64, Row)>)>;
@@ -48,12 +48,19 @@ enum Act {
     Crash,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Join {
+    Inner,
+    Left,
+    Right,
+}
+
 #[derive(Debug, Clone)]
 struct Case {
     left_partitions: usize,
     right_partitions: usize,
     parallelism: usize,
-    outer: bool,
+    join: Join,
     timer: bool,
     /// Before and after the left row, in ms.
     window: (i64, i64),
@@ -65,11 +72,11 @@ fn cases() -> impl Strategy<Value = Case> {
         1..=2usize,
         1..=2usize,
         1..=3usize,
-        any::<bool>(),
+        prop_oneof![Just(Join::Inner), Just(Join::Left), Just(Join::Right)],
         any::<bool>(),
         (0..=SPAN, 0..=SPAN),
     )
-        .prop_flat_map(|(lp, rp, parallelism, outer, timer, window)| {
+        .prop_flat_map(|(lp, rp, parallelism, join, timer, window)| {
             let act = prop_oneof![
                 8 => (0..lp, 0..4u8, 0..SPAN, 0..4u8)
                     .prop_map(|(partition, key, offset, tag)| Act::Left { partition, key, offset, tag }),
@@ -84,7 +91,7 @@ fn cases() -> impl Strategy<Value = Case> {
                     left_partitions: lp,
                     right_partitions: rp,
                     parallelism,
-                    outer,
+                    join,
                     timer,
                     window,
                     rounds,
@@ -113,7 +120,7 @@ impl Case {
 
     fn run(&self) -> Result<Outcome, TestCaseError> {
         let right_input = MemorySource::<Row>::new(self.right_partitions);
-        let (window, outer, parallelism) = (self.window(), self.outer, self.parallelism);
+        let (window, join, parallelism) = (self.window(), self.join, self.parallelism);
         let right = right_input.clone();
         let delay = Duration::from_millis(SPAN as u64);
         let harness = DataflowHarness::new(
@@ -125,13 +132,19 @@ impl Case {
                     .source(right.clone())
                     .with_watermark(|row: &Row| row.1, delay);
                 let key = |row: &Row| row.0;
-                if outer {
-                    left.left_join(&right, key, key, window)
+                match join {
+                    Join::Inner => left
+                        .join(&right, key, key, window)
                         .parallelism(parallelism)
-                } else {
-                    left.join(&right, key, key, window)
+                        .map(|(l, r)| (Some(l), Some(r))),
+                    Join::Left => left
+                        .left_join(&right, key, key, window)
                         .parallelism(parallelism)
-                        .map(|(l, r)| (l, Some(r)))
+                        .map(|(l, r)| (Some(l), r)),
+                    Join::Right => left
+                        .right_join(&right, key, key, window)
+                        .parallelism(parallelism)
+                        .map(|(l, r)| (l, Some(r))),
                 }
             },
         );
@@ -186,10 +199,10 @@ impl Case {
         }
         right_input.end();
         harness.finish().map_err(fail)?;
-        let uid = if self.outer {
-            "stream_left_join-0"
-        } else {
-            "stream_join-0"
+        let uid = match self.join {
+            Join::Inner => "stream_join-0",
+            Join::Left => "stream_left_join-0",
+            Join::Right => "stream_right_join-0",
         };
         Ok(Outcome {
             left: harness.input_values(),
@@ -213,36 +226,58 @@ fn joins_equal_the_batch_reference_and_state_holds_only_rows_that_can_still_matc
         let watermark = case.final_watermark();
         let matches = |l: &Row, r: &Row| l.0 == r.0 && window.contains(l.1, r.1);
 
-        // Every pair in range, once; with the outer join also each left row
-        // that matched nothing and whose range the watermark passed.
+        // Every pair in range, once; with an outer join also each row of the
+        // preserved side that matched nothing and whose range the watermark
+        // passed.
         let mut expected: Vec<Out> = Vec::new();
         for l in &outcome.left {
             let mut matched = false;
             for r in outcome.right.iter().filter(|r| matches(l, r)) {
                 matched = true;
-                expected.push((*l, Some(*r)));
+                expected.push((Some(*l), Some(*r)));
             }
-            if case.outer && !matched && l.1 + window.after < watermark {
-                expected.push((*l, None));
+            if case.join == Join::Left && !matched && l.1 + window.after < watermark {
+                expected.push((Some(*l), None));
+            }
+        }
+        for r in &outcome.right {
+            let matched = outcome.left.iter().any(|l| matches(l, r));
+            if case.join == Join::Right && !matched && r.1 + window.before < watermark {
+                expected.push((None, Some(*r)));
             }
         }
         reference::assert_same_multiset(outcome.committed, expected)?;
 
-        // The state holds exactly the rows a future row could still match.
+        // The state holds exactly the rows a future row could still match; a
+        // right outer join holds the right rows on its left, with whether
+        // they matched.
         let mut expected_state = Buffered::new();
-        for l in &outcome.left {
-            if l.1 + window.after >= watermark {
-                let matched = outcome.right.iter().any(|r| matches(l, r));
-                expected_state
-                    .entry(l.0)
-                    .or_default()
-                    .0
-                    .push((l.1, *l, matched));
+        let buffered_left = outcome
+            .left
+            .iter()
+            .filter(|l| l.1 + window.after >= watermark);
+        let buffered_right = outcome
+            .right
+            .iter()
+            .filter(|r| r.1 + window.before >= watermark);
+        for l in buffered_left {
+            let rows = expected_state.entry(l.0).or_default();
+            match case.join {
+                Join::Right => rows.1.push((l.1, *l)),
+                _ => {
+                    let matched = outcome.right.iter().any(|r| matches(l, r));
+                    rows.0.push((l.1, *l, matched));
+                }
             }
         }
-        for r in &outcome.right {
-            if r.1 + window.before >= watermark {
-                expected_state.entry(r.0).or_default().1.push((r.1, *r));
+        for r in buffered_right {
+            let rows = expected_state.entry(r.0).or_default();
+            match case.join {
+                Join::Right => {
+                    let matched = outcome.left.iter().any(|l| matches(l, r));
+                    rows.0.push((r.1, *r, matched));
+                }
+                _ => rows.1.push((r.1, *r)),
             }
         }
         let mut state = outcome.state;

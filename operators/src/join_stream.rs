@@ -14,7 +14,9 @@
 //! `tl + after < w` and a right row at `tr` once `tr + before < w`: no future row
 //! of the other side could match them. Rows behind the watermark are dropped as
 //! late. The left outer join emits `(left, None)` for a left row that matched
-//! nothing when it is dropped, stamped with the end of its range. Both joins
+//! nothing when it is dropped, stamped with the end of its range; the right
+//! outer join is a left outer join with the sides swapped (and the window
+//! mirrored), emitting `(None, right)`. Both joins
 //! drop a slice of the expired rows' keys at the watermark and the rest a few
 //! per record (or per idle flush) after it, so the records behind a watermark
 //! that expires many keys do not wait for all of them; the outer join holds
@@ -39,6 +41,8 @@ use crate::map::Map;
 pub const STREAM_JOIN: &str = "stream_join";
 /// The kind of the left outer stream-stream join.
 pub const STREAM_LEFT_JOIN: &str = "stream_left_join";
+/// The kind of the right outer stream-stream join.
+pub const STREAM_RIGHT_JOIN: &str = "stream_right_join";
 
 /// The name of the buffered rows within a join operator.
 const ROWS: &str = "rows";
@@ -83,6 +87,15 @@ impl JoinWindow {
     #[inline]
     pub fn contains(&self, left: EventTime, right: EventTime) -> bool {
         left.saturating_sub(self.before) <= right && right <= left.saturating_add(self.after)
+    }
+
+    /// The same condition with the sides swapped: a right outer join runs as
+    /// a left outer join with the right side on the left.
+    fn mirrored(self) -> Self {
+        Self {
+            before: self.after,
+            after: self.before,
+        }
     }
 
     /// The last event time a right row matching a left row at `left` can have.
@@ -158,6 +171,20 @@ impl<K: StateKey, L: StateValue, R: StateValue> StreamJoin<K, L, R, (L, Option<R
         ctx: &OperatorContext,
     ) -> Result<Self> {
         Self::new(key, window, true, ctx, |left, right| (left, right))
+    }
+}
+
+impl<K: StateKey, L: StateValue, R: StateValue> StreamJoin<K, R, L, (Option<L>, R)> {
+    /// Right outer join of the rows of both sides with equal `key` within
+    /// `window`, run with the right side as its left (`key` and `window`
+    /// mirrored already): also emits `(None, right)` for right rows without a
+    /// match.
+    pub fn right_outer(
+        key: KeyFn<Either<R, L>, K>,
+        window: JoinWindow,
+        ctx: &OperatorContext,
+    ) -> Result<Self> {
+        Self::new(key, window, true, ctx, |right, left| (left, right))
     }
 }
 
@@ -451,6 +478,29 @@ pub trait StreamJoinExt<L: Data + StateValue>: AsRef<Stream<L>> {
                 StreamJoin::left_outer(key.clone(), window, ctx)
             })
     }
+
+    /// Right outer join: the pairs of [`join`](Self::join) as `(Some(left),
+    /// right)`, and `(None, right)` for each right row that matched nothing,
+    /// once the watermark passes the end of its range. It runs as a left outer
+    /// join with the sides swapped.
+    fn right_join<R, K>(
+        &self,
+        right: &impl AsRef<Stream<R>>,
+        left_key: impl Fn(&L) -> K + Send + Sync + 'static,
+        right_key: impl Fn(&R) -> K + Send + Sync + 'static,
+        window: JoinWindow,
+    ) -> Stream<(Option<L>, R)>
+    where
+        R: Data + StateValue,
+        K: StateKey,
+    {
+        let key = join_key(Arc::new(right_key), Arc::new(left_key));
+        let mirrored = window.mirrored();
+        keyed_union(right.as_ref(), self.as_ref(), key.clone())
+            .try_transform(STREAM_RIGHT_JOIN, move |ctx| {
+                StreamJoin::right_outer(key.clone(), mirrored, ctx)
+            })
+    }
 }
 
 impl<L: Data + StateValue, S: AsRef<Stream<L>>> StreamJoinExt<L> for S {}
@@ -604,6 +654,34 @@ mod tests {
             Emitted::Watermark(16),
         ];
         assert_eq!(run(STREAM_LEFT_JOIN, left_outer, steps), expected);
+    }
+
+    type RightJoin = StreamJoin<u32, Ad, Ad, (Option<Ad>, Ad)>;
+
+    /// Clicks (the preserved side) on the operator's left, impressions on its
+    /// right, as `right_join` wires it.
+    fn right_outer(ctx: &OperatorContext) -> Result<RightJoin> {
+        StreamJoin::right_outer(Arc::new(ad), WINDOW.mirrored(), ctx)
+    }
+
+    #[test]
+    fn a_right_join_emits_an_unmatched_right_row_once_the_watermark_passes_its_range() {
+        let steps = [
+            Record(Left((1, 'x')), 20),
+            Record(Right((2, 'a')), 15),
+            Record(Left((2, 'y')), 18),
+            Watermark(20),
+            Watermark(21),
+        ];
+        // Click 1 at 20 could still meet an impression at 20 until the
+        // watermark passes 20; then it goes out alone, at the end of its range.
+        let expected = [
+            Emitted::Record((Some((2, 'a')), (2, 'y')), 18),
+            Emitted::Watermark(20),
+            Emitted::Record((None, (1, 'x')), 20),
+            Emitted::Watermark(21),
+        ];
+        assert_eq!(run(STREAM_RIGHT_JOIN, right_outer, steps), expected);
     }
 
     #[test]
