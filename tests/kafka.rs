@@ -431,3 +431,236 @@ fn unknown_options_are_rejected() {
     assert_eq!(error.error_class(), "INVALID_CONFIGURATION");
     assert!(error.to_string().contains("prefix 'kafka.'"), "{error}");
 }
+
+/// Writes `(partition, timestamp in ms, value)` records with those timestamps
+/// and waits until all are acknowledged.
+fn produce_at(bootstrap: &str, topic: &str, records: impl IntoIterator<Item = (i32, i64, String)>) {
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    let producer: BaseProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .unwrap();
+    for (partition, ms, value) in records {
+        let record = BaseRecord::<(), _>::to(topic)
+            .partition(partition)
+            .timestamp(ms)
+            .payload(&value);
+        producer.send(record).map_err(|(error, _)| error).unwrap();
+        producer.poll(Duration::ZERO);
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+}
+
+/// A 3-partition topic whose partition `p` holds records "p:0" to "p:4", the
+/// `i`th timestamped `base + i * (p + 1)` seconds, and `base` (ms): ten minutes
+/// ago, well inside the broker's retention and timestamp limits.
+fn timestamped_topic(bootstrap: &str, name: &str) -> (String, i64) {
+    let topic = topic(bootstrap, name, 3);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let base = now / 1000 * 1000 - 600_000;
+    produce_at(
+        bootstrap,
+        &topic,
+        (0..3).flat_map(|p| {
+            (0..5).map(move |i| (p, base + i64::from(i * (p + 1)) * 1000, format!("{p}:{i}")))
+        }),
+    );
+    (topic, base)
+}
+
+fn values(partition: i32, sequences: std::ops::Range<i32>) -> Vec<String> {
+    sequences.map(|i| format!("{partition}:{i}")).collect()
+}
+
+fn ordered(mut rows: Vec<String>) -> Vec<String> {
+    rows.sort();
+    rows
+}
+
+#[test]
+fn a_starting_timestamp_starts_every_partition_at_its_first_record_at_or_after_it() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let (input, base) = timestamped_topic(&bootstrap, "rtflow-timestamp");
+    let from = |ms: i64| {
+        KafkaSource::new(&bootstrap)
+            .subscribe([&input])
+            .starting_offsets(StartingOffsets::Timestamp(ms))
+    };
+
+    // Partitions 0 and 1 hold a record stamped exactly base + 2 s, partition 2
+    // only a later one (base + 3 s).
+    let expected = [values(0, 2..5), values(1, 1..5), values(2, 1..5)].concat();
+    let read = read_values("timestamp-at", from(base + 2000), expected.len());
+    assert_eq!(ordered(read), expected);
+
+    // One millisecond later: partitions 0 and 1 move on to their next record.
+    let expected = [values(0, 3..5), values(1, 2..5), values(2, 1..5)].concat();
+    let read = read_values("timestamp-after", from(base + 2001), expected.len());
+    assert_eq!(ordered(read), expected);
+
+    // Before every record: everything.
+    let expected = [values(0, 0..5), values(1, 0..5), values(2, 0..5)].concat();
+    let read = read_values("timestamp-before", from(base - 1), expected.len());
+    assert_eq!(ordered(read), expected);
+}
+
+#[test]
+fn starting_timestamps_per_partition_and_unlisted_partitions_start_at_the_earliest() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let (input, base) = timestamped_topic(&bootstrap, "rtflow-timestamps");
+    let timestamps = HashMap::from([
+        ((input.clone(), 0), base + 4000),
+        ((input.clone(), 1), base + 1),
+    ]);
+    let source = KafkaSource::new(&bootstrap)
+        .subscribe([&input])
+        .starting_offsets(StartingOffsets::Timestamps(timestamps));
+    let expected = [values(0, 4..5), values(1, 1..5), values(2, 0..5)].concat();
+    let read = read_values("timestamps", source, expected.len());
+    assert_eq!(ordered(read), expected);
+}
+
+#[test]
+fn a_timestamp_after_every_record_fails_the_start_by_default() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let (input, base) = timestamped_topic(&bootstrap, "rtflow-timestamp-error");
+    let start = |name: &str, offsets: StartingOffsets| {
+        let flow = Dataflow::new(name);
+        flow.source(
+            KafkaSource::new(&bootstrap)
+                .subscribe([&input])
+                .starting_offsets(offsets),
+        )
+        .sink(MemorySink::new());
+        flow.start(config(name))
+    };
+
+    let late = base + 60_000;
+    let error = start("timestamp-error", StartingOffsets::Timestamp(late)).unwrap_err();
+    assert_eq!(error.error_class(), "SOURCE_FAILED");
+    let message = error.to_string();
+    assert!(
+        message.contains(&format!("of topic '{input}'")),
+        "{message}"
+    );
+    assert!(
+        message.contains(&format!("at or after the starting timestamp {late}")),
+        "{message}"
+    );
+    assert!(
+        message.contains("fail_on_unmatched_timestamp(false)"),
+        "{message}"
+    );
+
+    // Only partition 1 has nothing that recent, and the error names it.
+    let timestamps = HashMap::from([
+        ((input.clone(), 0), base),
+        ((input.clone(), 1), late),
+        ((input.clone(), 2), base),
+    ]);
+    let error = start("timestamps-error", StartingOffsets::Timestamps(timestamps)).unwrap_err();
+    assert_eq!(error.error_class(), "SOURCE_FAILED");
+    assert!(
+        error.to_string().contains(&format!(
+            "no record of partition 1 of topic '{input}' has a timestamp at or after the \
+             starting timestamp {late}"
+        )),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_timestamp_after_every_record_starts_at_the_end_when_unmatched_timestamps_may_not_fail() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let (input, base) = timestamped_topic(&bootstrap, "rtflow-timestamp-latest");
+    // After every record, those produced below (stamped now) included.
+    let late = base + 3_600_000;
+    let flow = Dataflow::new("timestamp-latest");
+    let out = MemorySink::new();
+    flow.source(
+        KafkaSource::new(&bootstrap)
+            .subscribe([&input])
+            .starting_offsets(StartingOffsets::Timestamp(late))
+            .fail_on_unmatched_timestamp(false),
+    )
+    .map(|record: KafkaRecord| record.value_str().into_owned())
+    .sink(out.clone());
+    // Readers resolve their offsets as the query starts: what is produced after
+    // `start` returns lies beyond them.
+    let query = flow.start(config("timestamp-latest")).unwrap();
+    produce(
+        &bootstrap,
+        &input,
+        (0..3).map(|p| (p, String::new(), format!("{p}:new").into_bytes())),
+    );
+    assert!(out.wait_for(3, TIMEOUT));
+    // Anything beyond what was expected would show up by now.
+    std::thread::sleep(Duration::from_millis(300));
+    query.stop().unwrap();
+    assert_eq!(ordered(out.rows()), vec!["0:new", "1:new", "2:new"]);
+
+    // Partition by partition: 0 matches a record, 1 has nothing that recent (not
+    // even "1:new") and starts at the end, 2 is not listed and starts at the earliest.
+    let timestamps = HashMap::from([
+        ((input.clone(), 0), base + 4000),
+        ((input.clone(), 1), late),
+    ]);
+    let source = KafkaSource::new(&bootstrap)
+        .subscribe([&input])
+        .starting_offsets(StartingOffsets::Timestamps(timestamps))
+        .fail_on_unmatched_timestamp(false);
+    let expected = [
+        values(0, 4..5),
+        vec!["0:new".into()],
+        values(2, 0..5),
+        vec!["2:new".into()],
+    ]
+    .concat();
+    let read = read_values("timestamps-latest", source, expected.len());
+    assert_eq!(ordered(read), expected);
+}
+
+#[test]
+fn a_restored_query_continues_from_its_checkpoint_not_from_its_starting_timestamp() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let (input, base) = timestamped_topic(&bootstrap, "rtflow-timestamp-restore");
+    let config = config("timestamp-restore");
+    let start = |ms: i64, out: &MemorySink<String>| {
+        let flow = Dataflow::new("timestamp-restore");
+        flow.source(
+            KafkaSource::new(&bootstrap)
+                .subscribe([&input])
+                .starting_offsets(StartingOffsets::Timestamp(ms)),
+        )
+        .map(|record: KafkaRecord| record.value_str().into_owned())
+        .sink(out.clone());
+        flow.start(config.clone())
+    };
+
+    let first = MemorySink::new();
+    let query = start(base + 2000, &first).unwrap();
+    assert!(first.wait_for(11, TIMEOUT));
+    query.checkpoint_now(TIMEOUT).unwrap();
+    query.stop().unwrap();
+    assert_eq!(
+        ordered(first.rows()),
+        [values(0, 2..5), values(1, 1..5), values(2, 1..5)].concat()
+    );
+
+    // A timestamp after every record would fail a first start; the restored query
+    // starts from its checkpoint instead and reads only what came after it.
+    produce(
+        &bootstrap,
+        &input,
+        [(1, String::new(), b"1:after".to_vec())],
+    );
+    let second = MemorySink::new();
+    let query = start(base + 3_600_000, &second).unwrap();
+    assert!(second.wait_for(1, TIMEOUT));
+    std::thread::sleep(Duration::from_millis(300));
+    query.stop().unwrap();
+    assert_eq!(second.rows(), vec!["1:after"]);
+}

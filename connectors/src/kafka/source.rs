@@ -30,6 +30,42 @@ pub enum StartingOffsets {
     /// The given offset per `(topic, partition)`; partitions not listed start at
     /// the earliest record.
     Offsets(HashMap<(String, i32), i64>),
+    /// Every partition starts at its first record whose timestamp is at or after
+    /// this one, in milliseconds since the Unix epoch (Spark's `startingTimestamp`;
+    /// Kafka's `offsetsForTimes`). A partition with no such record, an empty one
+    /// included, fails the start unless
+    /// [`fail_on_unmatched_timestamp(false)`](KafkaSource::fail_on_unmatched_timestamp)
+    /// starts it at its latest offset.
+    ///
+    /// ```no_run
+    /// use rtflow_connectors::kafka::{KafkaSource, StartingOffsets};
+    /// // Everything from 2024-06-01T00:00:00Z on.
+    /// let clicks = KafkaSource::new("127.0.0.1:9092")
+    ///     .subscribe(["clicks"])
+    ///     .starting_offsets(StartingOffsets::Timestamp(1_717_200_000_000));
+    /// ```
+    Timestamp(i64),
+    /// A timestamp (ms since the Unix epoch) per `(topic, partition)`: each starts
+    /// at its first record at or after its timestamp, as with
+    /// [`Timestamp`](StartingOffsets::Timestamp) (Spark's
+    /// `startingOffsetsByTimestamp`). Partitions not listed start at the earliest
+    /// record, as with [`Offsets`](StartingOffsets::Offsets), where Spark requires
+    /// every partition to be listed.
+    ///
+    /// ```no_run
+    /// use std::collections::HashMap;
+    /// use rtflow_connectors::kafka::{KafkaSource, StartingOffsets};
+    /// let timestamps = HashMap::from([
+    ///     (("clicks".to_owned(), 0), 1_717_200_000_000),
+    ///     (("clicks".to_owned(), 1), 1_717_203_600_000),
+    /// ]);
+    /// let clicks = KafkaSource::new("127.0.0.1:9092")
+    ///     .subscribe(["clicks"])
+    ///     .starting_offsets(StartingOffsets::Timestamps(timestamps))
+    ///     // Partitions with nothing that recent start at the end instead of failing.
+    ///     .fail_on_unmatched_timestamp(false);
+    /// ```
+    Timestamps(HashMap<(String, i32), i64>),
 }
 
 #[derive(Debug, Clone)]
@@ -58,6 +94,7 @@ pub struct KafkaSource {
     starting_offsets: StartingOffsets,
     max_partitions: Option<usize>,
     fail_on_data_loss: bool,
+    fail_on_unmatched_timestamp: bool,
     metadata_timeout: Duration,
     options: Options,
     /// The `(topic, partition)` list found at start; reader partition indexes point
@@ -75,6 +112,7 @@ impl KafkaSource {
             starting_offsets: StartingOffsets::default(),
             max_partitions: None,
             fail_on_data_loss: true,
+            fail_on_unmatched_timestamp: true,
             metadata_timeout: DEFAULT_METADATA_TIMEOUT,
             options: Options::default(),
             assigned: Mutex::default(),
@@ -126,6 +164,33 @@ impl KafkaSource {
     /// or make readers continue from the earliest available record.
     pub fn fail_on_data_loss(mut self, fail: bool) -> Self {
         self.fail_on_data_loss = fail;
+        self
+    }
+
+    /// Whether a partition in which [`StartingOffsets::Timestamp`] or
+    /// [`StartingOffsets::Timestamps`] finds no record at or after its timestamp
+    /// fails the start (Spark's `startingOffsetsByTimestampStrategy`): by default
+    /// (`true`, Spark's "error") the query fails to start with a source error
+    /// naming the topic, the partition and the timestamp; with `false` (Spark's
+    /// "latest") the partition starts at its latest offset, reading only records
+    /// appended from then on. Like every starting position,
+    /// this applies only to a first start: a query restored from a checkpoint
+    /// continues from the checkpoint's offsets.
+    ///
+    /// ```no_run
+    /// use rtflow_connectors::kafka::{KafkaSource, StartingOffsets};
+    /// let an_hour_ago = std::time::SystemTime::now()
+    ///     .duration_since(std::time::UNIX_EPOCH)
+    ///     .unwrap()
+    ///     .as_millis() as i64
+    ///     - 3_600_000;
+    /// let recent = KafkaSource::new("127.0.0.1:9092")
+    ///     .subscribe(["clicks"])
+    ///     .starting_offsets(StartingOffsets::Timestamp(an_hour_ago))
+    ///     .fail_on_unmatched_timestamp(false);
+    /// ```
+    pub fn fail_on_unmatched_timestamp(mut self, fail: bool) -> Self {
+        self.fail_on_unmatched_timestamp = fail;
         self
     }
 
@@ -264,24 +329,108 @@ impl KafkaSource {
         if let Some(offset) = checkpoint.get(&partition_label(topic, partition)) {
             return Ok(*offset);
         }
-        let explicit = match &self.starting_offsets {
-            StartingOffsets::Offsets(offsets) => offsets.get(&(topic.to_owned(), partition)),
-            _ => None,
+        let key = (topic.to_owned(), partition);
+        let timestamp = match &self.starting_offsets {
+            StartingOffsets::Offsets(offsets) => {
+                if let Some(offset) = offsets.get(&key) {
+                    return Ok(*offset);
+                }
+                None
+            }
+            StartingOffsets::Timestamp(ms) => Some(*ms),
+            StartingOffsets::Timestamps(timestamps) => timestamps.get(&key).copied(),
+            StartingOffsets::Earliest | StartingOffsets::Latest => None,
         };
-        if let Some(offset) = explicit {
-            return Ok(*offset);
+        if let Some(ms) = timestamp {
+            return self.offset_at_time(consumer, topic, partition, ms);
         }
-        let (low, high) = consumer
+        let (low, high) = self.watermarks(consumer, topic, partition)?;
+        Ok(match self.starting_offsets {
+            StartingOffsets::Latest => high,
+            _ => low,
+        })
+    }
+
+    /// The first offset of `(topic, partition)` whose record's timestamp is at or
+    /// after `ms`; with no such record, an error, or the latest offset under
+    /// `fail_on_unmatched_timestamp(false)`.
+    fn offset_at_time(
+        &self,
+        consumer: &BaseConsumer,
+        topic: &str,
+        partition: i32,
+        ms: i64,
+    ) -> Result<i64> {
+        // The end is read before the lookup: a record appended between the two
+        // lies at or beyond it, so it is read rather than skipped.
+        let end = if self.fail_on_unmatched_timestamp {
+            None
+        } else {
+            Some(self.watermarks(consumer, topic, partition)?.1)
+        };
+        let failed = |e: &dyn std::fmt::Display| {
+            self.error(format!(
+                "could not look up the offset of {topic}-{partition} at timestamp {ms}: {e}"
+            ))
+        };
+        let mut query = TopicPartitionList::new();
+        query
+            .add_partition_offset(topic, partition, Offset::Offset(ms))
+            .map_err(|e| failed(&e))?;
+        let found = consumer
+            .offsets_for_times(query, self.metadata_timeout)
+            .map_err(|e| failed(&e))?;
+        let element = found
+            .find_partition(topic, partition)
+            .ok_or_else(|| failed(&"the broker did not answer for it"))?;
+        element.error().map_err(|e| failed(&e))?;
+        // librdkafka answers -1 (`Offset::End`) when no record is that recent.
+        match (element.offset(), end) {
+            (Offset::Offset(offset), _) if offset >= 0 => Ok(offset),
+            (_, Some(end)) => Ok(end),
+            (_, None) => Err(self.error(format!(
+                "no record of partition {partition} of topic '{topic}' has a timestamp \
+                 at or after the starting timestamp {ms} (ms since the Unix epoch), so \
+                 there is no offset to start at; call fail_on_unmatched_timestamp(false) \
+                 to start such partitions at their latest offset"
+            ))),
+        }
+    }
+
+    /// The `(earliest, latest)` offsets of `(topic, partition)`.
+    fn watermarks(
+        &self,
+        consumer: &BaseConsumer,
+        topic: &str,
+        partition: i32,
+    ) -> Result<(i64, i64)> {
+        consumer
             .fetch_watermarks(topic, partition, self.metadata_timeout)
             .map_err(|e| {
                 self.error(format!(
                     "could not read the offsets of {topic}-{partition}: {e}"
                 ))
-            })?;
-        Ok(match self.starting_offsets {
-            StartingOffsets::Latest => high,
-            _ => low,
-        })
+            })
+    }
+
+    /// Settings that are wrong whatever the cluster holds.
+    fn check(&self) -> Result<()> {
+        let negative = match &self.starting_offsets {
+            StartingOffsets::Timestamp(ms) => (*ms < 0).then(|| format!("{ms}")),
+            StartingOffsets::Timestamps(timestamps) => timestamps
+                .iter()
+                .filter(|(_, ms)| **ms < 0)
+                .min()
+                .map(|((topic, partition), ms)| format!("{ms} for {topic}-{partition}")),
+            _ => None,
+        };
+        match negative {
+            Some(what) => Err(RtflowError::InvalidConfiguration(format!(
+                "KafkaSource starting timestamp {what} is negative; starting timestamps \
+                 are milliseconds since the Unix epoch"
+            ))),
+            None => Ok(()),
+        }
     }
 }
 
@@ -311,6 +460,7 @@ impl Source<KafkaRecord> for KafkaSource {
     }
 
     fn partitions(&self) -> Result<usize> {
+        self.check()?;
         let partitions = self.resolve()?;
         let count = partitions.len();
         *self.assigned.lock().unwrap_or_else(|p| p.into_inner()) = partitions;
@@ -490,6 +640,30 @@ mod tests {
         assert_eq!(
             KafkaSource::new("127.0.0.1:1").max_partitions(0).readers(5),
             1
+        );
+    }
+
+    #[test]
+    fn negative_starting_timestamps_are_rejected_before_contacting_the_broker() {
+        let global = KafkaSource::new("127.0.0.1:1")
+            .subscribe(["t"])
+            .starting_offsets(StartingOffsets::Timestamp(-1));
+        let error = global.partitions().unwrap_err();
+        assert_eq!(error.error_class(), "INVALID_CONFIGURATION");
+        assert!(
+            error.to_string().contains("timestamp -1 is negative"),
+            "{error}"
+        );
+
+        let timestamps = HashMap::from([(("t".to_owned(), 0), 5), (("t".to_owned(), 2), -7)]);
+        let error = KafkaSource::new("127.0.0.1:1")
+            .subscribe(["t"])
+            .starting_offsets(StartingOffsets::Timestamps(timestamps))
+            .partitions()
+            .unwrap_err();
+        assert!(
+            error.to_string().contains("-7 for t-2 is negative"),
+            "{error}"
         );
     }
 }
