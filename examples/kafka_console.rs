@@ -15,7 +15,8 @@
 //! `--produce RATE` writes RATE test records per second to the topic from a
 //! background thread; without it, the example shows what others write, e.g.
 //! `scripts/kafka.sh produce rtflow-input` or the other Kafka examples.
-//! `--bootstrap HOST:PORT` points at another broker.
+//! `--bootstrap HOST:PORT` points at another broker; `--metrics-address HOST:PORT`
+//! serves Prometheus metrics at `/metrics` there.
 
 mod common;
 
@@ -48,6 +49,8 @@ struct Args {
     /// Partitions of the topic, when this creates it (one reader each).
     #[arg(long, default_value_t = 2)]
     partitions: i32,
+    #[command(flatten)]
+    metrics: common::MetricsArgs,
 }
 
 fn main() -> std::result::Result<(), BoxError> {
@@ -81,10 +84,13 @@ fn main() -> std::result::Result<(), BoxError> {
 
     let checkpoints = std::env::temp_dir().join("rtflow-kafka-console");
     let query = flow.start(
-        QueryConfig::new("kafka-console")
-            .checkpoint_location(checkpoints)
-            .trigger(Trigger::real_time("30 seconds")),
+        args.metrics.apply(
+            QueryConfig::new("kafka-console")
+                .checkpoint_location(checkpoints)
+                .trigger(Trigger::real_time("30 seconds")),
+        ),
     )?;
+    args.metrics.announce();
     // Started after the query, whose readers begin at the latest offsets by default.
     if let Some(rate) = args.produce {
         common::spawn_producer(&args.bootstrap, &args.topic, rate, |n| {

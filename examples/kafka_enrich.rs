@@ -18,7 +18,8 @@
 //! `--produce RATE` writes RATE test events per second to `rtflow-events` from a
 //! background thread; without it, feed the topic yourself, e.g.
 //! `echo 3,click | scripts/kafka.sh produce rtflow-events`.
-//! `--bootstrap HOST:PORT` points at another broker.
+//! `--bootstrap HOST:PORT` points at another broker; `--metrics-address HOST:PORT`
+//! serves Prometheus metrics at `/metrics` there.
 
 mod common;
 
@@ -50,6 +51,8 @@ struct Args {
     /// Partitions of the topics, when this creates them (one reader each).
     #[arg(long, default_value_t = 2)]
     partitions: i32,
+    #[command(flatten)]
+    metrics: common::MetricsArgs,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -125,10 +128,13 @@ fn main() -> std::result::Result<(), BoxError> {
 
     let checkpoints = std::env::temp_dir().join("rtflow-kafka-enrich");
     let query = flow.start(
-        QueryConfig::new("kafka-enrich")
-            .checkpoint_location(checkpoints)
-            .trigger(Trigger::real_time("30 seconds")),
+        args.metrics.apply(
+            QueryConfig::new("kafka-enrich")
+                .checkpoint_location(checkpoints)
+                .trigger(Trigger::real_time("30 seconds")),
+        ),
     )?;
+    args.metrics.announce();
     // Started after the query, whose readers begin at the latest offsets.
     if let Some(rate) = args.produce {
         // User 0 is in no table, to show the left join.

@@ -16,7 +16,8 @@
 //! `--produce RATE` writes RATE test records per second to `rtflow-input` from a
 //! background thread; without it, feed the topic yourself, e.g. with
 //! `scripts/kafka.sh produce rtflow-input --keyed` ("key<TAB>value" lines).
-//! `--bootstrap HOST:PORT` points at another broker. `--exactly-once` writes
+//! `--bootstrap HOST:PORT` points at another broker; `--metrics-address HOST:PORT`
+//! serves Prometheus metrics at `/metrics` there. `--exactly-once` writes
 //! each epoch in one Kafka transaction (read the output with
 //! `--isolation-level read_committed` to see it at each checkpoint).
 
@@ -48,6 +49,8 @@ struct Args {
     /// Write through Kafka transactions committed with each checkpoint.
     #[arg(long)]
     exactly_once: bool,
+    #[command(flatten)]
+    metrics: common::MetricsArgs,
 }
 
 fn main() -> std::result::Result<(), BoxError> {
@@ -86,10 +89,13 @@ fn main() -> std::result::Result<(), BoxError> {
 
     let checkpoints = std::env::temp_dir().join("rtflow-kafka-to-kafka");
     let query = flow.start(
-        QueryConfig::new("kafka-to-kafka")
-            .checkpoint_location(checkpoints)
-            .trigger(Trigger::real_time("30 seconds")),
+        args.metrics.apply(
+            QueryConfig::new("kafka-to-kafka")
+                .checkpoint_location(checkpoints)
+                .trigger(Trigger::real_time("30 seconds")),
+        ),
     )?;
+    args.metrics.announce();
     // Started after the query, whose readers begin at the latest offsets.
     if let Some(rate) = args.produce {
         common::spawn_producer(&args.bootstrap, INPUT, rate, |n| {

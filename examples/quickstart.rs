@@ -7,6 +7,7 @@
 //! ```text
 //! cargo run --release --example quickstart -- --seconds 10
 //! RUST_LOG=rtflow_runtime=info cargo run --release --example quickstart   # with lifecycle logs
+//! cargo run --release --example quickstart -- --metrics-address 127.0.0.1:9898  # + /metrics
 //! ```
 
 mod common;
@@ -28,6 +29,8 @@ struct Args {
     /// Source partitions (one long-running reader each).
     #[arg(long, default_value_t = 2)]
     partitions: usize,
+    #[command(flatten)]
+    metrics: common::MetricsArgs,
 }
 
 #[derive(Debug, Clone)]
@@ -94,10 +97,13 @@ fn main() -> Result<()> {
 
     let checkpoints = std::env::temp_dir().join("rtflow-quickstart");
     let query = flow.start(
-        QueryConfig::new("quickstart")
-            .checkpoint_location(checkpoints)
-            .trigger(Trigger::real_time("30 seconds")),
+        args.metrics.apply(
+            QueryConfig::new("quickstart")
+                .checkpoint_location(checkpoints)
+                .trigger(Trigger::real_time("30 seconds")),
+        ),
     )?;
+    args.metrics.announce();
     let started = Instant::now();
     query.await_with_status(Duration::from_secs(args.seconds), std::io::stderr())?;
     query.stop()?;

@@ -17,4 +17,25 @@ else
 fi
 export RTFLOW_KAFKA_BOOTSTRAP="127.0.0.1:$port"
 
+# promtool (Debian package prometheus, ~20 MB) lints /metrics in
+# tests/observability.rs. Without apt, root or network the install fails with a
+# warning and that test is skipped outside CI (in CI it fails).
+if ! command -v promtool >/dev/null; then
+    echo "test.sh: installing promtool (Debian package prometheus)"
+    sudo=()
+    if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then sudo=(sudo -n); fi
+    # Refresh the package lists only if they do not know the package yet.
+    if ! { apt-cache policy prometheus 2>/dev/null | grep -q 'Candidate: [0-9]' ||
+        timeout 120 "${sudo[@]}" apt-get update -qq; } ||
+        ! timeout 300 "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -qq --no-install-recommends prometheus >/dev/null; then
+        echo "test.sh: warning: could not install promtool: the promtool test skips" \
+            "(and fails in CI)" >&2
+    fi
+fi
+if command -v promtool >/dev/null; then
+    RTFLOW_PROMTOOL="$(command -v promtool)"
+    export RTFLOW_PROMTOOL
+fi
+
 cargo test --workspace --all-features "$@"

@@ -100,7 +100,7 @@ fn metrics_endpoint_serves_moving_counters_for_every_query() {
         let after = scrape(address);
         if value(
             &after,
-            "rtflow_processing_latency_ms",
+            "rtflow_processing_latency_seconds",
             &[("query", "scraped")],
         ) == Some(1000.0)
         {
@@ -121,7 +121,10 @@ fn metrics_endpoint_serves_moving_counters_for_every_query() {
         ),
         Some(1000.0)
     );
-    for histogram in ["rtflow_e2e_latency_ms", "rtflow_source_queuing_latency_ms"] {
+    for histogram in [
+        "rtflow_e2e_latency_seconds",
+        "rtflow_source_queuing_latency_seconds",
+    ] {
         assert_eq!(
             value(&after, histogram, &[("query", "scraped")]),
             Some(1000.0),
@@ -402,5 +405,101 @@ fn listener_sees_started_progress_and_terminated_in_order() {
     assert!(
         progress.iter().all(|e| e.starts_with("progress ")),
         "{events:?}"
+    );
+}
+
+/// The `promtool` that scripts/test.sh found or installed (`RTFLOW_PROMTOOL`), or
+/// `None` (test skipped) outside CI without one. In CI, where scripts/test.sh
+/// installs it, a missing promtool fails the test.
+fn promtool() -> Option<std::path::PathBuf> {
+    match std::env::var_os("RTFLOW_PROMTOOL") {
+        Some(path) => Some(path.into()),
+        None if std::env::var_os("CI").is_some() => {
+            panic!("RTFLOW_PROMTOOL is not set: run the tests with scripts/test.sh")
+        }
+        None => {
+            eprintln!(
+                "skipped: no promtool; run scripts/test.sh (it installs the Debian package \
+                 prometheus) or set RTFLOW_PROMTOOL"
+            );
+            None
+        }
+    }
+}
+
+/// GET /metrics: the body as served.
+fn scrape_text(address: SocketAddr) -> String {
+    let mut stream = TcpStream::connect(address).unwrap();
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(head.contains(" 200 "), "{head}");
+    body.to_owned()
+}
+
+#[test]
+fn metrics_pass_promtool_check_metrics() {
+    let Some(promtool) = promtool() else {
+        return;
+    };
+    // Every family the endpoint serves: operator counters, mailboxes (a
+    // shuffle), keyed state, a watermark, a checkpoint and the latencies.
+    let address = free_address();
+    let input = MemorySource::new(2);
+    let counts = MemorySink::new();
+    let flow = Dataflow::new("linted");
+    flow.source(input.clone())
+        .name("numbers")
+        .with_watermark(|x: &u64| *x as i64, Duration::from_millis(10))
+        .key_by(|x: &u64| x % 10)
+        .count()
+        .name("counts")
+        .parallelism(2)
+        .sink(counts.clone());
+    let query = flow
+        .start(config("linted").metrics_address(address))
+        .unwrap();
+    input.push_all(0, 0..500u64).unwrap();
+    input.push_all(1, 0..500u64).unwrap();
+    wait_for_rows(&counts, 1000);
+    query.checkpoint_now(TIMEOUT).unwrap();
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let text = loop {
+        let text = scrape_text(address);
+        let served = |name: &str| text.contains(&format!("\n# TYPE {name} "));
+        let expected = [
+            "rtflow_records_out_total",
+            "rtflow_mailbox_depth",
+            "rtflow_state_rows",
+            "rtflow_watermark_seconds",
+            "rtflow_checkpoint_epoch",
+            "rtflow_processing_latency_seconds",
+        ];
+        if expected.iter().all(|name| served(name)) {
+            break text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not every family of {expected:?} is served:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    query.stop().unwrap();
+
+    let file = std::env::temp_dir().join(format!("rtflow-metrics-{}.prom", std::process::id()));
+    std::fs::write(&file, &text).unwrap();
+    let output = std::process::Command::new(&promtool)
+        .args(["check", "metrics"])
+        .stdin(std::fs::File::open(&file).unwrap())
+        .output()
+        .unwrap_or_else(|error| panic!("cannot run {}: {error}", promtool.display()));
+    std::fs::remove_file(&file).unwrap();
+    assert!(
+        output.status.success(),
+        "promtool check metrics: {}\n{}{}\n--- the scraped /metrics:\n{text}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
     );
 }

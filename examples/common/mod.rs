@@ -1,6 +1,8 @@
-//! What the examples share: logs, a test-input producer, the closing summary.
+//! What the examples share: logs, `--metrics-address`, a test-input producer,
+//! the closing summary.
 #![allow(dead_code)]
 
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use rdkafka::producer::{BaseProducer, BaseRecord};
@@ -13,6 +15,39 @@ pub fn init_tracing() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
+}
+
+/// `--metrics-address`, which every example takes (`#[command(flatten)]`).
+#[derive(clap::Args)]
+pub struct MetricsArgs {
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics (default: not served).
+    #[arg(long, value_name = "HOST:PORT", value_parser = socket_address)]
+    pub metrics_address: Option<SocketAddr>,
+}
+
+impl MetricsArgs {
+    /// `config`, serving `/metrics` on `--metrics-address` if given.
+    pub fn apply(&self, config: QueryConfig) -> QueryConfig {
+        match self.metrics_address {
+            Some(address) => config.metrics_address(address),
+            None => config,
+        }
+    }
+
+    /// Says where the started query serves its metrics, if anywhere.
+    pub fn announce(&self) {
+        if let Some(address) = self.metrics_address {
+            println!("Prometheus metrics: http://{address}/metrics");
+        }
+    }
+}
+
+/// `HOST:PORT`, the host a name (`localhost`) or an IP address.
+fn socket_address(text: &str) -> std::result::Result<SocketAddr, String> {
+    text.to_socket_addrs()
+        .map_err(|error| format!("{error} (expected HOST:PORT, e.g. 127.0.0.1:9898)"))?
+        .next()
+        .ok_or_else(|| format!("{text} resolves to no address"))
 }
 
 /// Writes `rate` records per second to `topic` from a background thread that

@@ -18,10 +18,11 @@ use crate::metrics::LatencyHistograms;
 use crate::record::now_nanos;
 use crate::shared::QueryShared;
 
-/// Upper bounds of the latency histograms' buckets, in milliseconds: 1 µs to 10 s.
-const LATENCY_BUCKETS_MS: [f64; 22] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0,
-    100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0,
+/// Upper bounds of the latency histograms' buckets, in seconds (Prometheus'
+/// base unit, which `promtool check metrics` asks for): 1 µs to 10 s.
+const LATENCY_BUCKETS_SECONDS: [f64; 22] = [
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
 struct Endpoint {
@@ -158,8 +159,8 @@ impl Families {
         self.add(name, help, MetricType::COUNTER, metric);
     }
 
-    /// A latency histogram (ms) from an HDR histogram (ns); bucket counts and the
-    /// sum carry the HDR histogram's ~1% precision.
+    /// A latency histogram (seconds) from an HDR histogram (ns); bucket counts
+    /// and the sum carry the HDR histogram's ~1% precision.
     fn latency(
         &mut self,
         name: &'static str,
@@ -167,18 +168,18 @@ impl Families {
         query: &str,
         hdr: &hdrhistogram::Histogram<u64>,
     ) {
-        let buckets = LATENCY_BUCKETS_MS
+        let buckets = LATENCY_BUCKETS_SECONDS
             .iter()
             .map(|bound| {
                 let mut bucket = Bucket::default();
                 bucket.set_upper_bound(*bound);
-                bucket.set_cumulative_count(hdr.count_between(0, (bound * 1e6) as u64));
+                bucket.set_cumulative_count(hdr.count_between(0, (bound * 1e9) as u64));
                 bucket
             })
             .collect();
         let mut histogram = Histogram::default();
         histogram.set_sample_count(hdr.len());
-        histogram.set_sample_sum(hdr.mean() * hdr.len() as f64 / 1e6);
+        histogram.set_sample_sum(hdr.mean() * hdr.len() as f64 / 1e9);
         histogram.set_bucket(buckets);
         let mut metric = labelled(&[("query", query)]);
         metric.set_histogram(histogram);
@@ -296,10 +297,10 @@ fn gather(queries: &[Arc<QueryShared>]) -> Vec<MetricFamily> {
                 checkpoint.epoch as f64,
             );
             families.gauge(
-                "rtflow_checkpoint_duration_ms",
+                "rtflow_checkpoint_duration_seconds",
                 "Barrier injection to durable manifest, for the latest checkpoint",
                 &q,
-                checkpoint.duration.as_secs_f64() * 1000.0,
+                checkpoint.duration.as_secs_f64(),
             );
             families.gauge(
                 "rtflow_checkpoint_size_bytes",
@@ -309,37 +310,37 @@ fn gather(queries: &[Arc<QueryShared>]) -> Vec<MetricFamily> {
             );
         }
         if let Some(watermark) = snapshot.watermark() {
-            let lag = (now_nanos() / 1_000_000) as f64 - watermark as f64;
+            let lag_ms = (now_nanos() / 1_000_000) as f64 - watermark as f64;
             families.gauge(
-                "rtflow_watermark_ms",
-                "The query's event-time watermark (ms since the epoch)",
+                "rtflow_watermark_seconds",
+                "The query's event-time watermark (seconds since the Unix epoch)",
                 &q,
-                watermark as f64,
+                watermark as f64 / 1000.0,
             );
             families.gauge(
-                "rtflow_watermark_lag_ms",
+                "rtflow_watermark_lag_seconds",
                 "Wall clock minus the watermark",
                 &q,
-                lag,
+                lag_ms / 1000.0,
             );
         }
         query
             .metrics
             .with_total_latency(|latency: &LatencyHistograms| {
                 families.latency(
-                    "rtflow_processing_latency_ms",
+                    "rtflow_processing_latency_seconds",
                     "Read by the source -> fully processed by the sink",
                     name,
                     &latency.processing,
                 );
                 families.latency(
-                    "rtflow_source_queuing_latency_ms",
+                    "rtflow_source_queuing_latency_seconds",
                     "Appended to the source -> read by rtflow",
                     name,
                     &latency.source_queuing,
                 );
                 families.latency(
-                    "rtflow_e2e_latency_ms",
+                    "rtflow_e2e_latency_seconds",
                     "Produced at the source -> fully processed by the sink",
                     name,
                     &latency.end_to_end,
