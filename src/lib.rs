@@ -66,6 +66,7 @@ pub mod prelude {
     pub use rtflow_operators::{AggregateFunction, Window, WindowExt};
     pub use rtflow_operators::{DedupExt, Either, JoinWindow, StreamJoinExt};
     pub use rtflow_operators::{KeyedStreamExt, StreamExt};
+    pub use rtflow_runtime::pipeline::{NamedSink, Pipeline, RunningPipeline};
     pub use rtflow_runtime::{
         BoxError, Collector, Data, Dataflow, KeyedStream, Operator, OperatorContext, OutputMode,
         QueryConfig, Record, Result, RtflowError, StaticTable, Stream, StreamingQuery, Trigger,

@@ -16,6 +16,8 @@
 //! - [`state`]: checkpointed keyed and per-instance state for operators and sinks,
 //!   snapshotted incrementally at each barrier and restored on start.
 //! - [`connector`]: the [`Source`] and [`Sink`] traits connectors implement.
+//! - [`pipeline`]: declarative pipelines: named sinks, update flows, one
+//!   handle for all.
 //! - [`tester`]: one operator instance driven outside a query, for operator
 //!   unit tests.
 //! - [`plan`]: start-time validation (with Spark's error classes), parallelism,
@@ -44,6 +46,7 @@ mod inputs;
 pub mod key_groups;
 pub mod metrics;
 pub mod operator;
+pub mod pipeline;
 mod placement;
 pub mod plan;
 pub mod progress;

@@ -28,6 +28,8 @@ pub struct StreamingQuery {
     shared: Arc<QueryShared>,
     coordinator: Addr<Coordinator>,
     coordinator_thread: Mutex<Option<JoinHandle<()>>>,
+    /// The slots (long-running actor threads) the query occupies.
+    task_slots: usize,
     /// Keeps the query on its `/metrics` endpoint while the handle lives.
     _endpoint: Option<Registration>,
 }
@@ -37,6 +39,7 @@ impl StreamingQuery {
         let batch_duration = config.validate()?;
         validate(&graph, &config)?;
         let plan = Plan::new(graph, &config)?;
+        let task_slots = plan.actor_count();
         let location = config
             .checkpoint_location
             .clone()
@@ -104,6 +107,7 @@ impl StreamingQuery {
             shared,
             coordinator,
             coordinator_thread: Mutex::new(Some(thread)),
+            task_slots,
             _endpoint: endpoint,
         };
         match started {
@@ -118,6 +122,11 @@ impl StreamingQuery {
     /// The query's id.
     pub fn id(&self) -> Uuid {
         self.shared.id
+    }
+
+    /// How many task slots (long-running actor threads) the query occupies.
+    pub fn task_slots(&self) -> usize {
+        self.task_slots
     }
 
     /// The id of this run of the query.

@@ -1,0 +1,309 @@
+//! Declarative pipelines, as Lakeflow's: sinks created once by name
+//! ([`Pipeline::create_sink`]), real-time update flows that write into them
+//! ([`Pipeline::update_flow`]), each flow a query of its own with its own
+//! trigger and checkpoint location, and one [`RunningPipeline`] handle that
+//! starts, stops and watches them all. The flows of a pipeline share its task
+//! slots: a flow starts only if the slots the flows before it left cover it.
+//!
+//! ```
+//! use rtflow_runtime::pipeline::Pipeline;
+//! use rtflow_runtime::{Dataflow, Result, Sink, Source};
+//!
+//! fn shop(
+//!     orders: impl Source<u64>,
+//!     refunds: impl Source<u64>,
+//!     alerts: impl Sink<u64>,
+//! ) -> Result<()> {
+//!     let mut pipeline = Pipeline::new("shop").checkpoint_root("/tmp/rtflow/shop").task_slots(8);
+//!     let amounts = pipeline.create_sink("amounts", alerts);
+//!     pipeline.update_flow("orders", &amounts, |config| config, move |flow: &Dataflow| {
+//!         flow.source(orders)
+//!     });
+//!     pipeline.update_flow("refunds", &amounts, |config| config, move |flow: &Dataflow| {
+//!         flow.source(refunds)
+//!     });
+//!     let running = pipeline.start()?;
+//!     for (flow, progress) in running.last_progress() {
+//!         println!("{flow}: {:?}", progress.map(|p| p.num_input_rows));
+//!     }
+//!     running.stop()
+//! }
+//! ```
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::config::{QueryConfig, Trigger};
+use crate::connector::{Sink, SinkContext, SinkWriter};
+use crate::dataflow::{Dataflow, Stream};
+use crate::error::{Result, RtflowError};
+use crate::progress::StreamingQueryProgress;
+use crate::query::StreamingQuery;
+use crate::record::Data;
+
+/// A sink created once in a pipeline, which any of its flows write into: each
+/// flow opens writers of its own on it.
+pub struct NamedSink<T> {
+    name: String,
+    kind: String,
+    supports_real_time: bool,
+    allowlisted: bool,
+    sink: Arc<Mutex<Box<dyn Sink<T>>>>,
+}
+
+impl<T> Clone for NamedSink<T> {
+    fn clone(&self) -> Self {
+        Self {
+            name: self.name.clone(),
+            kind: self.kind.clone(),
+            supports_real_time: self.supports_real_time,
+            allowlisted: self.allowlisted,
+            sink: self.sink.clone(),
+        }
+    }
+}
+
+impl<T> NamedSink<T> {
+    /// The name the sink was created under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl<T: Data> Sink<T> for NamedSink<T> {
+    fn kind(&self) -> &str {
+        &self.kind
+    }
+
+    fn description(&self) -> String {
+        let sink = self.sink.lock().unwrap_or_else(|p| p.into_inner());
+        format!("{} ({})", self.name, sink.description())
+    }
+
+    fn supports_real_time(&self) -> bool {
+        self.supports_real_time
+    }
+
+    fn allowlisted(&self) -> bool {
+        self.allowlisted
+    }
+
+    fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<T>>> {
+        let sink = self.sink.lock().unwrap_or_else(|p| p.into_inner());
+        sink.writer(ctx)
+    }
+}
+
+/// One update flow: how to build its dataflow, and its query's settings.
+struct Flow {
+    name: String,
+    config: QueryConfig,
+    build: Box<dyn FnOnce(&Dataflow)>,
+}
+
+/// A pipeline under construction.
+pub struct Pipeline {
+    name: String,
+    checkpoint_root: Option<PathBuf>,
+    task_slots: usize,
+    sinks: BTreeSet<String>,
+    flows: Vec<Flow>,
+    /// Misuse found while building, reported by `start`.
+    errors: Vec<String>,
+}
+
+/// A flow's checkpoint interval unless its configuration sets another:
+/// Lakeflow's default `pipelines.trigger.interval`.
+const DEFAULT_FLOW_INTERVAL: Duration = Duration::from_secs(300);
+
+impl Pipeline {
+    /// An empty pipeline with [`QueryConfig::DEFAULT_TASK_SLOTS`] slots.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            checkpoint_root: None,
+            task_slots: QueryConfig::DEFAULT_TASK_SLOTS,
+            sinks: BTreeSet::new(),
+            flows: Vec::new(),
+            errors: Vec::new(),
+        }
+    }
+
+    /// Where the flows keep their checkpoints: each under `root/<flow name>`.
+    pub fn checkpoint_root(mut self, root: impl Into<PathBuf>) -> Self {
+        self.checkpoint_root = Some(root.into());
+        self
+    }
+
+    /// The task slots all the pipeline's flows share.
+    pub fn task_slots(mut self, slots: usize) -> Self {
+        self.task_slots = slots;
+        self
+    }
+
+    /// Creates the sink `name`, which flows then write into.
+    pub fn create_sink<T: Data>(&mut self, name: &str, sink: impl Sink<T>) -> NamedSink<T> {
+        if !self.sinks.insert(name.to_owned()) {
+            self.errors
+                .push(format!("the pipeline has two sinks named '{name}'"));
+        }
+        NamedSink {
+            name: name.to_owned(),
+            kind: sink.kind().to_owned(),
+            supports_real_time: sink.supports_real_time(),
+            allowlisted: sink.allowlisted(),
+            sink: Arc::new(Mutex::new(Box::new(sink))),
+        }
+    }
+
+    /// Adds the real-time update flow `name`: the stream `build` makes is
+    /// written into `target`. Its query is named after the flow, checkpoints
+    /// under the pipeline's root every 5 minutes, and takes what `configure`
+    /// changes (a trigger, metrics, parallelism; not the checkpoint location
+    /// or the task slots, which the pipeline sets).
+    pub fn update_flow<T: Data>(
+        &mut self,
+        name: &str,
+        target: &NamedSink<T>,
+        configure: impl FnOnce(QueryConfig) -> QueryConfig,
+        build: impl FnOnce(&Dataflow) -> Stream<T> + 'static,
+    ) {
+        if self.flows.iter().any(|flow| flow.name == name) {
+            self.errors
+                .push(format!("the pipeline has two flows named '{name}'"));
+        }
+        if !self.sinks.contains(target.name()) {
+            self.errors.push(format!(
+                "flow '{name}' writes into sink '{}', which this pipeline did not create",
+                target.name()
+            ));
+        }
+        let base = QueryConfig::new(name).trigger(Trigger::real_time(DEFAULT_FLOW_INTERVAL));
+        let target = target.clone();
+        self.flows.push(Flow {
+            name: name.to_owned(),
+            config: configure(base),
+            build: Box::new(move |flow| build(flow).sink(target)),
+        });
+    }
+
+    /// Starts every flow, in the order they were added. All or none: a flow
+    /// that cannot start (`INSUFFICIENT_TASK_SLOTS` when the flows before it
+    /// left too few of the pipeline's slots, or any start-time error) stops
+    /// the flows already started and fails the start with its error.
+    pub fn start(self) -> Result<RunningPipeline> {
+        if let Some(error) = self.errors.first() {
+            return Err(RtflowError::InvalidDataflow(format!(
+                "pipeline '{}': {error}",
+                self.name
+            )));
+        }
+        let Some(root) = self.checkpoint_root else {
+            return Err(RtflowError::CheckpointLocationRequired);
+        };
+        let mut running = RunningPipeline {
+            name: self.name,
+            task_slots: self.task_slots,
+            flows: Vec::new(),
+        };
+        for flow in self.flows {
+            let left = running.task_slots - running.task_slots_used();
+            let config = flow
+                .config
+                .checkpoint_location(root.join(&flow.name))
+                .task_slots(left);
+            let dataflow = Dataflow::new(&flow.name);
+            (flow.build)(&dataflow);
+            match dataflow.start(config) {
+                Ok(query) => running.flows.push((flow.name, query)),
+                Err(error) => {
+                    tracing::warn!(
+                        pipeline = %running.name,
+                        flow = %flow.name,
+                        %error,
+                        "a flow could not start: stopping the others"
+                    );
+                    let _ = running.stop();
+                    return Err(error);
+                }
+            }
+        }
+        Ok(running)
+    }
+}
+
+/// The flows of a started pipeline.
+pub struct RunningPipeline {
+    name: String,
+    task_slots: usize,
+    flows: Vec<(String, StreamingQuery)>,
+}
+
+impl RunningPipeline {
+    /// The pipeline's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Every flow with its query, in the order they were added.
+    pub fn flows(&self) -> impl Iterator<Item = (&str, &StreamingQuery)> {
+        self.flows
+            .iter()
+            .map(|(name, query)| (name.as_str(), query))
+    }
+
+    /// The query of flow `name`.
+    pub fn flow(&self, name: &str) -> Option<&StreamingQuery> {
+        self.flows().find(|(flow, _)| *flow == name).map(|(_, q)| q)
+    }
+
+    /// The task slots the flows occupy, of the pipeline's.
+    pub fn task_slots_used(&self) -> usize {
+        self.flows.iter().map(|(_, query)| query.task_slots()).sum()
+    }
+
+    /// Every flow's latest progress report.
+    pub fn last_progress(&self) -> Vec<(&str, Option<StreamingQueryProgress>)> {
+        self.flows()
+            .map(|(name, query)| (name, query.last_progress()))
+            .collect()
+    }
+
+    /// Whether any flow still runs.
+    pub fn is_active(&self) -> bool {
+        self.flows.iter().any(|(_, query)| query.is_active())
+    }
+
+    /// The flows that failed, with their errors.
+    pub fn exceptions(&self) -> Vec<(&str, RtflowError)> {
+        self.flows()
+            .filter_map(|(name, query)| query.exception().map(|error| (name, error)))
+            .collect()
+    }
+
+    /// Stops every flow (each drains what it read), the last added first.
+    pub fn stop(&self) -> Result<()> {
+        let mut first_error = None;
+        for (_, query) in self.flows.iter().rev() {
+            if let Err(error) = query.stop() {
+                first_error.get_or_insert(error);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Waits until every flow terminated, at most `timeout`; returns whether
+    /// they did, or the first flow's failure.
+    pub fn await_termination(&self, timeout: Option<Duration>) -> Result<bool> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        for (_, query) in &self.flows {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if !query.await_termination(left)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
