@@ -1,8 +1,8 @@
-//! Stream-stream joins (inner, left and right outer) against a batch reference, on
-//! random inputs, partitionings, parallelisms, join windows, arrival orders,
-//! checkpoints and crashes (`rtflow::testing`), and the checkpointed rows
-//! compared with those the watermark must still hold. `PROPTEST_CASES=n` runs
-//! more cases.
+//! Stream-stream joins (inner, left, right and full outer) against a batch
+//! reference, on random inputs, partitionings, parallelisms, join windows,
+//! arrival orders, checkpoints and crashes (`rtflow::testing`), and the
+//! checkpointed rows compared with those the watermark must still hold.
+//! `PROPTEST_CASES=n` runs more cases.
 //!
 //! As in `tests/dedup.rs`, inputs come in rounds of event time so that no row
 //! is ever late: round `r` holds times in `[r * SPAN, (r + 1) * SPAN)`, both
@@ -27,6 +27,8 @@ type Out = (Option<Row>, Option<Row>);
 /// The join's state as checkpointed: per key, the buffered left rows (time,
 /// row, whether it matched) and right rows (time, row).
 type Buffered = BTreeMap<u8, (Vec<(i64, Row, bool)>, Vec<(i64, Row)>)>;
+/// A full outer join's: its right rows also carry whether they matched.
+type FullBuffered = BTreeMap<u8, (Vec<(i64, Row, bool)>, Vec<(i64, Row, bool)>)>;
 
 #[derive(Debug, Clone)]
 enum Act {
@@ -53,6 +55,7 @@ enum Join {
     Inner,
     Left,
     Right,
+    Full,
 }
 
 #[derive(Debug, Clone)]
@@ -72,7 +75,12 @@ fn cases() -> impl Strategy<Value = Case> {
         1..=2usize,
         1..=2usize,
         1..=3usize,
-        prop_oneof![Just(Join::Inner), Just(Join::Left), Just(Join::Right)],
+        prop_oneof![
+            Just(Join::Inner),
+            Just(Join::Left),
+            Just(Join::Right),
+            Just(Join::Full)
+        ],
         any::<bool>(),
         (0..=SPAN, 0..=SPAN),
     )
@@ -109,7 +117,13 @@ struct Outcome {
     left: Vec<Row>,
     right: Vec<Row>,
     committed: Vec<Out>,
-    state: Buffered,
+    state: State,
+}
+
+/// The state of the join that ran.
+enum State {
+    Rows(Buffered),
+    Full(FullBuffered),
 }
 
 impl Case {
@@ -145,6 +159,9 @@ impl Case {
                         .right_join(&right, key, key, window)
                         .parallelism(parallelism)
                         .map(|(l, r)| (l, Some(r))),
+                    Join::Full => left
+                        .full_join(&right, key, key, window)
+                        .parallelism(parallelism),
                 }
             },
         );
@@ -203,12 +220,17 @@ impl Case {
             Join::Inner => "stream_join-0",
             Join::Left => "stream_left_join-0",
             Join::Right => "stream_right_join-0",
+            Join::Full => "stream_full_join-0",
+        };
+        let state = match self.join {
+            Join::Full => State::Full(harness.state(uid, "rows").map_err(fail)?),
+            _ => State::Rows(harness.state(uid, "rows").map_err(fail)?),
         };
         Ok(Outcome {
             left: harness.input_values(),
             right: pushed_right,
             committed: harness.committed(),
-            state: harness.state(uid, "rows").map_err(fail)?,
+            state,
         })
     }
 
@@ -226,9 +248,11 @@ fn joins_equal_the_batch_reference_and_state_holds_only_rows_that_can_still_matc
         let watermark = case.final_watermark();
         let matches = |l: &Row, r: &Row| l.0 == r.0 && window.contains(l.1, r.1);
 
-        // Every pair in range, once; with an outer join also each row of the
+        // Every pair in range, once; with an outer join also each row of a
         // preserved side that matched nothing and whose range the watermark
         // passed.
+        let keeps_left = matches!(case.join, Join::Left | Join::Full);
+        let keeps_right = matches!(case.join, Join::Right | Join::Full);
         let mut expected: Vec<Out> = Vec::new();
         for l in &outcome.left {
             let mut matched = false;
@@ -236,58 +260,73 @@ fn joins_equal_the_batch_reference_and_state_holds_only_rows_that_can_still_matc
                 matched = true;
                 expected.push((Some(*l), Some(*r)));
             }
-            if case.join == Join::Left && !matched && l.1 + window.after < watermark {
+            if keeps_left && !matched && l.1 + window.after < watermark {
                 expected.push((Some(*l), None));
             }
         }
         for r in &outcome.right {
             let matched = outcome.left.iter().any(|l| matches(l, r));
-            if case.join == Join::Right && !matched && r.1 + window.before < watermark {
+            if keeps_right && !matched && r.1 + window.before < watermark {
                 expected.push((None, Some(*r)));
             }
         }
         reference::assert_same_multiset(outcome.committed, expected)?;
 
-        // The state holds exactly the rows a future row could still match; a
-        // right outer join holds the right rows on its left, with whether
-        // they matched.
-        let mut expected_state = Buffered::new();
+        // The state holds exactly the rows a future row could still match,
+        // each with whether it matched; a right outer join holds the right
+        // rows on its left.
+        let mut expected_state = FullBuffered::new();
         let buffered_left = outcome
             .left
             .iter()
             .filter(|l| l.1 + window.after >= watermark);
+        for l in buffered_left {
+            let row = (l.1, *l, outcome.right.iter().any(|r| matches(l, r)));
+            let rows = expected_state.entry(l.0).or_default();
+            match case.join {
+                Join::Right => rows.1.push(row),
+                _ => rows.0.push(row),
+            }
+        }
         let buffered_right = outcome
             .right
             .iter()
             .filter(|r| r.1 + window.before >= watermark);
-        for l in buffered_left {
-            let rows = expected_state.entry(l.0).or_default();
-            match case.join {
-                Join::Right => rows.1.push((l.1, *l)),
-                _ => {
-                    let matched = outcome.right.iter().any(|r| matches(l, r));
-                    rows.0.push((l.1, *l, matched));
-                }
-            }
-        }
         for r in buffered_right {
+            let row = (r.1, *r, outcome.left.iter().any(|l| matches(l, r)));
             let rows = expected_state.entry(r.0).or_default();
             match case.join {
-                Join::Right => {
-                    let matched = outcome.left.iter().any(|l| matches(l, r));
-                    rows.0.push((r.1, *r, matched));
-                }
-                _ => rows.1.push((r.1, *r)),
+                Join::Right => rows.0.push(row),
+                _ => rows.1.push(row),
             }
         }
-        let mut state = outcome.state;
-        for rows in state.values_mut().chain(expected_state.values_mut()) {
-            rows.0.sort();
-            rows.1.sort();
+        match outcome.state {
+            State::Full(state) => prop_assert_eq!(sorted(state), sorted(expected_state)),
+            State::Rows(state) => {
+                // Only a full join says whether the rows on its right matched.
+                let expected_state: Buffered = expected_state
+                    .into_iter()
+                    .map(|(key, (left, right))| {
+                        let right = right.into_iter().map(|(t, row, _)| (t, row)).collect();
+                        (key, (left, right))
+                    })
+                    .collect();
+                prop_assert_eq!(sorted(state), sorted(expected_state));
+            }
         }
-        prop_assert_eq!(state, expected_state);
         Ok(())
     });
+}
+
+/// Each key's rows in order, to compare with those expected.
+fn sorted<A: Ord, B: Ord>(
+    mut rows: BTreeMap<u8, (Vec<A>, Vec<B>)>,
+) -> BTreeMap<u8, (Vec<A>, Vec<B>)> {
+    for (left, right) in rows.values_mut() {
+        left.sort();
+        right.sort();
+    }
+    rows
 }
 
 /// Waits until the watermark has reached every sink, hence passed the join.

@@ -16,12 +16,15 @@
 //! late. The left outer join emits `(left, None)` for a left row that matched
 //! nothing when it is dropped, stamped with the end of its range; the right
 //! outer join is a left outer join with the sides swapped (and the window
-//! mirrored), emitting `(None, right)`. Both joins
+//! mirrored), emitting `(None, right)`. The full outer join emits both: it
+//! buffers its right rows with whether they matched too ([`FullRows`]), so its
+//! state is not the other joins' [`Rows`], whose checkpointed form stays as it
+//! was. All joins
 //! drop a slice of the expired rows' keys at the watermark and the rest a few
 //! per record (or per idle flush) after it, so the records behind a watermark
-//! that expires many keys do not wait for all of them; the outer join holds
-//! the watermark it passes on at the earliest unmatched row still to go, so
-//! none is late downstream.
+//! that expires many keys do not wait for all of them; the outer joins hold
+//! the watermark they pass on at the earliest row still to go, so no unmatched
+//! row is late downstream.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,6 +46,8 @@ pub const STREAM_JOIN: &str = "stream_join";
 pub const STREAM_LEFT_JOIN: &str = "stream_left_join";
 /// The kind of the right outer stream-stream join.
 pub const STREAM_RIGHT_JOIN: &str = "stream_right_join";
+/// The kind of the full outer stream-stream join.
+pub const STREAM_FULL_JOIN: &str = "stream_full_join";
 
 /// The name of the buffered rows within a join operator.
 const ROWS: &str = "rows";
@@ -109,19 +114,119 @@ impl JoinWindow {
     }
 }
 
-/// A buffered left row, and whether it matched (for the outer join).
+/// A buffered row, and whether it matched: every left row, and the right rows
+/// of a full outer join.
 #[derive(Serialize, Deserialize)]
-struct LeftRow<L> {
+pub struct TrackedRow<T> {
     time: EventTime,
-    value: L,
+    value: T,
     matched: bool,
 }
 
-/// The rows of one key still waiting for matches, in arrival order.
+/// A buffered row of either side, as a join's state holds it.
+pub trait BufferedRow<T> {
+    /// A row at `time`, `matched` by a row buffered before it or not.
+    fn new(time: EventTime, value: T, matched: bool) -> Self;
+
+    fn time(&self) -> EventTime;
+
+    fn value(&self) -> &T;
+
+    /// A row of the other side matched it.
+    fn set_matched(&mut self);
+
+    /// Its value if it matched nothing; `None` if it matched or its join does
+    /// not track whether it did.
+    fn into_unmatched(self) -> Option<T>;
+}
+
+impl<T> BufferedRow<T> for TrackedRow<T> {
+    #[inline]
+    fn new(time: EventTime, value: T, matched: bool) -> Self {
+        Self {
+            time,
+            value,
+            matched,
+        }
+    }
+
+    #[inline]
+    fn time(&self) -> EventTime {
+        self.time
+    }
+
+    #[inline]
+    fn value(&self) -> &T {
+        &self.value
+    }
+
+    #[inline]
+    fn set_matched(&mut self) {
+        self.matched = true;
+    }
+
+    #[inline]
+    fn into_unmatched(self) -> Option<T> {
+        (!self.matched).then_some(self.value)
+    }
+}
+
+/// A right row of the inner, left and right joins: whether it matched is never
+/// asked.
+impl<T> BufferedRow<T> for (EventTime, T) {
+    #[inline]
+    fn new(time: EventTime, value: T, _matched: bool) -> Self {
+        (time, value)
+    }
+
+    #[inline]
+    fn time(&self) -> EventTime {
+        self.0
+    }
+
+    #[inline]
+    fn value(&self) -> &T {
+        &self.1
+    }
+
+    #[inline]
+    fn set_matched(&mut self) {}
+
+    #[inline]
+    fn into_unmatched(self) -> Option<T> {
+        None
+    }
+}
+
+/// The rows of one key still waiting for matches, in arrival order, as a
+/// join's state holds them: [`Rows`], or [`FullRows`] for the full outer join.
+pub trait Buffer<L, R>: Default + StateValue {
+    /// A buffered right row.
+    type Right: BufferedRow<R>;
+
+    fn left(&self) -> &[TrackedRow<L>];
+
+    fn right(&self) -> &[Self::Right];
+
+    /// Both sides, to probe, add to and evict.
+    fn sides_mut(&mut self) -> (&mut Vec<TrackedRow<L>>, &mut Vec<Self::Right>);
+}
+
+/// The buffered rows of one key of the inner, left and right joins. Its name,
+/// type parameters and encoding are those their checkpoints hold: do not
+/// change them.
 #[derive(Serialize, Deserialize)]
-struct Rows<L, R> {
-    left: Vec<LeftRow<L>>,
+pub struct Rows<L, R> {
+    left: Vec<TrackedRow<L>>,
     right: Vec<(EventTime, R)>,
+}
+
+/// The buffered rows of one key of the full outer join: the right rows also
+/// carry whether they matched.
+#[derive(Serialize, Deserialize)]
+pub struct FullRows<L, R> {
+    left: Vec<TrackedRow<L>>,
+    right: Vec<TrackedRow<R>>,
 }
 
 impl<L, R> Default for Rows<L, R> {
@@ -133,15 +238,59 @@ impl<L, R> Default for Rows<L, R> {
     }
 }
 
-/// The join operator over the union of both sides, keyed by the join key.
-pub struct StreamJoin<K, L, R, Out> {
+impl<L: StateValue, R: StateValue> Buffer<L, R> for Rows<L, R> {
+    type Right = (EventTime, R);
+
+    fn left(&self) -> &[TrackedRow<L>] {
+        &self.left
+    }
+
+    fn right(&self) -> &[Self::Right] {
+        &self.right
+    }
+
+    fn sides_mut(&mut self) -> (&mut Vec<TrackedRow<L>>, &mut Vec<Self::Right>) {
+        (&mut self.left, &mut self.right)
+    }
+}
+
+impl<L, R> Default for FullRows<L, R> {
+    fn default() -> Self {
+        Self {
+            left: Vec::new(),
+            right: Vec::new(),
+        }
+    }
+}
+
+impl<L: StateValue, R: StateValue> Buffer<L, R> for FullRows<L, R> {
+    type Right = TrackedRow<R>;
+
+    fn left(&self) -> &[TrackedRow<L>] {
+        &self.left
+    }
+
+    fn right(&self) -> &[Self::Right] {
+        &self.right
+    }
+
+    fn sides_mut(&mut self) -> (&mut Vec<TrackedRow<L>>, &mut Vec<Self::Right>) {
+        (&mut self.left, &mut self.right)
+    }
+}
+
+/// The join operator over the union of both sides, keyed by the join key,
+/// buffering the rows of each key as a `B`.
+pub struct StreamJoin<K, L, R, Out, B = Rows<L, R>> {
     key: KeyFn<Either<L, R>, K>,
     window: JoinWindow,
-    /// Left outer join: emit `(left, None)` for left rows that never matched.
+    /// Left or full outer join: emit the left rows that never matched, and the
+    /// right rows that never did if `B` tracks it (the full join).
     outer: bool,
-    /// Makes an output of a pair, or of an unmatched left row (outer join only).
-    output: fn(L, Option<R>) -> Out,
-    rows: KeyedState<K, Rows<L, R>>,
+    /// Makes an output of a pair (both `Some`), or of an unmatched row (outer
+    /// joins only).
+    output: fn(Option<L>, Option<R>) -> Out,
+    rows: KeyedState<K, B>,
     /// When each buffered row expires, built at the first watermark (or at a
     /// restore that has one), so a join without a watermark keeps none.
     expiries: Option<Expiries<K>>,
@@ -156,8 +305,9 @@ impl<K: StateKey, L: StateValue, R: StateValue> StreamJoin<K, L, R, (L, R)> {
         window: JoinWindow,
         ctx: &OperatorContext,
     ) -> Result<Self> {
-        Self::new(key, window, false, ctx, |left, right| {
-            (left, right.expect("an inner join emits matched pairs only"))
+        Self::new(key, window, false, ctx, |left, right| match (left, right) {
+            (Some(left), Some(right)) => (left, right),
+            _ => unreachable!("an inner join emits pairs only"),
         })
     }
 }
@@ -170,7 +320,9 @@ impl<K: StateKey, L: StateValue, R: StateValue> StreamJoin<K, L, R, (L, Option<R
         window: JoinWindow,
         ctx: &OperatorContext,
     ) -> Result<Self> {
-        Self::new(key, window, true, ctx, |left, right| (left, right))
+        Self::new(key, window, true, ctx, |left, right| {
+            (left.expect("a left join emits no right row alone"), right)
+        })
     }
 }
 
@@ -184,17 +336,40 @@ impl<K: StateKey, L: StateValue, R: StateValue> StreamJoin<K, R, L, (Option<L>, 
         window: JoinWindow,
         ctx: &OperatorContext,
     ) -> Result<Self> {
-        Self::new(key, window, true, ctx, |right, left| (left, right))
+        Self::new(key, window, true, ctx, |right, left| {
+            (left, right.expect("a right join emits no left row alone"))
+        })
     }
 }
 
-impl<K: StateKey, L: StateValue, R: StateValue, Out> StreamJoin<K, L, R, Out> {
+impl<K: StateKey, L: StateValue, R: StateValue>
+    StreamJoin<K, L, R, (Option<L>, Option<R>), FullRows<L, R>>
+{
+    /// Full outer join of the rows of both sides with equal `key` within
+    /// `window`: also emits `(Some(left), None)` and `(None, Some(right))` for
+    /// the rows of either side without a match.
+    pub fn full_outer(
+        key: KeyFn<Either<L, R>, K>,
+        window: JoinWindow,
+        ctx: &OperatorContext,
+    ) -> Result<Self> {
+        Self::new(key, window, true, ctx, |left, right| (left, right))
+    }
+}
+
+impl<K, L, R, Out, B> StreamJoin<K, L, R, Out, B>
+where
+    K: StateKey,
+    L: StateValue,
+    R: StateValue,
+    B: Buffer<L, R>,
+{
     fn new(
         key: KeyFn<Either<L, R>, K>,
         window: JoinWindow,
         outer: bool,
         ctx: &OperatorContext,
-        output: fn(L, Option<R>) -> Out,
+        output: fn(Option<L>, Option<R>) -> Out,
     ) -> Result<Self> {
         let mut join = Self {
             key,
@@ -221,21 +396,21 @@ impl<K: StateKey, L: StateValue, R: StateValue, Out> StreamJoin<K, L, R, Out> {
         let state = &self.rows;
         let mut expiries = Expiries::new();
         for (key, rows) in state.iter() {
-            for row in &rows.left {
+            for row in rows.left() {
                 expiries.schedule(self.window.left_expiry(row.time), key.clone());
             }
-            for (time, _) in &rows.right {
-                expiries.schedule(self.window.right_expiry(*time), key.clone());
+            for row in rows.right() {
+                expiries.schedule(self.window.right_expiry(row.time()), key.clone());
             }
         }
         expiries
     }
 
     /// Drops the expired rows of at most `budget` keys; an outer join emits
-    /// those of its left rows that never matched. An expired row cannot match
-    /// a row on time (its range ends before the watermark), so the rest wait
-    /// for the records and flushes after the watermark instead of holding them
-    /// up; an outer join holds the watermark it passes on back until its
+    /// those that never matched of its preserved sides. An expired row cannot
+    /// match a row on time (its range ends before the watermark), so the rest
+    /// wait for the records and flushes after the watermark instead of holding
+    /// them up; an outer join holds the watermark it passes on back until its
     /// unmatched rows are out ([`Operator::watermark_hold`]).
     fn evict(&mut self, budget: usize, out: &mut Collector<'_, Out>) -> Result<()> {
         let Some(expiries) = &mut self.expiries else {
@@ -249,45 +424,78 @@ impl<K: StateKey, L: StateValue, R: StateValue, Out> StreamJoin<K, L, R, Out> {
         expiries.expire(watermark, budget, |key| {
             // A key is scheduled once per row: only the first visit finds work.
             let due = state.get(&key).is_some_and(|rows| {
-                rows.left
+                rows.left()
                     .iter()
-                    .any(|r| expired(window.left_expiry(r.time)))
+                    .any(|row| expired(window.left_expiry(row.time)))
                     || rows
-                        .right
+                        .right()
                         .iter()
-                        .any(|(t, _)| expired(window.right_expiry(*t)))
+                        .any(|row| expired(window.right_expiry(row.time())))
             });
             if !due || emitted.is_err() {
                 return;
             }
-            let rows = state.get_mut(&key).expect("checked above");
-            let mut kept = Vec::with_capacity(rows.left.len());
-            for row in rows.left.drain(..) {
-                let end = window.left_expiry(row.time);
-                if !expired(end) {
-                    kept.push(row);
-                } else if outer && !row.matched && emitted.is_ok() {
-                    // Stamped with the end of its range, which the watermark
-                    // downstream has not passed yet: never late there.
+            // Stamped with the end of its range, which the watermark
+            // downstream has not passed yet: never late there.
+            let mut unmatched = |value: Out, end: EventTime| {
+                if emitted.is_ok() {
                     let meta = RecordMeta {
                         event_time: end,
                         ..out.meta()
                     };
-                    emitted = out.emit_record(Record {
-                        value: output(row.value, None),
-                        meta,
-                    });
+                    emitted = out.emit_record(Record { value, meta });
                 }
-            }
-            rows.left = kept;
-            rows.right
-                .retain(|(time, _)| !expired(window.right_expiry(*time)));
-            if rows.left.is_empty() && rows.right.is_empty() {
+            };
+            let rows = state.get_mut(&key).expect("checked above");
+            let (left, right) = rows.sides_mut();
+            // `output` only makes the outputs of the rows an outer join keeps.
+            drop_expired(
+                left,
+                |time| window.left_expiry(time),
+                expired,
+                |l, end| {
+                    if outer {
+                        unmatched(output(Some(l), None), end);
+                    }
+                },
+            );
+            drop_expired(
+                right,
+                |time| window.right_expiry(time),
+                expired,
+                |r, end| {
+                    if outer {
+                        unmatched(output(None, Some(r)), end);
+                    }
+                },
+            );
+            if left.is_empty() && right.is_empty() {
                 state.remove(&key);
             }
         });
         emitted
     }
+}
+
+/// Drops the `rows` whose range, ending at `end(time)`, has `expired`, handing
+/// the value of each that matched nothing (if its join tracks it) to
+/// `unmatched` with the end of its range.
+fn drop_expired<T, Row: BufferedRow<T>>(
+    rows: &mut Vec<Row>,
+    end: impl Fn(EventTime) -> EventTime,
+    expired: impl Fn(EventTime) -> bool,
+    mut unmatched: impl FnMut(T, EventTime),
+) {
+    let mut kept = Vec::with_capacity(rows.len());
+    for row in rows.drain(..) {
+        let end = end(row.time());
+        if !expired(end) {
+            kept.push(row);
+        } else if let Some(value) = row.into_unmatched() {
+            unmatched(value, end);
+        }
+    }
+    *rows = kept;
 }
 
 /// The timestamps of a pair: the later event time of its rows, so a pair is
@@ -299,12 +507,13 @@ fn pair_meta(meta: RecordMeta, other: EventTime) -> RecordMeta {
     }
 }
 
-impl<K, L, R, Out> Operator<Either<L, R>, Out> for StreamJoin<K, L, R, Out>
+impl<K, L, R, Out, B> Operator<Either<L, R>, Out> for StreamJoin<K, L, R, Out, B>
 where
     K: StateKey,
     L: Data + StateValue,
     R: Data + StateValue,
     Out: Data,
+    B: Buffer<L, R>,
 {
     fn allowlisted() -> bool {
         true
@@ -328,40 +537,39 @@ where
             return Ok(());
         }
         let key = (self.key)(&record.value);
-        let rows = self.rows.get_or_insert_with(key.clone(), Rows::default);
-        let window = self.window;
+        let (left_rows, right_rows) = self
+            .rows
+            .get_or_insert_with(key.clone(), B::default)
+            .sides_mut();
+        let (window, output) = (self.window, self.output);
+        let mut matched = false;
         let expiry = match record.value {
             Either::Left(left) => {
-                let mut matched = false;
-                for (right_time, right) in &rows.right {
-                    if window.contains(time, *right_time) {
+                for row in right_rows.iter_mut() {
+                    if window.contains(time, row.time()) {
                         matched = true;
-                        let pair = (self.output)(left.clone(), Some(right.clone()));
+                        row.set_matched();
                         out.emit_record(Record {
-                            value: pair,
-                            meta: pair_meta(meta, *right_time),
+                            value: output(Some(left.clone()), Some(row.value().clone())),
+                            meta: pair_meta(meta, row.time()),
                         })?;
                     }
                 }
-                rows.left.push(LeftRow {
-                    time,
-                    value: left,
-                    matched,
-                });
+                left_rows.push(TrackedRow::new(time, left, matched));
                 window.left_expiry(time)
             }
             Either::Right(right) => {
-                for row in &mut rows.left {
+                for row in left_rows.iter_mut() {
                     if window.contains(row.time, time) {
-                        row.matched = true;
-                        let pair = (self.output)(row.value.clone(), Some(right.clone()));
+                        matched = true;
+                        row.set_matched();
                         out.emit_record(Record {
-                            value: pair,
+                            value: output(Some(row.value.clone()), Some(right.clone())),
                             meta: pair_meta(meta, row.time),
                         })?;
                     }
                 }
-                rows.right.push((time, right));
+                right_rows.push(B::Right::new(time, right, matched));
                 window.right_expiry(time)
             }
         };
@@ -382,8 +590,8 @@ where
     }
 
     fn watermark_hold(&self) -> Option<EventTime> {
-        // Unmatched left rows go out stamped with the end of their range: the
-        // watermark waits for the earliest still to go.
+        // Unmatched rows go out stamped with the end of their range: the
+        // watermark waits for the earliest row of either side still to go.
         let expiries = self.expiries.as_ref().filter(|_| self.outer)?;
         let watermark = self.lateness.watermark();
         expiries.earliest().filter(|time| *time < watermark)
@@ -435,6 +643,11 @@ where
 /// // Impressions without a click within the hour, as `(impression, None)`.
 /// impressions
 ///     .left_join(&clicks, |(ad, _)| *ad, |(ad, _)| *ad, window)
+///     .sink(MemorySink::new());
+/// // Pairs, impressions without a click and clicks without an impression in
+/// // the hour before them, `None` on the side without a match.
+/// impressions
+///     .full_join(&clicks, |(ad, _)| *ad, |(ad, _)| *ad, window)
 ///     .sink(MemorySink::new());
 /// ```
 pub trait StreamJoinExt<L: Data + StateValue>: AsRef<Stream<L>> {
@@ -499,6 +712,28 @@ pub trait StreamJoinExt<L: Data + StateValue>: AsRef<Stream<L>> {
         keyed_union(right.as_ref(), self.as_ref(), key.clone())
             .try_transform(STREAM_RIGHT_JOIN, move |ctx| {
                 StreamJoin::right_outer(key.clone(), mirrored, ctx)
+            })
+    }
+
+    /// Full outer join: the pairs of [`join`](Self::join) as `(Some(left),
+    /// Some(right))`, `(Some(left), None)` for each left row and `(None,
+    /// Some(right))` for each right row that matched nothing, once the
+    /// watermark passes the end of its range.
+    fn full_join<R, K>(
+        &self,
+        right: &impl AsRef<Stream<R>>,
+        left_key: impl Fn(&L) -> K + Send + Sync + 'static,
+        right_key: impl Fn(&R) -> K + Send + Sync + 'static,
+        window: JoinWindow,
+    ) -> Stream<(Option<L>, Option<R>)>
+    where
+        R: Data + StateValue,
+        K: StateKey,
+    {
+        let key = join_key(Arc::new(left_key), Arc::new(right_key));
+        keyed_union(self.as_ref(), right.as_ref(), key.clone())
+            .try_transform(STREAM_FULL_JOIN, move |ctx| {
+                StreamJoin::full_outer(key.clone(), window, ctx)
             })
     }
 }
@@ -744,5 +979,135 @@ mod tests {
         ];
         let expected = [Emitted::Record(((1, 'a'), (1, 'x')), 5)];
         assert_eq!(run(STREAM_JOIN, inner, steps), expected);
+    }
+
+    type FullJoin = StreamJoin<u32, Ad, Ad, (Option<Ad>, Option<Ad>), FullRows<Ad, Ad>>;
+
+    fn full_outer(ctx: &OperatorContext) -> Result<FullJoin> {
+        StreamJoin::full_outer(Arc::new(ad), WINDOW, ctx)
+    }
+
+    #[test]
+    fn a_full_join_emits_pairs_and_the_unmatched_rows_of_both_sides_once_their_ranges_pass() {
+        let steps = [
+            Record(Left((1, 'a')), 0),
+            Record(Right((1, 'x')), 5),
+            Record(Left((2, 'b')), 3),
+            Record(Right((3, 'y')), 4),
+            // Past the end of a's range, 10.
+            Record(Right((1, 'z')), 12),
+            // Matched by a later left row, so never out alone.
+            Record(Right((4, 'w')), 20),
+            Record(Left((4, 'c')), 15),
+            Watermark(5),
+            Watermark(13),
+            Watermark(14),
+            Watermark(26),
+        ];
+        // An unmatched row is stamped with the end of its range: a left row's
+        // time plus 10, a right row's own time (nothing may precede it).
+        let expected = [
+            Emitted::Record((Some((1, 'a')), Some((1, 'x'))), 5),
+            Emitted::Record((Some((4, 'c')), Some((4, 'w'))), 20),
+            Emitted::Record((None, Some((3, 'y'))), 4),
+            Emitted::Watermark(5),
+            Emitted::Record((None, Some((1, 'z'))), 12),
+            Emitted::Watermark(13),
+            Emitted::Record((Some((2, 'b')), None), 13),
+            Emitted::Watermark(14),
+            Emitted::Watermark(26),
+        ];
+        assert_eq!(run(STREAM_FULL_JOIN, full_outer, steps), expected);
+    }
+
+    #[test]
+    fn a_full_join_holds_the_watermark_until_the_unmatched_rows_of_both_sides_went_out() {
+        let rows = EVICT_PER_WATERMARK as u32 + 1;
+        // Left rows at 0 and right rows at 10: their ranges all end at 10.
+        let row = |ad: u32| match ad % 2 {
+            0 => Record(Left((ad, 'a')), 0),
+            _ => Record(Right((ad, 'x')), 10),
+        };
+        let steps: Vec<Step<Row>> = [Watermark(0)]
+            .into_iter()
+            .chain((0..rows).map(row))
+            .chain([Watermark(11), Flush])
+            .collect();
+        let emitted = run(STREAM_FULL_JOIN, full_outer, steps);
+        let watermarks: Vec<(usize, EventTime)> = emitted
+            .iter()
+            .enumerate()
+            .filter_map(|(at, e)| match e {
+                Emitted::Watermark(watermark) => Some((at, *watermark)),
+                Emitted::Record(..) => None,
+            })
+            .collect();
+        let slice = EVICT_PER_WATERMARK;
+        assert_eq!(watermarks, [(0, 0), (slice + 1, 10), (slice + 3, 11)]);
+        let mut unmatched: Vec<u32> = emitted
+            .iter()
+            .filter_map(|e| match e {
+                Emitted::Record((Some((ad, 'a')), None), 10) if ad % 2 == 0 => Some(*ad),
+                Emitted::Record((None, Some((ad, 'x'))), 10) if ad % 2 == 1 => Some(*ad),
+                _ => None,
+            })
+            .collect();
+        unmatched.sort();
+        assert_eq!(unmatched, (0..rows).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_restored_full_join_knows_which_right_rows_matched() {
+        let steps = [
+            // x is marked matched when a arrives.
+            Record(Right((1, 'x')), 5),
+            Record(Left((1, 'a')), 0),
+            Record(Right((2, 'y')), 4),
+            Barrier,
+            // Lost with the instance: never out unmatched.
+            Record(Left((3, 'c')), 1),
+            Restore,
+            Watermark(12),
+        ];
+        let expected = [
+            Emitted::Record((Some((1, 'a')), Some((1, 'x'))), 5),
+            Emitted::Record((None, Some((2, 'y'))), 4),
+            Emitted::Watermark(12),
+        ];
+        assert_eq!(run(STREAM_FULL_JOIN, full_outer, steps), expected);
+    }
+
+    /// The signature and encoding of the rows a barrier checkpoints after
+    /// `a` at 0 and `x` at 3, both of key 1.
+    fn checkpointed<Out: Send + 'static>(mut join: OperatorTester<Row, Out>) -> (String, Vec<u8>) {
+        join.record(Left((1, 'a')), 0).unwrap();
+        join.record(Right((1, 'x')), 3).unwrap();
+        let deltas = join.barrier(1).unwrap();
+        let rows = deltas.iter().find(|d| d.state.name == ROWS).unwrap();
+        let value = rows.entries[0].value.clone().unwrap();
+        (rows.meta.signature.clone(), value)
+    }
+
+    #[test]
+    fn the_inner_left_and_right_joins_checkpoint_rows_as_before_and_the_full_join_its_own() {
+        // Checkpoints of the inner, left and right joins written before the
+        // full join existed must still restore: same signature, same bytes.
+        let rows = "(u32, rtflow_operators::join_stream::Rows<(u32, char), (u32, char)>)";
+        // One left row (time 0, (1, 'a'), matched), one right row (time 3,
+        // zigzag 6, (1, 'x')).
+        let matched = vec![1, 0, 1, 97, 1, 1, 6, 1, 120];
+        let inner = OperatorTester::new(STREAM_JOIN, inner).unwrap();
+        assert_eq!(checkpointed(inner), (rows.to_owned(), matched.clone()));
+        let left = OperatorTester::new(STREAM_LEFT_JOIN, left_outer).unwrap();
+        assert_eq!(checkpointed(left), (rows.to_owned(), matched));
+        // Click 'a' at 0 is on the left, and impression 'x' at 3 is after it.
+        let unmatched = vec![1, 0, 1, 97, 0, 1, 6, 1, 120];
+        let right = OperatorTester::new(STREAM_RIGHT_JOIN, right_outer).unwrap();
+        assert_eq!(checkpointed(right), (rows.to_owned(), unmatched));
+        // The full join's right rows carry whether they matched too.
+        let full_rows = "(u32, rtflow_operators::join_stream::FullRows<(u32, char), (u32, char)>)";
+        let both_matched = vec![1, 0, 1, 97, 1, 1, 6, 1, 120, 1];
+        let full = OperatorTester::new(STREAM_FULL_JOIN, full_outer).unwrap();
+        assert_eq!(checkpointed(full), (full_rows.to_owned(), both_matched));
     }
 }

@@ -40,7 +40,8 @@ pub use filter::Filter;
 pub use flat_map::FlatMap;
 pub use join::{BroadcastJoin, BroadcastLeftJoin};
 pub use join_stream::{
-    Either, JoinWindow, StreamJoin, StreamJoinExt, STREAM_JOIN, STREAM_LEFT_JOIN, STREAM_RIGHT_JOIN,
+    Either, JoinWindow, StreamJoin, StreamJoinExt, STREAM_FULL_JOIN, STREAM_JOIN, STREAM_LEFT_JOIN,
+    STREAM_RIGHT_JOIN,
 };
 pub use map::Map;
 pub use process::{KeyedProcess, KeyedProcessExt, KeyedProcessor};
