@@ -919,6 +919,18 @@ mod tests {
         assert_eq!(run(STREAM_RIGHT_JOIN, right_outer, steps), expected);
     }
 
+    /// Where among `emitted` each watermark went out, and which.
+    fn watermarks_at<T>(emitted: &[Emitted<T>]) -> Vec<(usize, EventTime)> {
+        emitted
+            .iter()
+            .enumerate()
+            .filter_map(|(at, e)| match e {
+                Emitted::Watermark(watermark) => Some((at, *watermark)),
+                Emitted::Record(..) => None,
+            })
+            .collect()
+    }
+
     #[test]
     fn a_left_join_holds_the_watermark_until_its_unmatched_rows_went_out() {
         let rows = EVICT_PER_WATERMARK as u32 + 1;
@@ -933,14 +945,7 @@ mod tests {
         // The watermark evicts a slice of the rows and holds at the end of
         // the others' range; the flush sends them and releases it. Which rows
         // go first is the schedule's business.
-        let watermarks: Vec<(usize, EventTime)> = emitted
-            .iter()
-            .enumerate()
-            .filter_map(|(at, e)| match e {
-                Emitted::Watermark(watermark) => Some((at, *watermark)),
-                Emitted::Record(..) => None,
-            })
-            .collect();
+        let watermarks = watermarks_at(&emitted);
         let slice = EVICT_PER_WATERMARK;
         assert_eq!(watermarks, [(0, 0), (slice + 1, 10), (slice + 3, 11)]);
         let mut unmatched: Vec<u32> = emitted
@@ -1034,14 +1039,7 @@ mod tests {
             .chain([Watermark(11), Flush])
             .collect();
         let emitted = run(STREAM_FULL_JOIN, full_outer, steps);
-        let watermarks: Vec<(usize, EventTime)> = emitted
-            .iter()
-            .enumerate()
-            .filter_map(|(at, e)| match e {
-                Emitted::Watermark(watermark) => Some((at, *watermark)),
-                Emitted::Record(..) => None,
-            })
-            .collect();
+        let watermarks = watermarks_at(&emitted);
         let slice = EVICT_PER_WATERMARK;
         assert_eq!(watermarks, [(0, 0), (slice + 1, 10), (slice + 3, 11)]);
         let mut unmatched: Vec<u32> = emitted

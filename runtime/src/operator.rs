@@ -406,39 +406,6 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
 mod tests {
     use super::*;
 
-    /// What reaches the next step: records' values and watermarks, in order.
-    #[derive(Debug, PartialEq)]
-    enum Seen {
-        Record(u32),
-        Watermark(EventTime),
-    }
-
-    struct Recorder(Arc<Mutex<Vec<Seen>>>);
-
-    impl Emit<u32> for Recorder {
-        fn record(&mut self, record: Record<u32>) -> Result<()> {
-            self.0.lock().unwrap().push(Seen::Record(record.value));
-            Ok(())
-        }
-        fn watermark(&mut self, watermark: EventTime) -> Result<()> {
-            self.0.lock().unwrap().push(Seen::Watermark(watermark));
-            Ok(())
-        }
-        fn idle(&mut self) -> Result<()> {
-            Ok(())
-        }
-        fn barrier(&mut self, _epoch: Epoch) -> Result<()> {
-            Ok(())
-        }
-        fn flush(&mut self) -> Result<()> {
-            Ok(())
-        }
-        fn end(&mut self) -> Result<()> {
-            Ok(())
-        }
-        fn abort(&mut self, _error: &RtflowError) {}
-    }
-
     /// Owes one output per time the watermark passed, and pays one per record
     /// or flush, earliest first.
     #[derive(Default)]
@@ -489,52 +456,42 @@ mod tests {
 
     #[test]
     fn a_held_watermark_follows_the_output_the_operator_still_owes() {
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let mut chained = Chained::start(
-            Owing::default(),
-            &OperatorContext::detached("owing", 0, 1),
-            Box::new(Recorder(seen.clone())),
-            Arc::new(OperatorMetrics::default()),
-            SnapshotBuffer::default(),
-        )
-        .unwrap();
-        let record = |value| Record {
-            value,
-            meta: RecordMeta {
-                event_time: value as EventTime,
-                source_time: 0,
-                ingest_time: 0,
-                partition: 0,
-            },
-        };
-        for time in [10, 20, 30] {
-            chained.record(record(time)).unwrap();
-        }
-        // 10 and 20 fall due: the watermark waits at the earliest, 10.
-        chained.watermark(25).unwrap();
-        chained.record(record(40)).unwrap();
-        chained.flush().unwrap();
-        // Nothing owed: the watermark catches up, once.
-        chained.flush().unwrap();
-        chained.watermark(26).unwrap();
-        // 30 and 40 fall due; the close pays both and releases the watermark.
-        chained.watermark(50).unwrap();
-        chained.end().unwrap();
-        use Seen::{Record as R, Watermark as W};
-        assert_eq!(
-            *seen.lock().unwrap(),
-            [
-                W(10),
-                R(10),
-                W(20),
-                R(20),
-                W(25),
-                W(26),
-                W(30),
-                R(30),
-                R(40),
-                W(50)
-            ]
-        );
+        use crate::tester::{run, Emitted, Step};
+        let steps = [
+            Step::Record(10, 10),
+            Step::Record(20, 20),
+            Step::Record(30, 30),
+            // 10 and 20 fall due: the watermark waits at the earliest, 10.
+            Step::Watermark(25),
+            Step::Record(40, 40),
+            Step::Flush,
+            // Nothing owed: the watermark catches up, once.
+            Step::Flush,
+            Step::Watermark(26),
+            // 30 and 40 fall due; the close pays both and releases the watermark.
+            Step::Watermark(50),
+            Step::End,
+        ];
+        // The order of outputs and watermarks is what the hold decides.
+        let seen: Vec<(char, EventTime)> = run("owing", |_| Ok(Owing::default()), steps)
+            .into_iter()
+            .map(|emitted| match emitted {
+                Emitted::Record(value, _) => ('r', EventTime::from(value)),
+                Emitted::Watermark(watermark) => ('w', watermark),
+            })
+            .collect();
+        let expected = [
+            ('w', 10),
+            ('r', 10),
+            ('w', 20),
+            ('r', 20),
+            ('w', 25),
+            ('w', 26),
+            ('w', 30),
+            ('r', 30),
+            ('r', 40),
+            ('w', 50),
+        ];
+        assert_eq!(seen, expected);
     }
 }
