@@ -664,11 +664,14 @@ pub trait StreamJoinExt<L: Data + StateValue>: AsRef<Stream<L>> {
         R: Data + StateValue,
         K: StateKey,
     {
-        let key = join_key(Arc::new(left_key), Arc::new(right_key));
-        keyed_union(self.as_ref(), right.as_ref(), key.clone())
-            .try_transform(STREAM_JOIN, move |ctx| {
-                StreamJoin::inner(key.clone(), window, ctx)
-            })
+        add_join(
+            self.as_ref(),
+            right.as_ref(),
+            left_key,
+            right_key,
+            STREAM_JOIN,
+            move |key, ctx| StreamJoin::inner(key, window, ctx),
+        )
     }
 
     /// Left outer join: the pairs of [`join`](Self::join) as `(left, Some(right))`,
@@ -685,11 +688,14 @@ pub trait StreamJoinExt<L: Data + StateValue>: AsRef<Stream<L>> {
         R: Data + StateValue,
         K: StateKey,
     {
-        let key = join_key(Arc::new(left_key), Arc::new(right_key));
-        keyed_union(self.as_ref(), right.as_ref(), key.clone())
-            .try_transform(STREAM_LEFT_JOIN, move |ctx| {
-                StreamJoin::left_outer(key.clone(), window, ctx)
-            })
+        add_join(
+            self.as_ref(),
+            right.as_ref(),
+            left_key,
+            right_key,
+            STREAM_LEFT_JOIN,
+            move |key, ctx| StreamJoin::left_outer(key, window, ctx),
+        )
     }
 
     /// Right outer join: the pairs of [`join`](Self::join) as `(Some(left),
@@ -707,12 +713,15 @@ pub trait StreamJoinExt<L: Data + StateValue>: AsRef<Stream<L>> {
         R: Data + StateValue,
         K: StateKey,
     {
-        let key = join_key(Arc::new(right_key), Arc::new(left_key));
         let mirrored = window.mirrored();
-        keyed_union(right.as_ref(), self.as_ref(), key.clone())
-            .try_transform(STREAM_RIGHT_JOIN, move |ctx| {
-                StreamJoin::right_outer(key.clone(), mirrored, ctx)
-            })
+        add_join(
+            right.as_ref(),
+            self.as_ref(),
+            right_key,
+            left_key,
+            STREAM_RIGHT_JOIN,
+            move |key, ctx| StreamJoin::right_outer(key, mirrored, ctx),
+        )
     }
 
     /// Full outer join: the pairs of [`join`](Self::join) as `(Some(left),
@@ -730,11 +739,14 @@ pub trait StreamJoinExt<L: Data + StateValue>: AsRef<Stream<L>> {
         R: Data + StateValue,
         K: StateKey,
     {
-        let key = join_key(Arc::new(left_key), Arc::new(right_key));
-        keyed_union(self.as_ref(), right.as_ref(), key.clone())
-            .try_transform(STREAM_FULL_JOIN, move |ctx| {
-                StreamJoin::full_outer(key.clone(), window, ctx)
-            })
+        add_join(
+            self.as_ref(),
+            right.as_ref(),
+            left_key,
+            right_key,
+            STREAM_FULL_JOIN,
+            move |key, ctx| StreamJoin::full_outer(key, window, ctx),
+        )
     }
 }
 
@@ -742,38 +754,36 @@ impl<L: Data + StateValue, S: AsRef<Stream<L>>> StreamJoinExt<L> for S {}
 
 type KeyFn<T, K> = Arc<dyn Fn(&T) -> K + Send + Sync>;
 
-/// The join key of a row of either side.
-fn join_key<K, L, R>(left: KeyFn<L, K>, right: KeyFn<R, K>) -> KeyFn<Either<L, R>, K>
-where
-    K: 'static,
-    L: 'static,
-    R: 'static,
-{
-    Arc::new(move |side: &Either<L, R>| match side {
-        Either::Left(l) => left(l),
-        Either::Right(r) => right(r),
-    })
-}
-
-/// Both sides tagged, in one stream shuffled by the join key: the input of the
-/// join operator.
-fn keyed_union<K, L, R>(
+/// Adds a join operator of `kind`, which `make` makes from the join key of
+/// either side, over both sides tagged (`left` as [`Either::Left`]) and
+/// shuffled by that key: the wiring every stream-stream join shares.
+fn add_join<K, L, R, O, Out>(
     left: &Stream<L>,
     right: &Stream<R>,
-    key: KeyFn<Either<L, R>, K>,
-) -> Stream<Either<L, R>>
+    left_key: impl Fn(&L) -> K + Send + Sync + 'static,
+    right_key: impl Fn(&R) -> K + Send + Sync + 'static,
+    kind: &str,
+    make: impl Fn(KeyFn<Either<L, R>, K>, &OperatorContext) -> Result<O> + Send + Sync + 'static,
+) -> Stream<Out>
 where
     K: StateKey,
     L: Data,
     R: Data,
+    Out: Data,
+    O: Operator<Either<L, R>, Out>,
 {
+    let key: KeyFn<Either<L, R>, K> = Arc::new(move |side: &Either<L, R>| match side {
+        Either::Left(l) => left_key(l),
+        Either::Right(r) => right_key(r),
+    });
+    let shuffle_key = key.clone();
     let tagged_left = left.transform("map", |_| Map(Either::<L, R>::Left));
     let tagged_right = right.transform("map", |_| Map(Either::<L, R>::Right));
     tagged_left
         .union(&tagged_right)
-        .key_by(move |side| key(side))
+        .key_by(move |side| shuffle_key(side))
         .as_ref()
-        .clone()
+        .try_transform(kind, move |ctx| make(key.clone(), ctx))
 }
 
 #[cfg(test)]
