@@ -38,11 +38,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
-use common::kafka::{bootstrap, produce, topic};
+use common::kafka::{bootstrap, expected_key_counts, keyed_records, produce, reader, topic};
 use common::{config, TIMEOUT};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use rtflow::prelude::*;
 
 /// Records per wave of input: three per key.
@@ -600,7 +599,7 @@ impl Case {
         produce(
             &self.bootstrap,
             &self.input,
-            records(self.produced, self.produced + count),
+            keyed_records(self.produced, self.produced + count),
         );
         self.produced += count;
     }
@@ -613,7 +612,7 @@ impl Case {
         let query = self.start().expect("the healthy run starts");
         for _ in 0..waves {
             self.produce(WAVE);
-            let expected = expected(self.produced);
+            let expected = expected_key_counts(self.produced);
             let complete = self
                 .output
                 .wait_for(&expected, TIMEOUT, || query.exception());
@@ -629,9 +628,9 @@ impl Case {
         self.output.read_to_end(TIMEOUT);
         assert_eq!(
             self.output.counts(),
-            expected(self.produced),
+            expected_key_counts(self.produced),
             "the healthy run is exactly once: {}",
-            differences(&self.output.counts(), &expected(self.produced))
+            differences(&self.output.counts(), &expected_key_counts(self.produced))
         );
         settle(&self.location);
     }
@@ -639,7 +638,7 @@ impl Case {
     /// Restarts on the (damaged) location, feeds `more` records, and reports
     /// how the restart ended and what the output of the whole case holds.
     fn restart(&mut self, more: usize) -> Outcome {
-        let expected_total = expected(self.produced + more);
+        let expected_total = expected_key_counts(self.produced + more);
         let ending = match self.start() {
             Err(error) => {
                 let ending = Ending::of(error, true);
@@ -823,31 +822,6 @@ impl fmt::Display for Outcome {
 // Input, expected output, and reading it back
 // ---------------------------------------------------------------------------
 
-/// Records `from..to`, round-robin over 3 partitions, keyed by `k{i % 10}`.
-fn records(from: usize, to: usize) -> Vec<(i32, String, Vec<u8>)> {
-    (from..to)
-        .map(|i| {
-            (
-                (i % 3) as i32,
-                format!("k{}", i % 10),
-                i.to_string().into_bytes(),
-            )
-        })
-        .collect()
-}
-
-/// Every `key:count` a correct run emits for input `0..n`, once each.
-fn expected(n: usize) -> BTreeMap<String, usize> {
-    let mut counts = BTreeMap::new();
-    for i in 0..n {
-        *counts.entry(format!("k{}", i % 10)).or_insert(0u64) += 1;
-    }
-    counts
-        .into_iter()
-        .flat_map(|(key, n)| (1..=n).map(move |c| (format!("{key}:{c}"), 1)))
-        .collect()
-}
-
 /// What `seen` has beyond or short of `expected`, e.g. "duplicates k1:4..k1:6;
 /// missing k3:10..k3:12"; empty when they are equal.
 fn differences(seen: &BTreeMap<String, usize>, expected: &BTreeMap<String, usize>) -> String {
@@ -915,18 +889,7 @@ struct Output {
 
 impl Output {
     fn new(bootstrap: &str, topic: &str) -> Self {
-        let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", bootstrap)
-            .set("group.id", "rtflow-tests")
-            .set("enable.auto.commit", "false")
-            .set("isolation.level", "read_committed")
-            .create()
-            .unwrap();
-        let mut assignment = TopicPartitionList::new();
-        assignment
-            .add_partition_offset(topic, 0, Offset::Beginning)
-            .unwrap();
-        consumer.assign(&assignment).unwrap();
+        let consumer = reader(bootstrap, topic, 1);
         Self {
             topic: topic.to_owned(),
             consumer,

@@ -7,7 +7,10 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::kafka::{bootstrap, compacted_topic, consume, consume_to_end, produce, topic};
+use common::kafka::{
+    bootstrap, compacted_topic, consume, consume_to_end, expected_key_counts, keyed_records,
+    produce, topic,
+};
 use common::{config, TIMEOUT};
 use rtflow::prelude::*;
 
@@ -16,19 +19,6 @@ fn checkpointed(name: &str) -> QueryConfig {
     config(name)
         .trigger(Trigger::real_time("200 milliseconds"))
         .min_batch_duration(Duration::from_millis(200))
-}
-
-/// Records `from..to`, round-robin over 3 partitions, keyed by `k{i % 10}`.
-fn records(from: usize, to: usize) -> Vec<(i32, String, Vec<u8>)> {
-    (from..to)
-        .map(|i| {
-            (
-                (i % 3) as i32,
-                format!("k{}", i % 10),
-                i.to_string().into_bytes(),
-            )
-        })
-        .collect()
 }
 
 /// Kafka -> count per key -> Kafka, exactly once.
@@ -92,28 +82,19 @@ fn multiset(bootstrap: &str, output: &str, expected: usize) -> BTreeMap<String, 
     seen
 }
 
-/// Every `key:count` a correct run emits for input `0..n`, once each.
-fn expected(n: usize) -> BTreeMap<String, usize> {
-    let mut counts = BTreeMap::new();
-    for i in 0..n {
-        *counts.entry(format!("k{}", i % 10)).or_insert(0u64) += 1;
-    }
-    counts
-        .into_iter()
-        .flat_map(|(key, n)| (1..=n).map(move |c| (format!("{key}:{c}"), 1)))
-        .collect()
-}
-
 #[test]
 fn every_count_is_committed_exactly_once_across_a_restart() {
     let Some(bootstrap) = bootstrap() else { return };
     let input = topic(&bootstrap, "rtflow-eos-in", 3);
     let output = topic(&bootstrap, "rtflow-eos-out", 1);
     let config = checkpointed("exactly-once");
-    produce(&bootstrap, &input, records(0, 1500));
+    produce(&bootstrap, &input, keyed_records(0, 1500));
 
     let query = start(&bootstrap, &input, &output, config.clone());
-    assert_eq!(multiset(&bootstrap, &output, 1500), expected(1500));
+    assert_eq!(
+        multiset(&bootstrap, &output, 1500),
+        expected_key_counts(1500)
+    );
     query.stop().unwrap();
     assert_eq!(query.exception(), None);
     // The writers record their commits in a topic of the query's own.
@@ -129,9 +110,12 @@ fn every_count_is_committed_exactly_once_across_a_restart() {
         "{writers:?}"
     );
 
-    produce(&bootstrap, &input, records(1500, 1800));
+    produce(&bootstrap, &input, keyed_records(1500, 1800));
     let query = start(&bootstrap, &input, &output, config);
-    assert_eq!(multiset(&bootstrap, &output, 1800), expected(1800));
+    assert_eq!(
+        multiset(&bootstrap, &output, 1800),
+        expected_key_counts(1800)
+    );
     query.stop().unwrap();
     assert_eq!(query.exception(), None);
 }
@@ -192,7 +176,7 @@ fn a_transaction_the_broker_timed_out_fails_the_query_with_the_setting_named() {
     let Some(bootstrap) = bootstrap() else { return };
     let input = topic(&bootstrap, "rtflow-eos-timeout-in", 3);
     let output = topic(&bootstrap, "rtflow-eos-timeout-out", 1);
-    produce(&bootstrap, &input, records(0, 30));
+    produce(&bootstrap, &input, keyed_records(0, 30));
     let tune = |sink: KafkaSink<(String, u64)>| sink.option("kafka.transaction.timeout.ms", 1000);
     let config = config("exactly-once-timeout");
     let query = start_with(
@@ -220,7 +204,7 @@ fn a_transaction_the_broker_timed_out_fails_the_query_with_the_setting_named() {
             .trigger(Trigger::real_time("200 milliseconds"))
             .min_batch_duration(Duration::from_millis(200)),
     );
-    assert_eq!(multiset(&bootstrap, &output, 30), expected(30));
+    assert_eq!(multiset(&bootstrap, &output, 30), expected_key_counts(30));
     query.stop().unwrap();
     assert_eq!(query.exception(), None);
 }
@@ -275,7 +259,7 @@ fn a_fenced_writer_fails_the_query() {
     let Some(bootstrap) = bootstrap() else { return };
     let input = topic(&bootstrap, "rtflow-eos-fenced-in", 3);
     let output = topic(&bootstrap, "rtflow-eos-fenced-out", 1);
-    produce(&bootstrap, &input, records(0, 30));
+    produce(&bootstrap, &input, keyed_records(0, 30));
     let query = start(
         &bootstrap,
         &input,
@@ -292,7 +276,7 @@ fn a_fenced_writer_fails_the_query() {
         .create()
         .unwrap();
     successor.init_transactions(TIMEOUT).unwrap();
-    produce(&bootstrap, &input, records(30, 60));
+    produce(&bootstrap, &input, keyed_records(30, 60));
     let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
     assert_eq!(error.error_class(), "SINK_FAILED");
     assert!(
@@ -330,12 +314,12 @@ fn run_one_epoch(
     config: &QueryConfig,
     tune: impl FnOnce(KafkaSink<(String, u64)>) -> KafkaSink<(String, u64)>,
 ) {
-    produce(bootstrap, input, records(0, 30));
+    produce(bootstrap, input, keyed_records(0, 30));
     let query = start_with(bootstrap, input, output, config.clone(), tune);
     wait_until_sink_took(&query, 30);
     query.stop().unwrap();
     assert_eq!(query.exception(), None);
-    assert_eq!(multiset(bootstrap, output, 30), expected(30));
+    assert_eq!(multiset(bootstrap, output, 30), expected_key_counts(30));
 }
 
 /// One epoch per run: it ends when the query stops.
@@ -361,7 +345,7 @@ fn a_restart_waits_for_a_transaction_left_open_on_the_commit_topic() {
     let zombie = open_transaction_on(&bootstrap, &commits);
     run_one_epoch(&bootstrap, &input, &output, &config, tune);
 
-    produce(&bootstrap, &input, records(30, 60));
+    produce(&bootstrap, &input, keyed_records(30, 60));
     let query = start_with(&bootstrap, &input, &output, config, tune);
     // The restart looks the commit record up at its first record, well within
     // this second, so it reads while the transaction is still open.
@@ -373,7 +357,7 @@ fn a_restart_waits_for_a_transaction_left_open_on_the_commit_topic() {
     query.stop().unwrap();
     ends.join().unwrap();
     assert_eq!(query.exception(), None);
-    assert_eq!(multiset(&bootstrap, &output, 60), expected(60));
+    assert_eq!(multiset(&bootstrap, &output, 60), expected_key_counts(60));
 }
 
 /// When the open transaction outlasts the sink's flush timeout, the restart
@@ -394,7 +378,7 @@ fn a_transaction_open_on_the_commit_topic_past_the_timeout_fails_the_restart() {
     let zombie = open_transaction_on(&bootstrap, &commits);
     run_one_epoch(&bootstrap, &input, &output, &config, tune);
 
-    produce(&bootstrap, &input, records(30, 60));
+    produce(&bootstrap, &input, keyed_records(30, 60));
     let query = start_with(&bootstrap, &input, &output, config, tune);
     let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
     zombie.abort_transaction(TIMEOUT).unwrap();
@@ -404,7 +388,7 @@ fn a_transaction_open_on_the_commit_topic_past_the_timeout_fails_the_restart() {
         message.contains(&commits) && message.contains("open transaction"),
         "the error names the commit topic and the cause: {message}"
     );
-    assert_eq!(multiset(&bootstrap, &output, 30), expected(30));
+    assert_eq!(multiset(&bootstrap, &output, 30), expected_key_counts(30));
 }
 
 /// Waits until the query's sinks have taken in `count` records.

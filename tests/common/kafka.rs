@@ -2,6 +2,7 @@
 //! plain rdkafka producer and consumer to feed and check queries independently of
 //! rtflow's own connectors.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -99,7 +100,7 @@ pub struct Read {
 }
 
 /// A read_committed consumer assigned to `topic`'s partitions from the beginning.
-fn reader(bootstrap: &str, topic: &str, partitions: i32) -> BaseConsumer {
+pub fn reader(bootstrap: &str, topic: &str, partitions: i32) -> BaseConsumer {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", "rtflow-tests")
@@ -177,4 +178,31 @@ pub fn consume_to_end(bootstrap: &str, topic: &str, timeout: Duration) -> Vec<Re
             "{topic} not read to offset {end} in {timeout:?}"
         );
     }
+}
+
+/// Records `from..to`, round-robin over 3 partitions, keyed by `k{i % 10}`:
+/// the input of the exactly-once count per key.
+pub fn keyed_records(from: usize, to: usize) -> Vec<(i32, String, Vec<u8>)> {
+    (from..to)
+        .map(|i| {
+            (
+                (i % 3) as i32,
+                format!("k{}", i % 10),
+                i.to_string().into_bytes(),
+            )
+        })
+        .collect()
+}
+
+/// Every `key:count` a correct count per key emits for `keyed_records(0, n)`,
+/// once each.
+pub fn expected_key_counts(n: usize) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for i in 0..n {
+        *counts.entry(format!("k{}", i % 10)).or_insert(0u64) += 1;
+    }
+    counts
+        .into_iter()
+        .flat_map(|(key, n)| (1..=n).map(move |c| (format!("{key}:{c}"), 1)))
+        .collect()
 }
