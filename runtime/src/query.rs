@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use actix::{Actor, Addr};
-use rtflow_checkpoint::CheckpointStore;
+use rtflow_checkpoint::{CheckpointStore, Recovery};
 use uuid::Uuid;
 
 use crate::config::QueryConfig;
@@ -44,26 +44,26 @@ impl StreamingQuery {
             .checkpoint_location
             .clone()
             .expect("validated: a checkpoint location is given");
-        let (location, id) = if is_new_location(&location) {
-            (Location::New(location), Uuid::new_v4())
+        let (location, recovery, id) = if is_new_location(&location) {
+            (Location::New(location), Recovery::default(), Uuid::new_v4())
         } else {
             let mut store = CheckpointStore::open(&location, config.checkpoints_retained)?;
             let recovery = store.recover()?;
             for corrupt in &recovery.skipped {
-                // Its epoch's output may have been published already (an
-                // exactly-once sink commits after the manifest): the replay
-                // publishes it again.
+                // Its epoch's output may have been published already: plain
+                // sinks see it again; an exactly-once sink that committed it
+                // refuses the restart (its commit topic is ahead).
                 tracing::warn!(
                     %corrupt,
-                    "passing over a corrupt checkpoint: its epoch is replayed, and output \
-                     sinks published for it may appear twice"
+                    "passing over a corrupt checkpoint: its epoch is replayed, and plain \
+                     sinks may receive its output twice"
                 );
             }
             let id = store.query_id(|| Uuid::new_v4().to_string())?;
             let id = Uuid::parse_str(&id).map_err(|e| {
                 RtflowError::Checkpoint(format!("the stored query id '{id}' is not a UUID: {e}"))
             })?;
-            (Location::Opened(Box::new(store), recovery), id)
+            (Location::Opened(Box::new(store)), recovery, id)
         };
         let shared = Arc::new(QueryShared::new(
             id,
@@ -87,6 +87,7 @@ impl StreamingQuery {
                         config,
                         batch_duration,
                         location,
+                        recovery,
                         started: started_tx,
                     };
                     let address = Coordinator::new(coordinator_shared, startup).start();

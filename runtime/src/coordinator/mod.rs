@@ -78,14 +78,15 @@ pub(crate) struct Startup {
     pub(crate) config: QueryConfig,
     pub(crate) batch_duration: Duration,
     pub(crate) location: Location,
+    /// The checkpoint the query resumes from (none for a new location).
+    pub(crate) recovery: Recovery,
     pub(crate) started: mpsc::Sender<Result<()>>,
 }
 
 /// The checkpoint location of a starting query.
 pub(crate) enum Location {
-    /// A location that held something: opened, with the checkpoint the query
-    /// resumes from.
-    Opened(Box<CheckpointStore>, Recovery),
+    /// A location that held something, opened.
+    Opened(Box<CheckpointStore>),
     /// A location that does not exist yet or is empty: created once every actor
     /// is wired, so that a query rejected at start writes nothing there.
     New(PathBuf),
@@ -95,7 +96,7 @@ impl Location {
     /// The store to commit checkpoints to, created now for a new location.
     fn into_store(self, config: &QueryConfig, query_id: &str) -> Result<CheckpointStore> {
         match self {
-            Self::Opened(store, _) => Ok(*store),
+            Self::Opened(store) => Ok(*store),
             Self::New(path) => {
                 let store = CheckpointStore::open(&path, config.checkpoints_retained)?;
                 store.query_id(|| query_id.to_owned())?;
@@ -167,13 +168,10 @@ impl Coordinator {
         let Startup {
             plan,
             config,
-            mut location,
+            location,
+            recovery,
             ..
         } = startup;
-        let recovery = match &mut location {
-            Location::Opened(_, recovery) => std::mem::take(recovery),
-            Location::New(_) => Recovery::default(),
-        };
         let Recovery {
             manifest: resume,
             state,
