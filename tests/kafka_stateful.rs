@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use common::kafka::{bootstrap, produce, topic};
 use rtflow::operators::process::{MapState, StateDeclarations};
+use rtflow::operators::Windowing;
 use rtflow::prelude::*;
 
 /// `(key, event time in ms, id)`, produced as the text "key,time,id".
@@ -387,53 +388,23 @@ enum Spec {
     },
 }
 
-/// The record count of every `(key, window)` of a batch run over `events`.
-fn window_counts(spec: Spec, events: &[Event]) -> BTreeMap<(u32, Window), u64> {
-    let mut counts = BTreeMap::new();
-    match spec {
-        Spec::Sliding { size, slide } => {
-            for (key, time, _) in events {
-                // Every window start, a multiple of the slide, in (time - size, time].
-                let mut start = time - time.rem_euclid(slide);
-                while start > time - size {
-                    let window = Window {
-                        start,
-                        end: start + size,
-                    };
-                    *counts.entry((*key, window)).or_default() += 1;
-                    start -= slide;
-                }
-            }
-        }
-        Spec::Session { gap } => {
-            let mut times: BTreeMap<u32, Vec<i64>> = BTreeMap::new();
-            for (key, time, _) in events {
-                times.entry(*key).or_default().push(*time);
-            }
-            for (key, mut times) in times {
-                times.sort_unstable();
-                let mut session: Option<(Window, u64)> = None;
-                for time in times {
-                    match &mut session {
-                        Some((window, count)) if time < window.end => {
-                            window.end = window.end.max(time + gap);
-                            *count += 1;
-                        }
-                        _ => {
-                            counts.extend(session.take().map(|(w, n)| ((key, w), n)));
-                            let window = Window {
-                                start: time,
-                                end: time + gap,
-                            };
-                            session = Some((window, 1));
-                        }
-                    }
-                }
-                counts.extend(session.map(|(w, n)| ((key, w), n)));
-            }
+impl Spec {
+    fn windowing(self) -> Windowing {
+        match self {
+            Spec::Sliding { size, slide } if size == slide => Window::tumbling(ms(size)),
+            Spec::Sliding { size, slide } => Window::sliding(ms(size), ms(slide)),
+            Spec::Session { gap } => Window::session(ms(gap)),
         }
     }
-    counts
+}
+
+/// The record count of every `(key, window)` of a batch run over `events`.
+fn window_counts(spec: Spec, events: &[Event]) -> BTreeMap<(u32, Window), u64> {
+    spec.windowing()
+        .assign_batch(events.iter().copied())
+        .into_iter()
+        .map(|(window, ids)| (window, ids.len() as u64))
+        .collect()
 }
 
 /// Runs a window count of `spec` per key and checks it against the reference:
@@ -443,11 +414,7 @@ fn window_counts(spec: Spec, events: &[Event]) -> BTreeMap<(u32, Window), u64> {
 /// every final session its count.
 fn check_windows(case: Case, spec: Spec, seed: u64) {
     let input = events(seed, case.partitions[0], case.silent, 8, 0);
-    let windowing = match spec {
-        Spec::Sliding { size, slide } if size == slide => Window::tumbling(ms(size)),
-        Spec::Sliding { size, slide } => Window::sliding(ms(size), ms(slide)),
-        Spec::Session { gap } => Window::session(ms(gap)),
-    };
+    let windowing = spec.windowing();
     let build =
         |inputs: &[Stream<Event>]| inputs[0].key_by(|e: &Event| e.0).window(windowing).count();
     let Some(rows) = run(&case, std::slice::from_ref(&input), build, |row| row.0) else {

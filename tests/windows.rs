@@ -387,52 +387,7 @@ fn partitions_strategy() -> impl Strategy<Value = Vec<Vec<Event>>> {
 
 /// Every window of a batch run over `events`, with the values of its records.
 fn reference(spec: Spec, events: &[Event]) -> BTreeMap<(u8, Window), Vec<i64>> {
-    let mut windows: BTreeMap<(u8, Window), Vec<i64>> = BTreeMap::new();
-    if let Spec::Session { gap } = spec {
-        let mut by_key: BTreeMap<u8, Vec<(i64, i64)>> = BTreeMap::new();
-        for (key, time, value) in events {
-            by_key.entry(*key).or_default().push((*time, *value));
-        }
-        for (key, mut records) in by_key {
-            records.sort();
-            let mut session: Option<(Window, Vec<i64>)> = None;
-            for (time, value) in records {
-                match &mut session {
-                    Some((window, values)) if time < window.end => {
-                        window.end = window.end.max(time + gap);
-                        values.push(value);
-                    }
-                    _ => {
-                        if let Some((window, values)) = session.take() {
-                            windows.insert((key, window), values);
-                        }
-                        session = Some((
-                            Window {
-                                start: time,
-                                end: time + gap,
-                            },
-                            vec![value],
-                        ));
-                    }
-                }
-            }
-            if let Some((window, values)) = session {
-                windows.insert((key, window), values);
-            }
-        }
-    } else if let Spec::Sliding { size, slide } = spec {
-        for (key, time, value) in events {
-            // Every window start, a multiple of the slide, in (time - size, time].
-            let mut start = time - time.rem_euclid(slide);
-            while start > time - size {
-                windows
-                    .entry((*key, window(start, start + size)))
-                    .or_default()
-                    .push(*value);
-                start -= slide;
-            }
-        }
-    }
+    let mut windows = spec.windowing().assign_batch(events.iter().copied());
     for values in windows.values_mut() {
         values.sort_unstable();
     }

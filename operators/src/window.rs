@@ -37,6 +37,7 @@
 //!     .sink(MemorySink::new());
 //! ```
 
+use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::ops::AddAssign;
 use std::sync::Arc;
@@ -135,6 +136,83 @@ fn millis(duration: Duration, what: &str) -> i64 {
 /// [`Window::sliding`] and [`Window::session`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Windowing(Assigner);
+
+impl Windowing {
+    /// Every window of a batch run over `records` (key, event time, value),
+    /// with the values of its records: what the windowed
+    /// operators' final updates add up to when no record is late. A batch
+    /// reference for tests.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use rtflow_operators::Window;
+    /// let sessions = Window::session(Duration::from_millis(10))
+    ///     .assign_batch([("a", 0, 'x'), ("a", 5, 'y'), ("a", 30, 'z')]);
+    /// let windows: Vec<_> = sessions.into_iter().collect();
+    /// assert_eq!(windows, [
+    ///     (("a", Window { start: 0, end: 15 }), vec!['x', 'y']),
+    ///     (("a", Window { start: 30, end: 40 }), vec!['z']),
+    /// ]);
+    /// ```
+    pub fn assign_batch<K: Ord + Clone, V: Clone>(
+        &self,
+        records: impl IntoIterator<Item = (K, EventTime, V)>,
+    ) -> BTreeMap<(K, Window), Vec<V>> {
+        let mut windows: BTreeMap<(K, Window), Vec<V>> = BTreeMap::new();
+        match self.0 {
+            Assigner::Sliding { size, slide } => {
+                for (key, time, value) in records {
+                    // Every window start, a multiple of the slide, in
+                    // (time - size, time].
+                    let mut start = time - time.rem_euclid(slide);
+                    while start > time - size {
+                        let window = Window {
+                            start,
+                            end: start + size,
+                        };
+                        windows
+                            .entry((key.clone(), window))
+                            .or_default()
+                            .push(value.clone());
+                        start -= slide;
+                    }
+                }
+            }
+            Assigner::Session { gap } => {
+                let mut by_key: BTreeMap<K, Vec<(EventTime, V)>> = BTreeMap::new();
+                for (key, time, value) in records {
+                    by_key.entry(key).or_default().push((time, value));
+                }
+                for (key, mut rows) in by_key {
+                    rows.sort_by_key(|(time, _)| *time);
+                    let mut session: Option<(Window, Vec<V>)> = None;
+                    for (time, value) in rows {
+                        match &mut session {
+                            Some((window, values)) if time < window.end => {
+                                window.end = window.end.max(time + gap);
+                                values.push(value);
+                            }
+                            _ => {
+                                if let Some((window, values)) = session.take() {
+                                    windows.insert((key.clone(), window), values);
+                                }
+                                let window = Window {
+                                    start: time,
+                                    end: time + gap,
+                                };
+                                session = Some((window, vec![value]));
+                            }
+                        }
+                    }
+                    if let Some((window, values)) = session {
+                        windows.insert((key, window), values);
+                    }
+                }
+            }
+        }
+        windows
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Assigner {
