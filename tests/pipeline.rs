@@ -135,3 +135,37 @@ fn a_flow_into_a_sink_of_another_pipeline_or_a_second_flow_of_a_name_is_refused(
     );
     assert!(!root.exists(), "nothing started, nothing written");
 }
+
+#[test]
+fn a_pipeline_needs_a_checkpoint_root_and_its_own_sinks() {
+    let mut pipeline = Pipeline::new("rootless");
+    let sink = pipeline.create_sink("amounts", MemorySink::<u64>::new());
+    let orders = MemorySource::<u64>::new(1);
+    pipeline.update_flow("orders", &sink, quick, move |flow: &Dataflow| {
+        flow.source(orders)
+    });
+    let Err(error) = pipeline.start() else {
+        panic!("a pipeline without a root has nowhere to checkpoint")
+    };
+    assert_eq!(error.error_class(), "CHECKPOINT_LOCATION_REQUIRED");
+
+    let root = root("foreign");
+    let mut other = Pipeline::new("other");
+    let foreign = other.create_sink("elsewhere", MemorySink::<u64>::new());
+    let mut pipeline = Pipeline::new("shop").checkpoint_root(&root);
+    let orders = MemorySource::<u64>::new(1);
+    pipeline.update_flow("orders", &foreign, quick, move |flow: &Dataflow| {
+        flow.source(orders)
+    });
+    let Err(error) = pipeline.start() else {
+        panic!("a flow into another pipeline's sink is refused")
+    };
+    assert_eq!(error.error_class(), "INVALID_DATAFLOW");
+    assert!(
+        error
+            .to_string()
+            .contains("sink 'elsewhere', which this pipeline did not create"),
+        "{error}"
+    );
+    assert!(!root.exists());
+}
