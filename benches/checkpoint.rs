@@ -272,6 +272,7 @@ fn delta(entries: Vec<Entry>) -> Delta {
             signature: "(u64, u64)".into(),
         },
         part: 0,
+        keyed: true,
         entries,
     }
 }

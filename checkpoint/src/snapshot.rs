@@ -62,6 +62,9 @@ pub struct Delta {
     pub meta: StateMeta,
     /// The subtask that wrote it.
     pub part: u32,
+    /// Whether `entries` are grouped by key group (keyed state, which moves
+    /// with its keys) rather than by subtask.
+    pub keyed: bool,
     pub entries: Vec<Entry>,
 }
 

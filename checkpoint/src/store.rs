@@ -640,6 +640,7 @@ mod tests {
                 signature: "(u8, u8)".into(),
             },
             part,
+            keyed: true,
             entries: changes
                 .iter()
                 .map(|(key, value)| Entry {

@@ -10,7 +10,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Select, TryRecvError};
 use rtflow_checkpoint::{ActorId, Offsets};
 
 use crate::cancel::Cancel;
-use crate::connector::{SourceOutput, SourceReader, SourceStatus, SourceWaker};
+use crate::connector::{Progress, SourceOutput, SourceReader, SourceStatus, SourceWaker};
 use crate::error::{Result, RtflowError};
 use crate::inputs::{Alignment, IdleStep, Inputs};
 use crate::metrics::OperatorMetrics;
@@ -205,6 +205,11 @@ fn source_loop<T: Data>(
             if let Some(metrics) = &env.source_metrics {
                 metrics.add(0, read as u64);
             }
+        }
+        match out.take_progress() {
+            Some(Progress::Watermark(watermark)) => emit.watermark(watermark)?,
+            Some(Progress::Idle) => emit.idle()?,
+            None => {}
         }
         // Also when idle: a sink learns of asynchronous failures when flushed.
         emit.flush()?;

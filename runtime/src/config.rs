@@ -393,12 +393,18 @@ impl QueryConfig {
     /// Checks the settings that do not depend on the dataflow, in the order Spark
     /// reports them, and returns the batch duration.
     pub fn validate(&self) -> Result<Duration> {
+        self.check(true)
+    }
+
+    /// [`validate`](Self::validate), for a query that needs a checkpoint
+    /// location or (clustered: it checkpoints into its cluster) does not.
+    pub(crate) fn check(&self, needs_location: bool) -> Result<Duration> {
         if self.output_mode != OutputMode::Update {
             return Err(RtflowError::OutputModeNotSupported {
                 mode: self.output_mode.to_string(),
             });
         }
-        if self.checkpoint_location.is_none() {
+        if needs_location && self.checkpoint_location.is_none() {
             return Err(RtflowError::CheckpointLocationRequired);
         }
         let batch_duration = self.trigger.batch_duration()?;

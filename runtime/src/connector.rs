@@ -9,6 +9,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 pub use rtflow_checkpoint::Offsets;
 
 use crate::cancel::Cancel;
+use crate::cluster::ClusterLink;
 use crate::error::{Result, RtflowError};
 use crate::metrics::{LatencyRecorder, OperatorMetrics};
 use crate::operator::{Emit, SnapshotBuffer};
@@ -119,8 +120,48 @@ pub trait Source<T>: Send + 'static {
         true
     }
 
+    /// In a clustered query, the indexes (among its `partitions()`) of the
+    /// partitions this process reads, as `link` assigns them; `None` for a
+    /// source the cluster cannot share out, which a clustered query rejects.
+    /// Called after `partitions`.
+    fn cluster_partitions(&self, link: &dyn ClusterLink) -> Option<Vec<usize>> {
+        let _ = link;
+        None
+    }
+
     /// Opens the reader for `ctx.partitions`.
     fn reader(&self, ctx: &SourceContext) -> Result<Box<dyn SourceReader<T>>>;
+}
+
+/// A boxed source is a source: what a [`ClusterLink`] hands out.
+impl<T: 'static> Source<T> for Box<dyn Source<T>> {
+    fn kind(&self) -> &str {
+        (**self).kind()
+    }
+
+    fn description(&self) -> String {
+        (**self).description()
+    }
+
+    fn partitions(&self) -> Result<usize> {
+        (**self).partitions()
+    }
+
+    fn readers(&self, partitions: usize) -> usize {
+        (**self).readers(partitions)
+    }
+
+    fn supports_real_time(&self) -> bool {
+        (**self).supports_real_time()
+    }
+
+    fn cluster_partitions(&self, link: &dyn ClusterLink) -> Option<Vec<usize>> {
+        (**self).cluster_partitions(link)
+    }
+
+    fn reader(&self, ctx: &SourceContext) -> Result<Box<dyn SourceReader<T>>> {
+        (**self).reader(ctx)
+    }
 }
 
 /// Whether a reader has more to give.
@@ -162,6 +203,15 @@ pub struct SourceOutput<T> {
     base: u32,
     /// The query-wide number of the partition records are pushed for.
     partition: u32,
+    /// What the reader said of event time in this poll, after its records.
+    progress: Option<Progress>,
+}
+
+/// Event time as a reader that knows it says it ([`SourceOutput::watermark`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Progress {
+    Watermark(EventTime),
+    Idle,
 }
 
 impl<T> SourceOutput<T> {
@@ -187,6 +237,7 @@ impl<T> SourceOutput<T> {
             capacity,
             base,
             partition: base + first,
+            progress: None,
         }
     }
 
@@ -217,6 +268,24 @@ impl<T> SourceOutput<T> {
                 partition: self.partition,
             },
         });
+    }
+
+    /// No record with an earlier event time follows from this reader: for a
+    /// reader whose input carries watermarks (a repartition topic), which then
+    /// needs no `with_watermark`. It travels after the records of the poll.
+    pub fn watermark(&mut self, watermark: EventTime) {
+        self.progress = Some(Progress::Watermark(watermark));
+    }
+
+    /// Every partition behind this reader is idle: leave it out of the
+    /// watermark until it sends a watermark again.
+    pub fn idle(&mut self) {
+        self.progress = Some(Progress::Idle);
+    }
+
+    /// What the reader said of event time in this poll, taken.
+    pub(crate) fn take_progress(&mut self) -> Option<Progress> {
+        self.progress.take()
     }
 
     /// How many more records this poll may add.
@@ -265,6 +334,13 @@ pub struct SinkContext {
     pub first_epoch: Epoch,
     /// The writer's state, as the last committed checkpoint left it.
     pub state: StateContext,
+    /// The query-wide numbers of the source partitions whose records reach
+    /// this writer.
+    pub source_partitions: Vec<u32>,
+    /// How many source partitions feed the sink over all its writers.
+    pub upstream_partitions: u32,
+    /// In a clustered query, the process's link to its cluster.
+    pub cluster: Option<Arc<dyn ClusterLink>>,
 }
 
 /// A sink of records (Kafka, foreach, console, memory).
@@ -291,6 +367,29 @@ pub trait Sink<T>: Send + 'static {
 
     /// Opens the writer of one sink actor.
     fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<T>>>;
+}
+
+/// A boxed sink is a sink: what a [`ClusterLink`] hands out.
+impl<T: 'static> Sink<T> for Box<dyn Sink<T>> {
+    fn kind(&self) -> &str {
+        (**self).kind()
+    }
+
+    fn description(&self) -> String {
+        (**self).description()
+    }
+
+    fn supports_real_time(&self) -> bool {
+        (**self).supports_real_time()
+    }
+
+    fn allowlisted(&self) -> bool {
+        (**self).allowlisted()
+    }
+
+    fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<T>>> {
+        (**self).writer(ctx)
+    }
 }
 
 /// Writes the records of one sink actor.
@@ -326,6 +425,12 @@ pub trait SinkWriter<T>: Send {
     /// earlier event time is expected any more. It arrives in band, between the
     /// records written before and after it.
     fn on_watermark(&mut self, _watermark: EventTime) -> Result<()> {
+        Ok(())
+    }
+
+    /// Every source partition behind the sink went idle: no watermark
+    /// follows until one of them delivers again.
+    fn on_idle(&mut self) -> Result<()> {
         Ok(())
     }
 
@@ -431,7 +536,7 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
 
     fn idle(&mut self) -> Result<()> {
         self.metrics.set_idle();
-        Ok(())
+        self.writer.on_idle()
     }
 
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {

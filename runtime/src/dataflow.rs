@@ -8,6 +8,10 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::cluster::{self, ClusterLink, Decode, Encode};
 use crate::config::QueryConfig;
 use crate::connector::{Sink, Source};
 use crate::dispatch::{KeyHash, Partitioning};
@@ -49,6 +53,16 @@ impl Dataflow {
     /// The dataflow's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// A dataflow run by one process of a cluster: its sources read the
+    /// partitions `link` assigns to the process, and each
+    /// [`repartition_by`](Stream::repartition_by) goes through the cluster.
+    /// Cluster runners (rtflow-connectors' Kafka cluster) build with it.
+    pub fn clustered(name: impl Into<String>, link: Arc<dyn ClusterLink>) -> Self {
+        let flow = Self::new(name);
+        flow.graph.borrow_mut().cluster = Some(link);
+        flow
     }
 
     /// Adds a source; one source actor runs per source partition.
@@ -211,6 +225,57 @@ impl<T: Data> Stream<T> {
             stream: self.with_partitioning(Partitioning::hash(key_hash)),
             key,
         }
+    }
+
+    /// Like [`key_by`](Self::key_by), and also across the processes of a
+    /// clustered query: there the records go through the cluster's
+    /// repartition topic, encoded with serde, so that each key reaches the
+    /// process that owns its key group, with the watermark in band. In a query
+    /// of one process it is `key_by`.
+    ///
+    /// ```no_run
+    /// use rtflow_runtime::{Dataflow, Stream};
+    /// # fn words(flow: &Dataflow) -> Stream<String> { unimplemented!() }
+    /// let flow = Dataflow::new("words");
+    /// let by_word = words(&flow).repartition_by(|word: &String| word.clone());
+    /// ```
+    pub fn repartition_by<K: Hash, F>(&self, key: F) -> KeyedStream<K, T>
+    where
+        F: Fn(&T) -> K + Send + Sync + 'static,
+        T: Serialize + DeserializeOwned,
+    {
+        let cluster = self.graph.borrow().cluster.clone();
+        let Some(link) = cluster else {
+            return self.key_by(key);
+        };
+        let stage = {
+            let mut graph = self.graph.borrow_mut();
+            graph.repartitions += 1;
+            graph.repartitions - 1
+        };
+        let (sink, source) = match link.exchange(stage) {
+            Ok(pair) => pair,
+            Err(error) => {
+                self.graph.borrow_mut().errors.push(error.to_string());
+                return self.key_by(key);
+            }
+        };
+        let key = Arc::new(key);
+        let hash_key = key.clone();
+        let key_hash = Arc::new(move |value: &T| stable_hash(&hash_key(value)));
+        self.transform(cluster::ENCODE, move |_| Encode {
+            key_hash: key_hash.clone(),
+        })
+        .sink(sink);
+        let flow = Dataflow {
+            name: String::new(),
+            graph: self.graph.clone(),
+        };
+        let decoded = flow
+            .source(source)
+            .transform(cluster::DECODE, |_| Decode::<T>(PhantomData));
+        decoded.graph.borrow_mut().exchanges.extend(decoded.ports.iter().map(|(id, _)| *id));
+        decoded.key_by(move |value: &T| key(value))
     }
 
     /// Deals records to the next operator's instances in turn.

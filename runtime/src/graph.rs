@@ -3,8 +3,10 @@
 //! records are spread over them. The planner ([`crate::plan`]) turns it into
 //! actors.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use crate::cluster::ClusterLink;
 use crate::dispatch::Partitioning;
 use crate::progress::SourceDescription;
 use crate::wiring::Body;
@@ -48,6 +50,13 @@ pub(crate) struct Graph {
     pub(crate) unions: Vec<Vec<NodeId>>,
     /// Builder misuse, reported when the query starts.
     pub(crate) errors: Vec<String>,
+    /// For a clustered query, the process's link to the cluster.
+    pub(crate) cluster: Option<Arc<dyn ClusterLink>>,
+    /// How many repartitions the builder cut the dataflow at.
+    pub(crate) repartitions: usize,
+    /// The nodes that decode what a repartition read back: the only ones a
+    /// clustered query may shuffle after.
+    pub(crate) exchanges: Vec<NodeId>,
 }
 
 impl Graph {

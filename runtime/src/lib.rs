@@ -16,6 +16,9 @@
 //! - [`state`]: checkpointed keyed and per-instance state for operators and sinks,
 //!   snapshotted incrementally at each barrier and restored on start.
 //! - [`connector`]: the [`Source`] and [`Sink`] traits connectors implement.
+//! - [`cluster`]: what a process running one query with others owns, and how
+//!   its checkpoints commit into the cluster; the repartition's in-band
+//!   watermark rule.
 //! - [`pipeline`]: declarative pipelines: named sinks, update flows, one
 //!   handle for all.
 //! - [`tester`]: one operator instance driven outside a query, for operator
@@ -34,6 +37,7 @@
 
 mod actor;
 mod cancel;
+pub mod cluster;
 pub mod config;
 pub mod connector;
 mod coordinator;

@@ -98,7 +98,38 @@ pub(crate) fn validate(graph: &Graph, config: &QueryConfig) -> Result<()> {
             });
         }
     }
-    check_shuffles_before_state(graph)
+    check_shuffles_before_state(graph)?;
+    if graph.cluster.is_some() {
+        check_clustered(graph)?;
+    }
+    Ok(())
+}
+
+/// A clustered query shuffles only through its repartition topic: a `key_by`
+/// within one process would leave each key's state split between processes.
+fn check_clustered(graph: &Graph) -> Result<()> {
+    if graph.repartitions > 1 {
+        return Err(RtflowError::InvalidDataflow(format!(
+            "the clustered query repartitions {} times; a clustered query may \
+             repartition once (one repartition_by)",
+            graph.repartitions
+        )));
+    }
+    for node in &graph.nodes {
+        let local = node
+            .inputs
+            .iter()
+            .any(|e| e.partitioning.is_shuffle() && !graph.exchanges.contains(&e.from));
+        if local {
+            return Err(RtflowError::InvalidDataflow(format!(
+                "'{}' reads a key_by, which shuffles within one process; in a \
+                 clustered query shuffle with repartition_by, which reaches every \
+                 process",
+                node.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// At most one shuffle between a stateful operator and the nearest watermark,
@@ -191,6 +222,9 @@ pub(crate) struct Plan {
     graph: Graph,
     parallelism: Vec<usize>,
     source_partitions: Vec<usize>,
+    /// For source nodes: the partitions this process reads, all of them unless
+    /// the query is clustered.
+    owned_partitions: Vec<Vec<usize>>,
     /// For source nodes: the query-wide number of their partition 0. The
     /// partitions of all sources are numbered in one range, in node order.
     partition_base: Vec<u32>,
@@ -207,6 +241,7 @@ impl Plan {
         let n = graph.nodes.len();
         let mut parallelism = vec![0; n];
         let mut source_partitions = vec![0; n];
+        let mut owned_partitions = vec![Vec::new(); n];
         for id in 0..n {
             let node = &graph.nodes[id];
             parallelism[id] = match &node.body {
@@ -218,9 +253,23 @@ impl Plan {
                             "the source has no partitions",
                         ));
                     }
+                    owned_partitions[id] = match &graph.cluster {
+                        None => (0..source_partitions[id]).collect(),
+                        Some(link) => source.cluster_partitions(&**link).ok_or_else(|| {
+                            RtflowError::InvalidDataflow(format!(
+                                "source '{}' ({}) cannot be shared out between the \
+                                 processes of a clustered query; read a Kafka topic",
+                                node.name,
+                                source.description()
+                            ))
+                        })?,
+                    };
+                    // A process that owns none of the partitions still runs one
+                    // idle reader, so that the dataflow keeps its shape.
+                    let width = owned_partitions[id].len().max(1);
                     node.parallelism
-                        .unwrap_or_else(|| source.readers(source_partitions[id]))
-                        .clamp(1, source_partitions[id])
+                        .unwrap_or_else(|| source.readers(width))
+                        .clamp(1, width)
                 }
                 _ => node.parallelism.unwrap_or_else(|| {
                     let all_forward = node.inputs.iter().all(|e| !e.partitioning.is_shuffle());
@@ -270,6 +319,7 @@ impl Plan {
             graph,
             parallelism,
             source_partitions,
+            owned_partitions,
             partition_base,
             consumers,
             chained_next,
@@ -312,19 +362,39 @@ impl Plan {
 
     fn collect_partitions(&self, node: NodeId, subtask: Option<usize>, found: &mut BTreeSet<u32>) {
         if matches!(self.graph.nodes[node].body, Body::Source(..)) {
-            let readers = self.parallelism[node];
             let base = self.partition_base[node];
-            found.extend(
-                (0..self.source_partitions[node])
-                    .filter(|p| subtask.is_none_or(|s| reader_of(*p, readers) == s))
-                    .map(|p| base + p as u32),
-            );
+            let read = match subtask {
+                Some(subtask) => self.read_by(node, subtask),
+                None => (0..self.source_partitions[node]).collect(),
+            };
+            found.extend(read.into_iter().map(|p| base + p as u32));
             return;
         }
         for edge in &self.graph.nodes[node].inputs {
             let forward = matches!(edge.partitioning, Partitioning::Forward);
             self.collect_partitions(edge.from, subtask.filter(|_| forward), found);
         }
+    }
+
+    /// The partitions reader `subtask` of source node `id` reads: this process's
+    /// partitions dealt round the readers.
+    fn read_by(&self, id: NodeId, subtask: usize) -> Vec<usize> {
+        let readers = self.parallelism[id];
+        let owned = &self.owned_partitions[id];
+        owned
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| reader_of(*i, readers) == subtask)
+            .map(|(_, p)| *p)
+            .collect()
+    }
+
+    /// The source partitions, numbered query-wide, that feed `id` over all
+    /// its subtasks and in every process.
+    fn upstream_partition_count(&self, id: NodeId) -> u32 {
+        let mut found = BTreeSet::new();
+        self.collect_partitions(id, None, &mut found);
+        found.len() as u32
     }
 
     fn heads(&self) -> impl Iterator<Item = NodeId> + '_ {
@@ -439,6 +509,9 @@ impl Plan {
                                 batch_duration: config.trigger.batch_duration()?,
                                 first_epoch: resume.first_epoch,
                                 state,
+                                source_partitions: self.partitions_reaching(id, subtask),
+                                upstream_partitions: self.upstream_partition_count(id),
+                                cluster: self.graph.cluster.clone(),
                             };
                             let (sender, receiver) = crossbeam_channel::unbounded();
                             commits = Some(sender);
@@ -481,9 +554,7 @@ impl Plan {
                         let ctx = SourceContext {
                             subtask,
                             parallelism: readers,
-                            partitions: (0..self.source_partitions[head])
-                                .filter(|p| reader_of(*p, readers) == subtask)
-                                .collect(),
+                            partitions: self.read_by(head, subtask),
                             start_offsets: resume
                                 .offsets
                                 .get(&node.uid)
@@ -502,7 +573,7 @@ impl Plan {
                             barriers: Some(epochs),
                             waker: Some(waker),
                             partition_base: self.partition_base[head],
-                            first_partition: ctx.partitions[0] as u32,
+                            first_partition: ctx.partitions.first().map_or(0, |p| *p as u32),
                             ..env
                         };
                         (

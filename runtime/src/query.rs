@@ -36,34 +36,18 @@ pub struct StreamingQuery {
 
 impl StreamingQuery {
     pub(crate) fn launch(graph: Graph, config: QueryConfig) -> Result<Self> {
-        let batch_duration = config.validate()?;
+        let clustered = graph.cluster.is_some();
+        let batch_duration = config.check(!clustered)?;
         validate(&graph, &config)?;
         let plan = Plan::new(graph, &config)?;
         let task_slots = plan.actor_count();
-        let location = config
-            .checkpoint_location
-            .clone()
-            .expect("validated: a checkpoint location is given");
-        let (location, recovery, id) = if is_new_location(&location) {
-            (Location::New(location), Recovery::default(), Uuid::new_v4())
-        } else {
-            let mut store = CheckpointStore::open(&location, config.checkpoints_retained)?;
-            let recovery = store.recover()?;
-            for corrupt in &recovery.skipped {
-                // Its epoch's output may have been published already: plain
-                // sinks see it again; an exactly-once sink that committed it
-                // refuses the restart (its commit topic is ahead).
-                tracing::warn!(
-                    %corrupt,
-                    "passing over a corrupt checkpoint: its epoch is replayed, and plain \
-                     sinks may receive its output twice"
-                );
-            }
-            let id = store.query_id(|| Uuid::new_v4().to_string())?;
-            let id = Uuid::parse_str(&id).map_err(|e| {
-                RtflowError::Checkpoint(format!("the stored query id '{id}' is not a UUID: {e}"))
-            })?;
-            (Location::Opened(Box::new(store)), recovery, id)
+        let (location, recovery, id) = match &plan.graph().cluster {
+            Some(link) => (
+                Location::Cluster(link.clone()),
+                link.recover()?,
+                Uuid::new_v4(),
+            ),
+            None => open_location(&config)?,
         };
         let shared = Arc::new(QueryShared::new(
             id,
@@ -361,6 +345,35 @@ impl std::fmt::Debug for StreamingQuery {
             .field("active", &self.is_active())
             .finish()
     }
+}
+
+/// The checkpoint location of a query of one process, opened and recovered
+/// unless it is new, and the query's id.
+fn open_location(config: &QueryConfig) -> Result<(Location, Recovery, Uuid)> {
+    let location = config
+        .checkpoint_location
+        .clone()
+        .expect("validated: a checkpoint location is given");
+    if is_new_location(&location) {
+        return Ok((Location::New(location), Recovery::default(), Uuid::new_v4()));
+    }
+    let mut store = CheckpointStore::open(&location, config.checkpoints_retained)?;
+    let recovery = store.recover()?;
+    for corrupt in &recovery.skipped {
+        // Its epoch's output may have been published already: plain
+        // sinks see it again; an exactly-once sink that committed it
+        // refuses the restart (its commit topic is ahead).
+        tracing::warn!(
+            %corrupt,
+            "passing over a corrupt checkpoint: its epoch is replayed, and plain \
+             sinks may receive its output twice"
+        );
+    }
+    let id = store.query_id(|| Uuid::new_v4().to_string())?;
+    let id = Uuid::parse_str(&id).map_err(|e| {
+        RtflowError::Checkpoint(format!("the stored query id '{id}' is not a UUID: {e}"))
+    })?;
+    Ok((Location::Opened(Box::new(store)), recovery, id))
 }
 
 /// Whether `location` holds nothing yet: a query starting there creates it only

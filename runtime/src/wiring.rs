@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
 
+use crate::cluster::ClusterLink;
 use crate::actor::{run_inbox, run_source, ActorEnv};
 use crate::cancel::Cancel;
 use crate::connector::{Sink, SinkContext, SinkEmit, Source, SourceContext, SourceReader};
@@ -53,6 +54,7 @@ pub(crate) trait ErasedSource: Send {
     fn supports_real_time(&self) -> bool;
     fn partitions(&self) -> Result<usize>;
     fn readers(&self, partitions: usize) -> usize;
+    fn cluster_partitions(&self, link: &dyn ClusterLink) -> Option<Vec<usize>>;
     fn open(&self, ctx: &SourceContext) -> Result<AnyBox>;
     fn actor(&self, reader: AnyBox, emit: AnyBox, env: ActorEnv) -> ActorMain;
 }
@@ -84,6 +86,10 @@ impl<T: Data> ErasedSource for SourceNode<T> {
 
     fn readers(&self, partitions: usize) -> usize {
         self.source.readers(partitions)
+    }
+
+    fn cluster_partitions(&self, link: &dyn ClusterLink) -> Option<Vec<usize>> {
+        self.source.cluster_partitions(link)
     }
 
     fn open(&self, ctx: &SourceContext) -> Result<AnyBox> {

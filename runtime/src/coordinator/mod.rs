@@ -26,11 +26,12 @@ use std::time::{Duration, Instant, SystemTime};
 
 use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Message, System};
 use crossbeam_channel::Sender;
-use rtflow_checkpoint::{CheckpointStore, CheckpointTracker, Manifest, Recovery};
+use rtflow_checkpoint::{CheckpointStore, CheckpointTracker, CommitStats, Manifest, Recovery};
 
 use self::epochs::{assemble, Ack, Assembled, Requests};
 use crate::actor::{ActorEnv, Report};
 use crate::cancel::Cancel;
+use crate::cluster::ClusterLink;
 use crate::config::QueryConfig;
 use crate::error::{Result, RtflowError};
 use crate::metrics::CheckpointStats;
@@ -90,25 +91,34 @@ pub(crate) enum Location {
     /// A location that does not exist yet or is empty: created once every actor
     /// is wired, so that a query rejected at start writes nothing there.
     New(PathBuf),
+    /// A clustered query's process: its checkpoints commit into the cluster.
+    Cluster(Arc<dyn ClusterLink>),
 }
 
 impl Location {
-    /// The store to commit checkpoints to, created now for a new location.
-    fn into_store(self, config: &QueryConfig, query_id: &str) -> Result<CheckpointStore> {
+    /// Where to commit checkpoints, created now for a new location.
+    fn into_store(self, config: &QueryConfig, query_id: &str) -> Result<Store> {
         match self {
-            Self::Opened(store) => Ok(*store),
+            Self::Opened(store) => Ok(Store::Local(store)),
             Self::New(path) => {
                 let store = CheckpointStore::open(&path, config.checkpoints_retained)?;
                 store.query_id(|| query_id.to_owned())?;
-                Ok(store)
+                Ok(Store::Local(Box::new(store)))
             }
+            Self::Cluster(link) => Ok(Store::Cluster(link)),
         }
     }
 }
 
+/// Where checkpoints commit.
+enum Store {
+    Local(Box<CheckpointStore>),
+    Cluster(Arc<dyn ClusterLink>),
+}
+
 /// The checkpoint side of a running query.
 struct Checkpoints {
-    store: CheckpointStore,
+    store: Store,
     tracker: CheckpointTracker<Ack>,
     /// Per actor: for sources, the source's uid and its barrier channel.
     sources: Vec<Option<(String, Sender<Epoch>)>>,
@@ -347,7 +357,14 @@ impl Coordinator {
             run_id: self.shared.run_id.to_string(),
         };
         let writing = Instant::now();
-        let (manifest, stats) = checkpoints.store.commit(manifest, deltas)?;
+        let (manifest, stats) = match &mut checkpoints.store {
+            Store::Local(store) => store.commit(manifest, deltas)?,
+            Store::Cluster(link) => {
+                link.commit(epoch, &manifest.sources, &deltas)?;
+                let entries = deltas.iter().map(|d| d.entries.len()).sum();
+                (manifest, CommitStats { bytes: 0, entries })
+            }
+        };
         // The window exactly-once sinks must survive: the checkpoint is durable, its
         // transactions are not committed yet.
         fail::fail_point!("after-manifest", |_| std::process::abort());
@@ -370,8 +387,10 @@ impl Coordinator {
             bytes: stats.bytes,
         });
         let previous = std::mem::replace(&mut checkpoints.committed, manifest.sources);
-        if checkpoints.store.compact()? {
-            tracing::debug!(epoch, "compacting a snapshot chain in the background");
+        if let Store::Local(store) = &mut checkpoints.store {
+            if store.compact()? {
+                tracing::debug!(epoch, "compacting a snapshot chain in the background");
+            }
         }
         self.epoch = epoch;
         let committed = self

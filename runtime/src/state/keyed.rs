@@ -130,6 +130,7 @@ impl<K: Hash + Serialize> Capture<K> {
                     state,
                     meta,
                     part,
+                    keyed: true,
                     entries,
                 }
             }),

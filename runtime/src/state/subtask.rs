@@ -71,6 +71,7 @@ impl<V: Serialize> SubtaskState<V> {
             state: self.id.clone(),
             meta: self.meta.clone(),
             part: self.subtask,
+            keyed: false,
             entries,
         });
         Ok(())

@@ -1,0 +1,272 @@
+//! One query run by several processes: the runtime's side of it.
+//!
+//! A clustered query is cut at its [`repartition_by`](crate::Stream::repartition_by)
+//! into two stages joined by a topic of the cluster. Each process runs both
+//! stages, but only for the partitions the cluster assigned to it: its
+//! [`ClusterLink`] says which, makes the repartition's sink and source, restores
+//! what the process owns, and commits each of its checkpoints into the cluster
+//! (outputs, repartition records, keyed state changes and input offsets at
+//! once). The runtime knows no client library: rtflow-connectors' Kafka
+//! cluster implements the link.
+//!
+//! Watermarks cross the repartition in band: each writer of the repartition
+//! tells every partition the watermark of the source partitions behind it,
+//! and each reader takes, per partition it reads, the minimum over all source
+//! partitions of the largest watermark heard of each ([`UpstreamWatermarks`]),
+//! the min-of-max rule of one process.
+
+use std::any::Any;
+use std::collections::{BTreeMap, BTreeSet};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use rtflow_checkpoint::{Delta, Offsets, Recovery};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::connector::{Sink, Source};
+use crate::error::{Result, RtflowError};
+use crate::operator::{Collector, Operator};
+use crate::record::{Data, Epoch, EventTime, Record};
+
+/// A record on its way through a repartition topic: its key's
+/// [`stable_hash`](crate::key_groups::stable_hash) (whose key group picks the
+/// topic partition) and the record, encoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exchanged {
+    pub key_hash: u64,
+    pub payload: Vec<u8>,
+}
+
+/// What a writer of a repartition topic tells each of its partitions: the
+/// source partitions (numbered query-wide, as
+/// [`RecordMeta::partition`](crate::RecordMeta::partition)) whose records it
+/// forwards, out of how many feed the repartition, and how far their event
+/// time is: a watermark, or `None` when they went idle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpstreamProgress {
+    pub upstream: u32,
+    pub partitions: Vec<u32>,
+    pub watermark: Option<EventTime>,
+}
+
+/// The link between one process and the cluster it runs a query in.
+pub trait ClusterLink: Send + Sync + 'static {
+    /// The process's name in the cluster, for progress and metrics.
+    fn member(&self) -> String;
+
+    /// Of the `(topic, partition)`s a source reads, the indexes of those this
+    /// process owns now.
+    fn owned(&self, partitions: &[(String, i32)]) -> Vec<usize>;
+
+    /// The sink and source of the query's repartition number `stage`.
+    #[allow(clippy::type_complexity)]
+    fn exchange(
+        &self,
+        stage: usize,
+    ) -> Result<(Box<dyn Sink<Exchanged>>, Box<dyn Source<Exchanged>>)>;
+
+    /// Where this process's partitions resume: their committed offsets, and
+    /// the keyed state of the key groups they carry.
+    fn recover(&self) -> Result<Recovery>;
+
+    /// Commits checkpoint `epoch` into the cluster, atomically: the output its
+    /// sinks staged for it, its keyed state `deltas`, and the source `offsets`
+    /// it ends at (by source uid, as the readers labelled them).
+    fn commit(
+        &self,
+        epoch: Epoch,
+        offsets: &BTreeMap<String, Offsets>,
+        deltas: &[Delta],
+    ) -> Result<()>;
+
+    /// For connectors that look for their own cluster behind the link.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A reader's view of event time in one repartition partition: the latest
+/// watermark of each upstream source partition, as its writers told it.
+///
+/// ```
+/// use rtflow_runtime::cluster::{UpstreamProgress, UpstreamWatermarks};
+/// let mut partition = UpstreamWatermarks::default();
+/// let told = |partitions: Vec<u32>, watermark| UpstreamProgress { upstream: 2, partitions, watermark };
+/// partition.update(&told(vec![0], Some(50)));
+/// assert_eq!(partition.watermark(), None, "source partition 1 not heard of yet");
+/// partition.update(&told(vec![1], Some(70)));
+/// assert_eq!(partition.watermark(), Some(50));
+/// partition.update(&told(vec![0], None));
+/// assert_eq!(partition.watermark(), Some(70), "an idle partition holds nothing back");
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UpstreamWatermarks {
+    upstream: u32,
+    /// The latest watermark per source partition; idle ones are left out.
+    watermarks: BTreeMap<u32, EventTime>,
+    idle: BTreeSet<u32>,
+}
+
+impl UpstreamWatermarks {
+    /// Takes in what a writer told. A watermark never goes back: a writer
+    /// restarted from an older checkpoint repeats older watermarks.
+    pub fn update(&mut self, progress: &UpstreamProgress) {
+        self.upstream = self.upstream.max(progress.upstream);
+        for partition in &progress.partitions {
+            match progress.watermark {
+                Some(watermark) => {
+                    self.idle.remove(partition);
+                    let latest = self.watermarks.entry(*partition).or_insert(watermark);
+                    *latest = (*latest).max(watermark);
+                }
+                None => {
+                    self.idle.insert(*partition);
+                }
+            }
+        }
+    }
+
+    /// Whether every upstream source partition is idle.
+    pub fn is_idle(&self) -> bool {
+        self.upstream > 0 && self.idle.len() == self.upstream as usize
+    }
+
+    /// The watermark of the partition: the least over the source partitions
+    /// that are not idle, once every source partition was heard of.
+    pub fn watermark(&self) -> Option<EventTime> {
+        let heard = self
+            .watermarks
+            .keys()
+            .chain(&self.idle)
+            .collect::<BTreeSet<_>>();
+        if self.upstream == 0 || heard.len() < self.upstream as usize {
+            return None;
+        }
+        self.watermarks
+            .iter()
+            .filter(|(partition, _)| !self.idle.contains(partition))
+            .map(|(_, watermark)| *watermark)
+            .min()
+    }
+
+    /// The table as offsets labels travel: `(source partition, watermark)`,
+    /// idle partitions included with their last watermark, so that a restart
+    /// resumes the event time its offsets were committed with.
+    pub fn entries(&self) -> Vec<(u32, EventTime)> {
+        self.watermarks.iter().map(|(p, w)| (*p, *w)).collect()
+    }
+
+    /// The table a restart resumes: what [`entries`](Self::entries) gave, out
+    /// of `upstream` source partitions.
+    pub fn restore(upstream: u32, entries: impl IntoIterator<Item = (u32, EventTime)>) -> Self {
+        Self {
+            upstream,
+            watermarks: entries.into_iter().collect(),
+            idle: BTreeSet::new(),
+        }
+    }
+}
+
+/// The operator family of the steps that encode records for a repartition
+/// and decode them after it.
+pub(crate) const ENCODE: &str = "repartition_encode";
+pub(crate) const DECODE: &str = "repartition_decode";
+
+/// Encodes each record for the repartition topic, with its key's hash.
+pub(crate) struct Encode<T> {
+    pub(crate) key_hash: Arc<dyn Fn(&T) -> u64 + Send + Sync>,
+}
+
+impl<T: Serialize + Send + 'static> Operator<T, Exchanged> for Encode<T> {
+    fn allowlisted() -> bool {
+        true
+    }
+
+    fn process(&mut self, record: Record<T>, out: &mut Collector<'_, Exchanged>) -> Result<()> {
+        let key_hash = (self.key_hash)(&record.value);
+        let payload = bincode::serde::encode_to_vec(&record.value, bincode::config::standard())
+            .map_err(|e| {
+                RtflowError::InvalidDataflow(format!(
+                    "a record of type {} cannot be encoded for its repartition: {e}",
+                    std::any::type_name::<T>()
+                ))
+            })?;
+        out.emit(Exchanged { key_hash, payload })
+    }
+}
+
+/// Decodes the records read back from the repartition topic.
+pub(crate) struct Decode<T>(pub(crate) PhantomData<fn() -> T>);
+
+impl<T: DeserializeOwned + Data> Operator<Exchanged, T> for Decode<T> {
+    fn allowlisted() -> bool {
+        true
+    }
+
+    fn process(&mut self, record: Record<Exchanged>, out: &mut Collector<'_, T>) -> Result<()> {
+        let (value, _) =
+            bincode::serde::decode_from_slice(&record.value.payload, bincode::config::standard())
+                .map_err(|e| RtflowError::Checkpoint(format!(
+                    "a record read back from the repartition topic does not decode as {}: {e}; \
+                     every process of the cluster must run the same dataflow",
+                    std::any::type_name::<T>()
+                )))?;
+        out.emit(value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn told(partitions: &[u32], watermark: Option<EventTime>) -> UpstreamProgress {
+        UpstreamProgress {
+            upstream: 3,
+            partitions: partitions.to_vec(),
+            watermark,
+        }
+    }
+
+    #[test]
+    fn the_watermark_waits_for_every_source_partition_and_takes_their_minimum() {
+        let mut table = UpstreamWatermarks::default();
+        assert_eq!(table.watermark(), None);
+        table.update(&told(&[0, 1], Some(10)));
+        assert_eq!(table.watermark(), None);
+        table.update(&told(&[2], Some(30)));
+        assert_eq!(table.watermark(), Some(10));
+        table.update(&told(&[0, 1], Some(40)));
+        assert_eq!(table.watermark(), Some(30));
+    }
+
+    #[test]
+    fn a_watermark_never_goes_back() {
+        let mut table = UpstreamWatermarks::default();
+        table.update(&told(&[0, 1, 2], Some(50)));
+        // A writer that took partition 1 over replays from its older checkpoint.
+        table.update(&told(&[1], Some(20)));
+        assert_eq!(table.watermark(), Some(50));
+    }
+
+    #[test]
+    fn idle_partitions_are_left_out_until_they_speak_again() {
+        let mut table = UpstreamWatermarks::default();
+        table.update(&told(&[0, 1], Some(10)));
+        table.update(&told(&[2], None));
+        assert_eq!(table.watermark(), Some(10), "idle counts as heard");
+        table.update(&told(&[0, 1], None));
+        assert!(table.is_idle());
+        assert_eq!(table.watermark(), None);
+        table.update(&told(&[2], Some(60)));
+        assert!(!table.is_idle());
+        assert_eq!(table.watermark(), Some(60));
+    }
+
+    #[test]
+    fn a_restored_table_resumes_its_watermark() {
+        let mut table = UpstreamWatermarks::default();
+        table.update(&told(&[0], Some(5)));
+        table.update(&told(&[1, 2], Some(9)));
+        let restored = UpstreamWatermarks::restore(3, table.entries());
+        assert_eq!(restored.watermark(), Some(5));
+    }
+}
