@@ -55,8 +55,8 @@ pub use rtflow_runtime::{
 /// Everything a dataflow program needs, in one import.
 pub mod prelude {
     pub use rtflow_connectors::kafka::{
-        DeliveryGuarantee, KafkaAdmin, KafkaMessage, KafkaRecord, KafkaSink, KafkaSource,
-        StartingOffsets,
+        ClusteredQuery, DeliveryGuarantee, KafkaAdmin, KafkaCluster, KafkaMessage, KafkaRecord,
+        KafkaSink, KafkaSource, StartingOffsets,
     };
     pub use rtflow_connectors::{
         ConsoleSink, CsvTable, ForeachSink, ForeachWriter, GeneratorSource, MemorySink,

@@ -20,10 +20,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use rtflow_checkpoint::{Delta, Offsets, Recovery};
+use rtflow_checkpoint::{Delta, Manifest, Offsets, Recovery, RestoredState, StateId};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::config::QueryConfig;
 use crate::connector::{Sink, Source};
 use crate::error::{Result, RtflowError};
 use crate::operator::{Collector, Operator};
@@ -50,6 +51,50 @@ pub struct UpstreamProgress {
     pub watermark: Option<EventTime>,
 }
 
+/// What a process of a clustered query resumes from.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterRecovery {
+    /// The committed offsets of every partition the process owns, labelled
+    /// as the sources' readers label them.
+    pub offsets: Offsets,
+    /// The keyed state of the key groups the process owns.
+    pub state: BTreeMap<StateId, RestoredState>,
+}
+
+impl ClusterRecovery {
+    /// The checkpoint a process's run restores: nothing for a query that
+    /// never committed, otherwise epoch 0 of this run, with every source
+    /// handed every label (each reader picks its own partitions').
+    pub(crate) fn into_recovery<'a>(
+        self,
+        sources: impl IntoIterator<Item = &'a str>,
+        config: &QueryConfig,
+        query_id: &str,
+    ) -> Recovery {
+        if self.offsets.is_empty() && self.state.is_empty() {
+            return Recovery::default();
+        }
+        let manifest = Manifest {
+            epoch: 0,
+            query_id: query_id.to_owned(),
+            watermark: None,
+            sources: sources
+                .into_iter()
+                .map(|uid| (uid.to_owned(), self.offsets.clone()))
+                .collect(),
+            state: BTreeMap::new(),
+            key_groups: config.max_key_groups as u32,
+            committed_at_ms: 0,
+            run_id: String::new(),
+        };
+        Recovery {
+            manifest: Some(manifest),
+            state: self.state,
+            skipped: Vec::new(),
+        }
+    }
+}
+
 /// The link between one process and the cluster it runs a query in.
 pub trait ClusterLink: Send + Sync + 'static {
     /// The process's name in the cluster, for progress and metrics.
@@ -68,7 +113,7 @@ pub trait ClusterLink: Send + Sync + 'static {
 
     /// Where this process's partitions resume: their committed offsets, and
     /// the keyed state of the key groups they carry.
-    fn recover(&self) -> Result<Recovery>;
+    fn recover(&self) -> Result<ClusterRecovery>;
 
     /// Commits checkpoint `epoch` into the cluster, atomically: the output its
     /// sinks staged for it, its keyed state `deltas`, and the source `offsets`
@@ -123,6 +168,11 @@ impl UpstreamWatermarks {
                 }
             }
         }
+    }
+
+    /// How many source partitions feed the repartition.
+    pub fn upstream(&self) -> u32 {
+        self.upstream
     }
 
     /// Whether every upstream source partition is idle.
@@ -205,11 +255,13 @@ impl<T: DeserializeOwned + Data> Operator<Exchanged, T> for Decode<T> {
     fn process(&mut self, record: Record<Exchanged>, out: &mut Collector<'_, T>) -> Result<()> {
         let (value, _) =
             bincode::serde::decode_from_slice(&record.value.payload, bincode::config::standard())
-                .map_err(|e| RtflowError::Checkpoint(format!(
+                .map_err(|e| {
+                RtflowError::Checkpoint(format!(
                     "a record read back from the repartition topic does not decode as {}: {e}; \
                      every process of the cluster must run the same dataflow",
                     std::any::type_name::<T>()
-                )))?;
+                ))
+            })?;
         out.emit(value)
     }
 }

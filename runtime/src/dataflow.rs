@@ -76,6 +76,18 @@ impl Dataflow {
         Stream::new(self.graph.clone(), vec![(id, Partitioning::Forward)])
     }
 
+    /// Validates and plans the dataflow without starting it, and describes its
+    /// shape: one line per step (kind, uid, inputs) and the key-group count.
+    /// The processes of a clustered query compare shapes, since they must run
+    /// the same dataflow.
+    pub fn shape(self, config: &QueryConfig) -> Result<Vec<String>> {
+        let graph = self.graph.take();
+        config.check(graph.cluster.is_none())?;
+        crate::plan::validate(&graph, config)?;
+        let plan = crate::plan::Plan::new(graph, config)?;
+        Ok(plan.shape(config))
+    }
+
     /// Validates the dataflow and configuration, starts one long-running actor per
     /// operator instance, and returns the running query.
     pub fn start(self, config: QueryConfig) -> Result<StreamingQuery> {
@@ -274,7 +286,11 @@ impl<T: Data> Stream<T> {
         let decoded = flow
             .source(source)
             .transform(cluster::DECODE, |_| Decode::<T>(PhantomData));
-        decoded.graph.borrow_mut().exchanges.extend(decoded.ports.iter().map(|(id, _)| *id));
+        decoded
+            .graph
+            .borrow_mut()
+            .exchanges
+            .extend(decoded.ports.iter().map(|(id, _)| *id));
         decoded.key_by(move |value: &T| key(value))
     }
 

@@ -139,6 +139,14 @@ pub enum RtflowError {
     )]
     IncompatibleCheckpoint { difference: String },
 
+    /// The processes of one clustered query run different dataflows.
+    #[error(
+        "this process's dataflow differs from the one process '{member}' of the \
+         cluster runs: {difference}; run the same dataflow in every process of a \
+         query, or give a changed dataflow another query name"
+    )]
+    ClusterShapeMismatch { member: String, difference: String },
+
     /// The actor stopped because the query is stopping after another failure.
     #[error("cancelled because the query is stopping")]
     Cancelled,
@@ -179,6 +187,7 @@ impl RtflowError {
             Self::IncompatibleCheckpoint { .. } => {
                 "STREAMING_STATEFUL_OPERATOR_NOT_MATCH_IN_STATE_METADATA"
             }
+            Self::ClusterShapeMismatch { .. } => "CLUSTER_SHAPE_MISMATCH",
             Self::Cancelled => "CANCELLED",
         }
     }

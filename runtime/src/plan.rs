@@ -335,6 +335,39 @@ impl Plan {
         Ok(plan)
     }
 
+    /// The dataflow's shape as [`Dataflow::shape`](crate::Dataflow::shape) gives it.
+    pub(crate) fn shape(&self, config: &QueryConfig) -> Vec<String> {
+        let mut lines = vec![format!("key groups: {}", config.max_key_groups)];
+        for (id, node) in self.graph.nodes.iter().enumerate() {
+            let inputs = node
+                .inputs
+                .iter()
+                .map(|edge| {
+                    let how = match edge.partitioning {
+                        Partitioning::Forward | Partitioning::RoundRobin => "forward",
+                        Partitioning::Hash(_) => "by key",
+                        Partitioning::Broadcast => "broadcast",
+                    };
+                    format!("{} {how}", self.graph.nodes[edge.from].uid)
+                })
+                .collect::<Vec<_>>();
+            let what = match &node.body {
+                Body::Source(..) => {
+                    format!("source of {} partitions", self.source_partitions[id])
+                }
+                Body::Operator(..) => "operator".to_owned(),
+                Body::Sink(sink) => format!("sink {}", sink.description()),
+            };
+            lines.push(format!(
+                "step {id}: {what} '{}' ({}) reading [{}]",
+                node.uid,
+                node.kind,
+                inputs.join(", ")
+            ));
+        }
+        lines
+    }
+
     /// The logical graph the plan runs.
     pub(crate) fn graph(&self) -> &Graph {
         &self.graph

@@ -42,11 +42,13 @@ impl StreamingQuery {
         let plan = Plan::new(graph, &config)?;
         let task_slots = plan.actor_count();
         let (location, recovery, id) = match &plan.graph().cluster {
-            Some(link) => (
-                Location::Cluster(link.clone()),
-                link.recover()?,
-                Uuid::new_v4(),
-            ),
+            Some(link) => {
+                let id = Uuid::new_v4();
+                let recovery =
+                    link.recover()?
+                        .into_recovery(plan.source_uids(), &config, &id.to_string());
+                (Location::Cluster(link.clone()), recovery, id)
+            }
             None => open_location(&config)?,
         };
         let shared = Arc::new(QueryShared::new(

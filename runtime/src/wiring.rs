@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::cluster::ClusterLink;
 use crate::actor::{run_inbox, run_source, ActorEnv};
 use crate::cancel::Cancel;
+use crate::cluster::ClusterLink;
 use crate::connector::{Sink, SinkContext, SinkEmit, Source, SourceContext, SourceReader};
 use crate::dispatch::{Fanout, Output, Partitioning};
 use crate::error::Result;

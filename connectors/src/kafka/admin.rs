@@ -56,6 +56,12 @@ impl KafkaAdmin {
         self.create(topic, 1, &[("cleanup.policy", "compact")])
     }
 
+    /// Creates a compacted topic of `partitions` partitions unless it exists:
+    /// a clustered query's changelog.
+    pub(crate) fn create_compacted_topic_of(&self, topic: &str, partitions: i32) -> Result<()> {
+        self.create(topic, partitions, &[("cleanup.policy", "compact")])
+    }
+
     /// The cleanup policy of an existing `topic` (`delete`, `compact`, or both).
     pub(crate) fn cleanup_policy(&self, topic: &str) -> Result<String> {
         self.cleanup_policy_within(topic, OPERATION_TIMEOUT)

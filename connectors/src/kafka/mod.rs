@@ -8,12 +8,17 @@
 //!   names, with `linger.ms=0` and one request in flight by default (records keep
 //!   their order on retries); at-least-once, or exactly-once through Kafka
 //!   transactions committed with each checkpoint (`exactly_once`).
+//! - [`KafkaCluster`] runs one query in several processes: a consumer group
+//!   shares the partitions out, `repartition_by` goes through a repartition
+//!   topic, keyed state through a changelog topic, and each process commits
+//!   its checkpoints as Kafka transactions.
 //! - [`KafkaAdmin`] creates and deletes topics, for examples and tests.
 //!
 //! Both connectors take librdkafka settings as `.option("kafka.<key>", value)`;
 //! they override rtflow's low-latency defaults.
 
 mod admin;
+mod cluster;
 mod exactly_once;
 mod producer;
 mod sink;
@@ -27,6 +32,7 @@ use rdkafka::ClientConfig;
 use rtflow_runtime::{Result, RtflowError};
 
 pub use admin::KafkaAdmin;
+pub use cluster::{ClusteredQuery, KafkaCluster};
 pub use producer::KafkaMessage;
 pub use sink::{DeliveryGuarantee, KafkaSink};
 pub use source::{KafkaSource, StartingOffsets};

@@ -10,8 +10,11 @@ use rdkafka::config::FromClientConfigAndContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{Producer, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
-use rtflow_runtime::{Data, Epoch, Record, Result, RtflowError, Sink, SinkContext, SinkWriter};
+use rtflow_runtime::{
+    Data, Epoch, Record, Result, RtflowError, Sink, SinkContext, SinkWriter, StateSnapshot,
+};
 
+use super::cluster;
 use super::exactly_once::TransactionalWriter;
 use super::producer::{send, Deliveries, KafkaMessage, ProducerSettings, Serialize};
 use super::{Options, DEFAULT_METADATA_TIMEOUT};
@@ -203,6 +206,15 @@ impl<T: Data> Sink<T> for KafkaSink<T> {
             self.check_topic(topic)?;
         }
         let settings = self.settings()?;
+        if ctx.cluster.is_some() {
+            let transactions = cluster::transactions_of(ctx, &settings.name())?;
+            return Ok(Box::new(ClusterWriter {
+                staging: cluster::Staging::new(transactions, ctx.first_epoch),
+                sink: settings.name(),
+                topic: settings.topic,
+                serialize: settings.serialize,
+            }));
+        }
         if self.guarantee == DeliveryGuarantee::ExactlyOnce {
             return Ok(Box::new(TransactionalWriter::open(&settings, ctx)?));
         }
@@ -265,5 +277,42 @@ impl<T: Data> SinkWriter<T> for KafkaWriter<T> {
             None => self.flush_producer(),
             Some(_) => Ok(()),
         }
+    }
+}
+
+/// The writer of a sink in a clustered query: whatever the delivery guarantee
+/// asked, its records commit with the process's transaction of their epoch,
+/// exactly once.
+struct ClusterWriter<T> {
+    staging: cluster::Staging,
+    topic: Option<String>,
+    serialize: Serialize<T>,
+    sink: String,
+}
+
+impl<T: Data> SinkWriter<T> for ClusterWriter<T> {
+    fn write(&mut self, record: Record<T>) -> Result<()> {
+        let mut message = (self.serialize)(&record.value);
+        if message.topic.is_none() {
+            message.topic = self.topic.clone();
+        }
+        if message.topic.is_none() {
+            return Err(RtflowError::sink(
+                &self.sink,
+                "a KafkaSink::per_record_topic message names no topic; set KafkaMessage::topic",
+            ));
+        }
+        self.staging.push(message);
+        Ok(())
+    }
+
+    fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {
+        self.staging.end_epoch(epoch);
+        Ok(())
+    }
+
+    fn snapshot(&mut self, _out: &mut StateSnapshot) -> Result<()> {
+        self.staging.end_input();
+        Ok(())
     }
 }

@@ -11,6 +11,7 @@ use rdkafka::message::{Headers, Message, Timestamp};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 use regex::Regex;
+use rtflow_runtime::cluster::ClusterLink;
 use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::record::now_nanos;
 use rtflow_runtime::{
@@ -470,6 +471,11 @@ impl Source<KafkaRecord> for KafkaSource {
     fn readers(&self, partitions: usize) -> usize {
         self.max_partitions
             .map_or(partitions, |readers| readers.min(partitions))
+    }
+
+    fn cluster_partitions(&self, link: &dyn ClusterLink) -> Option<Vec<usize>> {
+        let assigned = self.assigned.lock().unwrap_or_else(|p| p.into_inner());
+        Some(link.owned(&assigned))
     }
 
     fn reader(&self, ctx: &SourceContext) -> Result<Box<dyn SourceReader<KafkaRecord>>> {

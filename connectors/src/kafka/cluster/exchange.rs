@@ -1,0 +1,469 @@
+//! The repartition topic of a clustered query, and the writers that stage
+//! their records into the process's transaction.
+//!
+//! [`ExchangeSink`] writes each record to the partition of its key group, and
+//! at each barrier tells every partition the watermark of the source
+//! partitions behind it; [`ExchangeSource`] reads the partitions the group
+//! assigned to the process, `read_committed`, and passes on the least
+//! watermark over all source partitions ([`UpstreamWatermarks`]). Records and
+//! watermarks commit with the epoch's transaction, so a reader sees an epoch's
+//! records and watermark together, once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use rtflow_runtime::cluster::{Exchanged, UpstreamProgress, UpstreamWatermarks};
+use rtflow_runtime::connector::Offsets;
+use rtflow_runtime::key_groups::key_group;
+use rtflow_runtime::{
+    Epoch, EventTime, Nanos, Record, Result, RtflowError, Sink, SinkContext, SinkWriter, Source,
+    SourceContext, SourceOutput, SourceReader, SourceStatus,
+};
+use serde::{Deserialize, Serialize};
+
+use super::link::{KafkaLink, Transactions};
+use super::{ClusterSettings, WATERMARK_MARK};
+use crate::kafka::producer::KafkaMessage;
+
+/// What a repartition record holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+enum Wire {
+    Record {
+        event_time: EventTime,
+        source_time: Nanos,
+        payload: Vec<u8>,
+    },
+    Progress(UpstreamProgress),
+}
+
+fn encode(wire: &Wire) -> Vec<u8> {
+    bincode::serde::encode_to_vec(wire, bincode::config::standard())
+        .expect("repartition records always encode")
+}
+
+/// The transactions of the process `ctx` runs in, for a writer that stages
+/// its records there.
+pub(crate) fn transactions_of(ctx: &SinkContext, sink: &str) -> Result<Arc<Transactions>> {
+    ctx.cluster
+        .as_ref()
+        .and_then(|link| link.as_any().downcast_ref::<KafkaLink>())
+        .and_then(|link| link.transactions().cloned())
+        .ok_or_else(|| {
+            RtflowError::sink(
+                sink,
+                "this writer runs only in a query clustered on Kafka (KafkaCluster)",
+            )
+        })
+}
+
+/// Buffers a writer's records of the current epoch and stages them into the
+/// process's transaction at the barrier (and at the end, for the final epoch).
+pub(crate) struct Staging {
+    transactions: Arc<Transactions>,
+    epoch: Epoch,
+    buffer: Vec<KafkaMessage>,
+}
+
+impl Staging {
+    pub(crate) fn new(transactions: Arc<Transactions>, first_epoch: Epoch) -> Self {
+        Self {
+            transactions,
+            epoch: first_epoch,
+            buffer: Vec::new(),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn push(&mut self, message: KafkaMessage) {
+        self.buffer.push(message);
+    }
+
+    /// Epoch `epoch` ended: its records go to its transaction.
+    pub(crate) fn end_epoch(&mut self, epoch: Epoch) {
+        self.transactions
+            .stage(epoch, std::mem::take(&mut self.buffer));
+        self.epoch = epoch + 1;
+    }
+
+    /// The input ended: what is left belongs to the final epoch.
+    pub(crate) fn end_input(&mut self) {
+        self.transactions
+            .stage(self.epoch, std::mem::take(&mut self.buffer));
+    }
+}
+
+/// The writing side of a repartition.
+pub(crate) struct ExchangeSink {
+    pub(crate) settings: Arc<ClusterSettings>,
+    pub(crate) topic: String,
+}
+
+impl Sink<Exchanged> for ExchangeSink {
+    fn kind(&self) -> &str {
+        "repartition"
+    }
+
+    fn description(&self) -> String {
+        format!("Repartition[{}]", self.topic)
+    }
+
+    fn allowlisted(&self) -> bool {
+        true
+    }
+
+    fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<Exchanged>>> {
+        let transactions = transactions_of(ctx, &self.description())?;
+        Ok(Box::new(ExchangeWriter {
+            staging: Staging::new(transactions, ctx.first_epoch),
+            topic: self.topic.clone(),
+            partitions: self.settings.repartition_partitions as u32,
+            key_groups: self.settings.key_groups,
+            upstream: ctx.upstream_partitions,
+            source_partitions: ctx.source_partitions.clone(),
+            progress: None,
+            told: None,
+        }))
+    }
+}
+
+struct ExchangeWriter {
+    staging: Staging,
+    topic: String,
+    partitions: u32,
+    key_groups: usize,
+    upstream: u32,
+    source_partitions: Vec<u32>,
+    /// The input's event time now: a watermark, or `None` when idle.
+    progress: Option<Option<EventTime>>,
+    /// The event time last told to the partitions.
+    told: Option<Option<EventTime>>,
+}
+
+impl ExchangeWriter {
+    /// Tells every partition how far this writer's source partitions are, if
+    /// that changed since it last did.
+    fn tell_progress(&mut self) {
+        if self.progress == self.told || self.source_partitions.is_empty() {
+            return;
+        }
+        let Some(watermark) = self.progress else {
+            return;
+        };
+        let value = encode(&Wire::Progress(UpstreamProgress {
+            upstream: self.upstream,
+            partitions: self.source_partitions.clone(),
+            watermark,
+        }));
+        for partition in 0..self.partitions {
+            self.staging.push(KafkaMessage {
+                topic: Some(self.topic.clone()),
+                partition: Some(partition as i32),
+                key: None,
+                value: Some(value.clone().into()),
+                headers: Vec::new(),
+            });
+        }
+        self.told = self.progress;
+    }
+}
+
+impl SinkWriter<Exchanged> for ExchangeWriter {
+    #[inline]
+    fn write(&mut self, record: Record<Exchanged>) -> Result<()> {
+        let group = key_group(record.value.key_hash, self.key_groups) as u32;
+        let value = encode(&Wire::Record {
+            event_time: record.meta.event_time,
+            source_time: record.meta.source_time,
+            payload: record.value.payload,
+        });
+        self.staging.push(KafkaMessage {
+            topic: Some(self.topic.clone()),
+            partition: Some((group % self.partitions) as i32),
+            key: None,
+            value: Some(value.into()),
+            headers: Vec::new(),
+        });
+        Ok(())
+    }
+
+    fn on_watermark(&mut self, watermark: EventTime) -> Result<()> {
+        self.progress = Some(Some(watermark));
+        Ok(())
+    }
+
+    fn on_idle(&mut self) -> Result<()> {
+        self.progress = Some(None);
+        Ok(())
+    }
+
+    fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {
+        // Records become visible downstream only when the epoch commits, so a
+        // watermark told once per epoch, after its records, loses nothing.
+        self.tell_progress();
+        self.staging.end_epoch(epoch);
+        Ok(())
+    }
+
+    fn snapshot(&mut self, _out: &mut rtflow_runtime::StateSnapshot) -> Result<()> {
+        // After a barrier nothing is left; at the end of the input, what is
+        // left belongs to the final epoch, which commits next.
+        self.tell_progress();
+        self.staging.end_input();
+        Ok(())
+    }
+}
+
+/// The reading side of a repartition.
+pub(crate) struct ExchangeSource {
+    pub(crate) settings: Arc<ClusterSettings>,
+    pub(crate) topic: String,
+}
+
+impl ExchangeSource {
+    fn partition_list(&self) -> Vec<(String, i32)> {
+        (0..self.settings.repartition_partitions as i32)
+            .map(|p| (self.topic.clone(), p))
+            .collect()
+    }
+}
+
+impl Source<Exchanged> for ExchangeSource {
+    fn kind(&self) -> &str {
+        "repartition"
+    }
+
+    fn description(&self) -> String {
+        format!("Repartition[{}]", self.topic)
+    }
+
+    fn partitions(&self) -> Result<usize> {
+        Ok(self.settings.repartition_partitions)
+    }
+
+    fn cluster_partitions(
+        &self,
+        link: &dyn rtflow_runtime::cluster::ClusterLink,
+    ) -> Option<Vec<usize>> {
+        Some(link.owned(&self.partition_list()))
+    }
+
+    fn reader(&self, ctx: &SourceContext) -> Result<Box<dyn SourceReader<Exchanged>>> {
+        let error = |e: &dyn std::fmt::Display| {
+            RtflowError::source(self.description(), format!("could not read: {e}"))
+        };
+        let mut consumer: BaseConsumer = self
+            .settings
+            .client_config()
+            .set("group.id", self.settings.group_of(&self.topic))
+            .set("isolation.level", "read_committed")
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("fetch.wait.max.ms", "5")
+            .create()
+            .map_err(|e| error(&e))?;
+        let waker = ctx.waker.clone();
+        consumer.set_nonempty_callback(move || waker.wake());
+        let mut assignment = TopicPartitionList::new();
+        let mut readers = Vec::new();
+        for number in &ctx.partitions {
+            let partition = *number as i32;
+            let label = format!("{}-{partition}", self.topic);
+            let offset = ctx.start_offsets.get(&label).copied().unwrap_or(0);
+            let mut upstream = 0;
+            let mut watermarks = Vec::new();
+            let prefix = format!("{label}{WATERMARK_MARK}");
+            for (key, value) in ctx.start_offsets.range(prefix.clone()..) {
+                let Some(which) = key.strip_prefix(&prefix) else {
+                    break;
+                };
+                match which {
+                    "upstream" => upstream = *value as u32,
+                    partition => {
+                        if let Ok(partition) = partition.parse() {
+                            watermarks.push((partition, *value));
+                        }
+                    }
+                }
+            }
+            assignment
+                .add_partition_offset(&self.topic, partition, Offset::Offset(offset))
+                .map_err(|e| error(&e))?;
+            readers.push(Partition {
+                number: *number,
+                partition,
+                position: offset,
+                watermarks: UpstreamWatermarks::restore(upstream, watermarks),
+            });
+        }
+        consumer.assign(&assignment).map_err(|e| error(&e))?;
+        Ok(Box::new(ExchangeReader {
+            consumer,
+            topic: self.topic.clone(),
+            source: self.description(),
+            partitions: readers,
+            emitted: None,
+            restored: true,
+            idle: false,
+        }))
+    }
+}
+
+struct Partition {
+    number: usize,
+    partition: i32,
+    position: i64,
+    watermarks: UpstreamWatermarks,
+}
+
+struct ExchangeReader {
+    consumer: BaseConsumer,
+    topic: String,
+    source: String,
+    partitions: Vec<Partition>,
+    emitted: Option<EventTime>,
+    /// Whether the restored watermark is still to be passed on.
+    restored: bool,
+    idle: bool,
+}
+
+impl ExchangeReader {
+    /// The least watermark over the partitions that are not idle, once every
+    /// one has one; whether all are idle.
+    fn watermark(&self) -> (Option<EventTime>, bool) {
+        let mut least: Option<EventTime> = None;
+        let mut all_idle = true;
+        for partition in &self.partitions {
+            if partition.watermarks.is_idle() {
+                continue;
+            }
+            all_idle = false;
+            match partition.watermarks.watermark() {
+                Some(w) => least = Some(least.map_or(w, |l| l.min(w))),
+                None => return (None, false),
+            }
+        }
+        (least, all_idle)
+    }
+
+    fn tell(&mut self, out: &mut SourceOutput<Exchanged>) {
+        let (watermark, all_idle) = self.watermark();
+        if all_idle {
+            if !self.idle {
+                out.idle();
+                self.idle = true;
+            }
+            return;
+        }
+        if let Some(watermark) = watermark {
+            if self.idle || self.emitted.is_none_or(|e| watermark > e) {
+                out.watermark(watermark);
+                self.emitted = Some(self.emitted.map_or(watermark, |e| e.max(watermark)));
+                self.idle = false;
+            }
+        }
+    }
+}
+
+impl SourceReader<Exchanged> for ExchangeReader {
+    fn offsets(&self) -> Offsets {
+        let mut offsets = Offsets::new();
+        for partition in &self.partitions {
+            let label = format!("{}-{}", self.topic, partition.partition);
+            for (upstream, watermark) in partition.watermarks.entries() {
+                offsets.insert(format!("{label}{WATERMARK_MARK}{upstream}"), watermark);
+            }
+            offsets.insert(
+                format!("{label}{WATERMARK_MARK}upstream"),
+                i64::from(partition.watermarks.upstream()),
+            );
+            offsets.insert(label, partition.position);
+        }
+        offsets
+    }
+
+    fn poll(
+        &mut self,
+        out: &mut SourceOutput<Exchanged>,
+        max_wait: Duration,
+    ) -> Result<SourceStatus> {
+        if self.partitions.is_empty() {
+            // It speaks for no partition: nothing downstream waits for it.
+            if !self.idle {
+                out.idle();
+                self.idle = true;
+            } else {
+                std::thread::park_timeout(max_wait);
+            }
+            return Ok(SourceStatus::Active);
+        }
+        if std::mem::take(&mut self.restored) {
+            self.tell(out);
+        }
+        let mut waited = max_wait.is_zero();
+        let mut progressed = false;
+        while out.remaining() > 0 {
+            match self.consumer.poll(Duration::ZERO) {
+                None if waited => break,
+                None => std::thread::park_timeout(max_wait),
+                Some(Ok(message)) => {
+                    let Some(index) = self
+                        .partitions
+                        .iter()
+                        .position(|p| p.partition == message.partition())
+                    else {
+                        continue;
+                    };
+                    let partition = &mut self.partitions[index];
+                    partition.position = message.offset() + 1;
+                    let wire: Wire = bincode::serde::decode_from_slice(
+                        message.payload().unwrap_or_default(),
+                        bincode::config::standard(),
+                    )
+                    .map(|(wire, _)| wire)
+                    .map_err(|e| {
+                        RtflowError::source(
+                            &self.source,
+                            format!(
+                                "record {} of partition {} is no repartition record: {e}",
+                                message.offset(),
+                                message.partition()
+                            ),
+                        )
+                    })?;
+                    match wire {
+                        Wire::Record {
+                            event_time,
+                            source_time,
+                            payload,
+                        } => {
+                            out.set_partition(partition.number);
+                            out.push_at(
+                                Exchanged {
+                                    key_hash: 0,
+                                    payload,
+                                },
+                                source_time,
+                                event_time,
+                            );
+                        }
+                        Wire::Progress(progress) => {
+                            partition.watermarks.update(&progress);
+                            progressed = true;
+                        }
+                    }
+                }
+                Some(Err(error)) => {
+                    tracing::warn!(source = %self.source, %error, "kafka consumer error; retrying");
+                    break;
+                }
+            }
+            waited = true;
+        }
+        if progressed {
+            self.tell(out);
+        }
+        Ok(SourceStatus::Active)
+    }
+}

@@ -1,0 +1,512 @@
+//! [`KafkaLink`]: one process's [`ClusterLink`] to the Kafka cluster its query
+//! runs on. It knows the partitions the consumer group assigned to the process,
+//! holds the process's transactional producer, and commits each checkpoint as
+//! one Kafka transaction: the output and repartition records its sinks staged
+//! for the epoch, the changelog records of its keyed state, and its input
+//! offsets (`send_offsets_to_transaction`, with the group's metadata, so that
+//! a process the group has moved on from can no longer commit).
+
+use std::any::Any;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rdkafka::config::FromClientConfigAndContext;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerGroupMetadata};
+use rdkafka::producer::{Producer, ThreadedProducer};
+use rdkafka::{Offset, TopicPartitionList};
+use rtflow_checkpoint::{Delta, Offsets};
+use rtflow_runtime::cluster::{ClusterLink, ClusterRecovery, Exchanged};
+use rtflow_runtime::{Epoch, Result, RtflowError, Sink, Source};
+
+use super::changelog::{self, Fold};
+use super::exchange::{ExchangeSink, ExchangeSource};
+use super::{ClusterSettings, WATERMARK_MARK};
+use crate::kafka::admin::KafkaAdmin;
+use crate::kafka::producer::{send, Deliveries, KafkaMessage};
+
+/// A `(topic, partition)`.
+pub(crate) type TopicPartition = (String, i32);
+
+/// What the link is for: learning the dataflow's topics before the process
+/// joins the group, or running with the partitions the group assigned.
+pub(crate) enum Mode {
+    /// Every partition counts as owned; the topics asked about are recorded.
+    Probe(Mutex<BTreeSet<String>>),
+    Live {
+        owned: BTreeSet<TopicPartition>,
+        transactions: Arc<Transactions>,
+    },
+}
+
+pub(crate) struct KafkaLink {
+    pub(crate) settings: Arc<ClusterSettings>,
+    pub(crate) mode: Mode,
+}
+
+impl KafkaLink {
+    /// The topics the probe was asked about: the dataflow's inputs.
+    pub(crate) fn probed_topics(&self) -> Vec<String> {
+        match &self.mode {
+            Mode::Probe(topics) => lock(topics).iter().cloned().collect(),
+            Mode::Live { .. } => Vec::new(),
+        }
+    }
+
+    pub(crate) fn transactions(&self) -> Option<&Arc<Transactions>> {
+        match &self.mode {
+            Mode::Live { transactions, .. } => Some(transactions),
+            Mode::Probe(_) => None,
+        }
+    }
+
+    fn error(&self, message: impl std::fmt::Display) -> RtflowError {
+        RtflowError::Checkpoint(format!(
+            "cluster {} of query '{}': {message}",
+            self.settings.bootstrap_servers, self.settings.query
+        ))
+    }
+
+    fn owned(&self) -> Vec<TopicPartition> {
+        match &self.mode {
+            Mode::Live { owned, .. } => owned.iter().cloned().collect(),
+            Mode::Probe(_) => Vec::new(),
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl ClusterLink for KafkaLink {
+    fn member(&self) -> String {
+        self.settings.instance.clone()
+    }
+
+    fn owned(&self, partitions: &[(String, i32)]) -> Vec<usize> {
+        match &self.mode {
+            Mode::Probe(topics) => {
+                lock(topics).extend(partitions.iter().map(|(t, _)| t.clone()));
+                (0..partitions.len()).collect()
+            }
+            Mode::Live { owned, .. } => partitions
+                .iter()
+                .enumerate()
+                .filter(|(_, tp)| owned.contains(*tp))
+                .map(|(i, _)| i)
+                .collect(),
+        }
+    }
+
+    fn exchange(
+        &self,
+        stage: usize,
+    ) -> Result<(Box<dyn Sink<Exchanged>>, Box<dyn Source<Exchanged>>)> {
+        let topic = self.settings.repartition_topic(stage);
+        if matches!(self.mode, Mode::Probe(_)) {
+            let admin = KafkaAdmin::new(&self.settings.bootstrap_servers)?;
+            admin.create_topic(&topic, self.settings.repartition_partitions as i32)?;
+            admin.create_compacted_topic_of(
+                &self.settings.changelog_topic(),
+                self.settings.repartition_partitions as i32,
+            )?;
+        }
+        Ok((
+            Box::new(ExchangeSink {
+                settings: self.settings.clone(),
+                topic: topic.clone(),
+            }),
+            Box::new(ExchangeSource {
+                settings: self.settings.clone(),
+                topic,
+            }),
+        ))
+    }
+
+    fn recover(&self) -> Result<ClusterRecovery> {
+        let owned = self.owned();
+        if owned.is_empty() {
+            return Ok(ClusterRecovery::default());
+        }
+        let offsets = self.committed_offsets(&owned)?;
+        let changelog = self.settings.changelog_topic();
+        let repartitions: Vec<i32> = owned
+            .iter()
+            .filter(|(topic, _)| self.settings.is_repartition_topic(topic))
+            .map(|(_, p)| *p)
+            .collect();
+        let state = self.read_changelog(&changelog, &repartitions)?;
+        Ok(ClusterRecovery { offsets, state })
+    }
+
+    fn commit(
+        &self,
+        epoch: Epoch,
+        offsets: &BTreeMap<String, Offsets>,
+        deltas: &[Delta],
+    ) -> Result<()> {
+        let Some(transactions) = self.transactions() else {
+            return Err(self.error("a probe does not commit"));
+        };
+        let changelog = self.settings.changelog_topic();
+        let partitions = self.settings.repartition_partitions as u32;
+        let mut changes = Vec::new();
+        for delta in deltas.iter().filter(|d| d.keyed) {
+            for entry in &delta.entries {
+                let (key, value) = changelog::record(&delta.state, &delta.meta, entry);
+                changes.push(KafkaMessage {
+                    topic: Some(changelog.clone()),
+                    partition: Some((entry.group % partitions) as i32),
+                    key: Some(key.into()),
+                    value: value.map(Into::into),
+                    headers: Vec::new(),
+                });
+            }
+        }
+        let positions = positions(offsets.values())?;
+        let mut by_group: BTreeMap<String, TopicPartitionList> = BTreeMap::new();
+        for element in positions.elements() {
+            let list = by_group
+                .entry(self.settings.group_of(element.topic()))
+                .or_default();
+            let mut added = list.add_partition(element.topic(), element.partition());
+            added
+                .set_offset(element.offset())
+                .map_err(|e| self.error(e))?;
+            added.set_metadata(element.metadata());
+        }
+        transactions.commit(epoch, changes, &by_group)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl KafkaLink {
+    /// The group's committed offsets of `partitions`, as the readers label
+    /// them. The consumer reads them `read_committed`, so an offset commit
+    /// still inside an open transaction is waited for, not read.
+    fn committed_offsets(&self, partitions: &[TopicPartition]) -> Result<Offsets> {
+        let mut by_group: BTreeMap<String, TopicPartitionList> = BTreeMap::new();
+        for (topic, partition) in partitions {
+            by_group
+                .entry(self.settings.group_of(topic))
+                .or_default()
+                .add_partition(topic, *partition);
+        }
+        let mut offsets = Offsets::new();
+        for (group, list) in by_group {
+            self.read_committed_offsets(&group, list, &mut offsets)?;
+        }
+        Ok(offsets)
+    }
+
+    fn read_committed_offsets(
+        &self,
+        group: &str,
+        list: TopicPartitionList,
+        offsets: &mut Offsets,
+    ) -> Result<()> {
+        let consumer: BaseConsumer = self
+            .settings
+            .client_config()
+            .set("group.id", group)
+            .set("isolation.level", "read_committed")
+            .set("enable.auto.commit", "false")
+            .create()
+            .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
+        let committed = consumer
+            .committed_offsets(list, self.settings.operation_timeout)
+            .map_err(|e| self.error(format!("could not read the committed offsets: {e}")))?;
+        for element in committed.elements() {
+            let Offset::Offset(offset) = element.offset() else {
+                continue;
+            };
+            let label = format!("{}-{}", element.topic(), element.partition());
+            for (upstream, watermark) in parse_watermarks(element.metadata()) {
+                offsets.insert(format!("{label}{WATERMARK_MARK}{upstream}"), watermark);
+            }
+            offsets.insert(label, offset);
+        }
+        Ok(())
+    }
+
+    /// The keyed state in `partitions` of the changelog, folded.
+    fn read_changelog(
+        &self,
+        changelog: &str,
+        partitions: &[i32],
+    ) -> Result<BTreeMap<rtflow_checkpoint::StateId, rtflow_checkpoint::RestoredState>> {
+        if partitions.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        let consumer: BaseConsumer = self
+            .settings
+            .client_config()
+            .set("group.id", self.settings.group())
+            .set("isolation.level", "read_committed")
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "true")
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
+        let mut list = TopicPartitionList::new();
+        let mut open = BTreeSet::new();
+        for partition in partitions {
+            let (low, high) = consumer
+                .fetch_watermarks(changelog, *partition, self.settings.operation_timeout)
+                .map_err(|e| self.error(format!("could not read the changelog's end: {e}")))?;
+            if high > low {
+                list.add_partition_offset(changelog, *partition, Offset::Beginning)
+                    .map_err(|e| self.error(e))?;
+                open.insert(*partition);
+            }
+        }
+        let mut fold = Fold::default();
+        if open.is_empty() {
+            return fold.into_states();
+        }
+        consumer
+            .assign(&list)
+            .map_err(|e| self.error(format!("could not read the changelog: {e}")))?;
+        let deadline = std::time::Instant::now() + self.settings.restore_timeout;
+        while !open.is_empty() {
+            if std::time::Instant::now() > deadline {
+                return Err(self.error(format!(
+                    "the changelog '{changelog}' was not read to its end within {:?}",
+                    self.settings.restore_timeout
+                )));
+            }
+            match consumer.poll(Duration::from_millis(100)) {
+                None => {}
+                Some(Ok(message)) => {
+                    use rdkafka::Message;
+                    if let Some(key) = message.key() {
+                        fold.apply(key, message.payload())?;
+                    }
+                }
+                Some(Err(rdkafka::error::KafkaError::PartitionEOF(partition))) => {
+                    open.remove(&partition);
+                }
+                Some(Err(error)) => {
+                    tracing::warn!(%error, "changelog read error; retrying");
+                }
+            }
+        }
+        fold.into_states()
+    }
+}
+
+/// The readers' offset labels as a partition list: `topic-partition` is the
+/// next offset to read; `topic-partition@upstream` a repartition reader's
+/// watermark of an upstream source partition, which travels as the offset's
+/// metadata, committed with it.
+fn positions<'a>(offsets: impl Iterator<Item = &'a Offsets>) -> Result<TopicPartitionList> {
+    let mut next: BTreeMap<TopicPartition, i64> = BTreeMap::new();
+    let mut watermarks: BTreeMap<TopicPartition, Vec<(String, i64)>> = BTreeMap::new();
+    for labels in offsets {
+        for (label, value) in labels {
+            match label.split_once(WATERMARK_MARK) {
+                Some((partition, upstream)) => watermarks
+                    .entry(parse_label(partition)?)
+                    .or_default()
+                    .push((upstream.to_owned(), *value)),
+                None => {
+                    next.insert(parse_label(label)?, *value);
+                }
+            }
+        }
+    }
+    let mut list = TopicPartitionList::new();
+    for (tp, offset) in next {
+        let metadata = watermarks
+            .get(&tp)
+            .map(|w| {
+                w.iter()
+                    .map(|(upstream, watermark)| format!("{upstream}={watermark}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .unwrap_or_default();
+        let mut element = list.add_partition(&tp.0, tp.1);
+        element
+            .set_offset(Offset::Offset(offset))
+            .map_err(|e| RtflowError::Checkpoint(e.to_string()))?;
+        element.set_metadata(metadata);
+    }
+    Ok(list)
+}
+
+fn parse_label(label: &str) -> Result<TopicPartition> {
+    label
+        .rsplit_once('-')
+        .and_then(|(topic, partition)| Some((topic.to_owned(), partition.parse().ok()?)))
+        .ok_or_else(|| {
+            RtflowError::Checkpoint(format!(
+                "offset label '{label}' names no topic partition; a clustered query reads \
+                 only Kafka topics"
+            ))
+        })
+}
+
+fn parse_watermarks(metadata: &str) -> Vec<(String, i64)> {
+    metadata
+        .split(',')
+        .filter_map(|pair| {
+            let (upstream, watermark) = pair.split_once('=')?;
+            Some((upstream.to_owned(), watermark.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The process's transactional producer and the records its sinks staged,
+/// by epoch, for the transactions still to commit.
+pub(crate) struct Transactions {
+    producer: ThreadedProducer<Deliveries>,
+    staged: Mutex<BTreeMap<Epoch, Vec<KafkaMessage>>>,
+    /// Each group's metadata as of its latest rebalance: offsets committed
+    /// with an older generation are refused.
+    groups: Mutex<BTreeMap<String, ConsumerGroupMetadata>>,
+    timeout: Duration,
+    name: String,
+}
+
+impl Transactions {
+    /// The producer of `transactional_id`, initialised: an earlier incarnation's
+    /// open transaction is aborted, and it can no longer commit.
+    pub(crate) fn open(settings: &ClusterSettings) -> Result<Self> {
+        let name = format!("kafka cluster {}", settings.bootstrap_servers);
+        let producer = ThreadedProducer::from_config_and_context(
+            settings
+                .client_config()
+                .set("transactional.id", settings.transactional_id())
+                .set(
+                    "transaction.timeout.ms",
+                    settings.transaction_timeout.as_millis().to_string(),
+                )
+                .set("linger.ms", "5"),
+            Deliveries::default(),
+        )
+        .map_err(|e| RtflowError::sink(&name, format!("could not create the producer: {e}")))?;
+        producer
+            .init_transactions(settings.operation_timeout)
+            .map_err(|e| {
+                RtflowError::sink(&name, format!("could not initialise transactions: {e}"))
+            })?;
+        Ok(Self {
+            producer,
+            staged: Mutex::default(),
+            groups: Mutex::default(),
+            timeout: settings.operation_timeout,
+            name,
+        })
+    }
+
+    /// Records to commit with epoch `epoch`, staged by a sink at its barrier.
+    pub(crate) fn stage(&self, epoch: Epoch, records: Vec<KafkaMessage>) {
+        if !records.is_empty() {
+            lock(&self.staged).entry(epoch).or_default().extend(records);
+        }
+    }
+
+    pub(crate) fn set_group(&self, group: &str, metadata: Option<ConsumerGroupMetadata>) {
+        let mut groups = lock(&self.groups);
+        match metadata {
+            Some(metadata) => groups.insert(group.to_owned(), metadata),
+            None => groups.remove(group),
+        };
+    }
+
+    /// Drops what was staged for epochs that will not commit (a run that
+    /// stopped without its final checkpoint).
+    pub(crate) fn discard(&self) {
+        lock(&self.staged).clear();
+    }
+
+    fn commit(
+        &self,
+        epoch: Epoch,
+        changes: Vec<KafkaMessage>,
+        positions: &BTreeMap<String, TopicPartitionList>,
+    ) -> Result<()> {
+        let staged: Vec<KafkaMessage> = {
+            let mut staged = lock(&self.staged);
+            let later = staged.split_off(&(epoch + 1));
+            std::mem::replace(&mut *staged, later)
+                .into_values()
+                .flatten()
+                .collect()
+        };
+        let failed = |what: &str, e: &dyn std::fmt::Display| {
+            RtflowError::Checkpoint(format!(
+                "{}: could not {what} the transaction of epoch {epoch}: {e}",
+                self.name
+            ))
+        };
+        self.producer
+            .begin_transaction()
+            .map_err(|e| failed("begin", &e))?;
+        let result = (|| {
+            for message in staged.iter().chain(&changes) {
+                send(&self.producer, message, None, &self.name)?;
+            }
+            let groups = lock(&self.groups);
+            for (group, positions) in positions {
+                let metadata = groups.get(group).ok_or_else(|| {
+                    failed("commit", &format!("the process is not in group '{group}'"))
+                })?;
+                self.producer
+                    .send_offsets_to_transaction(positions, metadata, self.timeout)
+                    .map_err(|e| failed("add the offsets to", &e))?;
+            }
+            drop(groups);
+            self.producer
+                .commit_transaction(self.timeout)
+                .map_err(|e| failed("commit", &e))?;
+            self.producer.context().check(&self.name)
+        })();
+        if result.is_err() {
+            let _ = self.producer.abort_transaction(self.timeout);
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_become_offsets_and_watermarks_their_metadata() {
+        let offsets: Offsets = [
+            ("orders-2".to_owned(), 17),
+            ("rtflow-q-0-repartition-1".to_owned(), 40),
+            (format!("rtflow-q-0-repartition-1{WATERMARK_MARK}0"), 900),
+            (
+                format!("rtflow-q-0-repartition-1{WATERMARK_MARK}upstream"),
+                3,
+            ),
+        ]
+        .into_iter()
+        .collect();
+        let list = positions([&offsets].into_iter()).unwrap();
+        let orders = list.find_partition("orders", 2).unwrap();
+        assert_eq!(orders.offset(), Offset::Offset(17));
+        assert_eq!(orders.metadata(), "");
+        let repartition = list.find_partition("rtflow-q-0-repartition", 1).unwrap();
+        assert_eq!(repartition.offset(), Offset::Offset(40));
+        assert_eq!(
+            parse_watermarks(repartition.metadata()),
+            vec![("0".to_owned(), 900), ("upstream".to_owned(), 3)]
+        );
+    }
+
+    #[test]
+    fn a_label_that_names_no_partition_is_a_checkpoint_failure() {
+        let offsets: Offsets = [("memory".to_owned(), 1)].into_iter().collect();
+        let error = positions([&offsets].into_iter()).unwrap_err();
+        assert_eq!(error.error_class(), "CHECKPOINT_FAILED");
+    }
+}

@@ -1,0 +1,214 @@
+//! [`KafkaCluster`]: one query run by several processes, on the Kafka cluster
+//! its users already run, as Kafka Streams does.
+//!
+//! Every process runs the same dataflow under the same query name. They join
+//! the query's consumer group (`rtflow-<query>`, cooperative-sticky
+//! assignment), which shares out the partitions of the source topics, and
+//! its second group (`rtflow-<query>-repartition`), which shares out those of
+//! the repartition topic: one group would balance only the sum of the two,
+//! and could leave a process all of one stage and none of the other. A
+//! process runs its dataflow for the partitions it owns:
+//!
+//! - `repartition_by` writes each record to the repartition topic partition of
+//!   its key group (`exchange`); the stage after it reads the partitions the
+//!   group gave the process, with the watermark in band;
+//! - each checkpoint commits as one Kafka transaction of the process (`link`):
+//!   its output, its repartition records, the changelog records of its keyed
+//!   state (`changelog`, a compacted topic partitioned like the repartition
+//!   topic) and its input offsets, committed to the group;
+//! - when the group moves partitions, the process stops its run with a final
+//!   checkpoint before it lets them go (inside the rebalance), and starts a
+//!   new run for what it then owns, restoring offsets from the group and keyed
+//!   state from the changelog (`runner`);
+//! - processes check that they run the same dataflow (`shape`).
+
+mod changelog;
+mod exchange;
+mod link;
+mod runner;
+mod shape;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rtflow_runtime::{Dataflow, QueryConfig, Result, RtflowError};
+
+use super::Options;
+pub use runner::ClusteredQuery;
+
+pub(crate) use exchange::{transactions_of, Staging};
+
+/// Separates a repartition partition's offset label from the upstream source
+/// partition whose watermark a label holds.
+const WATERMARK_MARK: char = '@';
+
+/// Runs a query in several processes that share it through a Kafka cluster.
+///
+/// ```no_run
+/// use rtflow_connectors::kafka::{KafkaCluster, KafkaSink, KafkaSource, StartingOffsets};
+/// use rtflow_runtime::QueryConfig;
+/// let query = KafkaCluster::new("127.0.0.1:9092")
+///     .repartition_partitions(6)
+///     .start(QueryConfig::new("clicks-per-user"), |flow| {
+///         flow.source(KafkaSource::new("127.0.0.1:9092").subscribe(["clicks"]))
+///             .repartition_by(|click| click.key.clone())
+///             .as_ref()
+///             .sink(KafkaSink::new("127.0.0.1:9092", "clicks-by-user", |click| {
+///                 rtflow_connectors::kafka::KafkaMessage::new(click.value.clone().unwrap_or_default())
+///             }));
+///         Ok(())
+///     })?;
+/// query.stop()?;
+/// # Ok::<(), rtflow_runtime::RtflowError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct KafkaCluster {
+    bootstrap_servers: String,
+    instance: Option<String>,
+    repartition_partitions: Option<usize>,
+    session_timeout: Duration,
+    options: Options,
+}
+
+impl KafkaCluster {
+    /// A cluster on the Kafka brokers at `bootstrap_servers`.
+    pub fn new(bootstrap_servers: impl Into<String>) -> Self {
+        Self {
+            bootstrap_servers: bootstrap_servers.into(),
+            instance: None,
+            repartition_partitions: None,
+            session_timeout: Duration::from_secs(6),
+            options: Options::default(),
+        }
+    }
+
+    /// The process's lasting name in the cluster (by default one made anew at
+    /// each start). A process restarted under the same name fences its
+    /// previous incarnation at once: the transaction that one left open is
+    /// aborted, rather than timed out.
+    pub fn instance(mut self, name: impl Into<String>) -> Self {
+        self.instance = Some(name.into());
+        self
+    }
+
+    /// How many partitions the repartition topic (and the changelog) has; by
+    /// default one per key group (`QueryConfig::max_key_groups`). It bounds
+    /// how many processes share the stage after the repartition. Fixed for
+    /// the query's life: it decides where each key's state lives.
+    pub fn repartition_partitions(mut self, partitions: usize) -> Self {
+        self.repartition_partitions = Some(partitions.max(1));
+        self
+    }
+
+    /// How soon the group notices a process that died and moves its
+    /// partitions (Kafka's `session.timeout.ms`); 6 s by default.
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.session_timeout = timeout;
+        self
+    }
+
+    /// Sets a librdkafka setting for every client of the cluster:
+    /// `.option("kafka.<key>", value)`.
+    pub fn option(mut self, key: &str, value: impl ToString) -> Self {
+        self.options.set(key, &value.to_string());
+        self
+    }
+
+    /// Joins the query's group and runs `build`'s dataflow for the partitions
+    /// this process is given, until [`ClusteredQuery::stop`]. `build` is
+    /// called for every run: at the start, and again whenever the group moves
+    /// partitions to or from the process.
+    pub fn start<F>(self, config: QueryConfig, build: F) -> Result<ClusteredQuery>
+    where
+        F: Fn(&Dataflow) -> Result<()> + Send + 'static,
+    {
+        let batch_duration = config.trigger.batch_duration()?;
+        self.options.client_config("KafkaCluster", &[])?;
+        let settings = ClusterSettings {
+            query: config.name.clone(),
+            bootstrap_servers: self.bootstrap_servers,
+            instance: self
+                .instance
+                .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string()),
+            repartition_partitions: self.repartition_partitions.unwrap_or(config.max_key_groups),
+            key_groups: config.max_key_groups,
+            session_timeout: self.session_timeout,
+            transaction_timeout: (batch_duration * 3).max(Duration::from_secs(10)),
+            operation_timeout: Duration::from_secs(30),
+            restore_timeout: Duration::from_secs(300),
+            options: self.options,
+        };
+        if settings.query.is_empty() {
+            return Err(RtflowError::InvalidConfiguration(
+                "a clustered query needs a name: its processes find each other by it".into(),
+            ));
+        }
+        runner::start(Arc::new(settings), config, build)
+    }
+}
+
+/// What every part of a process's cluster shares.
+#[derive(Debug)]
+pub(crate) struct ClusterSettings {
+    pub(crate) query: String,
+    pub(crate) bootstrap_servers: String,
+    pub(crate) instance: String,
+    pub(crate) repartition_partitions: usize,
+    pub(crate) key_groups: usize,
+    pub(crate) session_timeout: Duration,
+    pub(crate) transaction_timeout: Duration,
+    pub(crate) operation_timeout: Duration,
+    pub(crate) restore_timeout: Duration,
+    options: Options,
+}
+
+impl ClusterSettings {
+    /// The consumer group of the query's processes, which shares out the
+    /// source topics' partitions.
+    pub(crate) fn group(&self) -> String {
+        format!("rtflow-{}", self.query)
+    }
+
+    /// The group whose offsets of `topic` the process commits: the stage
+    /// after the repartition has a group of its own, so that each stage's
+    /// partitions are spread evenly over the processes (one group balances
+    /// only the sum of all its topics' partitions).
+    pub(crate) fn group_of(&self, topic: &str) -> String {
+        if self.is_repartition_topic(topic) {
+            format!("{}-repartition", self.group())
+        } else {
+            self.group()
+        }
+    }
+
+    pub(crate) fn repartition_topic(&self, stage: usize) -> String {
+        format!("rtflow-{}-{stage}-repartition", self.query)
+    }
+
+    pub(crate) fn is_repartition_topic(&self, topic: &str) -> bool {
+        topic.starts_with(&format!("rtflow-{}-", self.query)) && topic.ends_with("-repartition")
+    }
+
+    pub(crate) fn changelog_topic(&self) -> String {
+        format!("rtflow-{}-changelog", self.query)
+    }
+
+    pub(crate) fn shapes_topic(&self) -> String {
+        format!("rtflow-{}-shapes", self.query)
+    }
+
+    pub(crate) fn transactional_id(&self) -> String {
+        format!("rtflow-{}-{}", self.query, self.instance)
+    }
+
+    /// A client configuration: the brokers, then the user's options.
+    pub(crate) fn client_config(&self) -> ClientConfig {
+        self.options
+            .client_config(
+                "KafkaCluster",
+                &[("bootstrap.servers", &self.bootstrap_servers)],
+            )
+            .expect("options were checked at start")
+    }
+}

@@ -1,0 +1,373 @@
+//! The process's part of a clustered query: its membership of the group and
+//! the runs of its dataflow.
+//!
+//! A run is a query of this process over the partitions it owns. The group's
+//! member consumer never reads records (its partitions stay paused); it only
+//! holds the membership. When the group takes partitions away, the rebalance
+//! callback stops the run with a final checkpoint before it returns, so the
+//! next owner resumes exactly where this one committed. When partitions
+//! arrive, the run is restarted over the new set once the group settles.
+//! Partitions that stay put keep their records flowing in processes the
+//! rebalance leaves alone.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
+use rdkafka::ClientContext;
+use rtflow_runtime::{
+    Dataflow, QueryConfig, Result, RtflowError, StreamingQuery, StreamingQueryProgress,
+};
+
+use super::link::{KafkaLink, Mode, TopicPartition, Transactions};
+use super::shape::Shape;
+use super::ClusterSettings;
+
+/// How long the assignment must stay unchanged before a run starts on it:
+/// a cooperative rebalance takes two rounds.
+const SETTLE: Duration = Duration::from_millis(500);
+
+/// How many runs in a row may fail before the process gives up.
+const MAX_FAILED_RUNS: u32 = 3;
+
+/// A process's handle on a clustered query.
+pub struct ClusteredQuery {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<Result<()>>>>,
+}
+
+struct Shared {
+    settings: Arc<ClusterSettings>,
+    transactions: Arc<Transactions>,
+    /// The partitions the group assigned to the process.
+    assignment: Mutex<BTreeSet<TopicPartition>>,
+    /// Bumped by every change of the assignment.
+    generation: AtomicU64,
+    run: Mutex<Option<Run>>,
+    runs: AtomicU64,
+    stop: AtomicBool,
+}
+
+struct Run {
+    query: StreamingQuery,
+    owned: BTreeSet<TopicPartition>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    /// Stops the run, if one is running, with a final checkpoint.
+    fn stop_run(&self) -> Result<()> {
+        let Some(run) = lock(&self.run).take() else {
+            return Ok(());
+        };
+        let result = run.query.stop();
+        if result.is_err() {
+            self.transactions.discard();
+        }
+        result
+    }
+
+    fn changed(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl ClusteredQuery {
+    /// The partitions this process runs now, as `topic-partition`.
+    pub fn partitions(&self) -> Vec<String> {
+        lock(&self.shared.run)
+            .iter()
+            .flat_map(|run| &run.owned)
+            .map(|(topic, partition)| format!("{topic}-{partition}"))
+            .collect()
+    }
+
+    /// How many runs the process started: one, then one more for every
+    /// rebalance that moved partitions to or from it.
+    pub fn runs(&self) -> u64 {
+        self.shared.runs.load(Ordering::SeqCst)
+    }
+
+    /// The latest progress report of the current run.
+    pub fn last_progress(&self) -> Option<StreamingQueryProgress> {
+        lock(&self.shared.run)
+            .as_ref()
+            .and_then(|run| run.query.last_progress())
+    }
+
+    /// Whether the process still runs its part of the query.
+    pub fn is_active(&self) -> bool {
+        lock(&self.thread)
+            .as_ref()
+            .is_some_and(|thread| !thread.is_finished())
+    }
+
+    /// Waits up to `timeout` for the process's part to end; its error, if it
+    /// failed. `Ok(false)` when it still runs.
+    pub fn await_termination(&self, timeout: Duration) -> Result<bool> {
+        let deadline = Instant::now() + timeout;
+        while self.is_active() {
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.join().map(|()| true)
+    }
+
+    /// Stops the current run with a final checkpoint and leaves the group;
+    /// the other processes take its partitions over.
+    pub fn stop(&self) -> Result<()> {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.join()
+    }
+
+    fn join(&self) -> Result<()> {
+        match lock(&self.thread).take() {
+            Some(thread) => thread.join().unwrap_or_else(|_| {
+                Err(RtflowError::InvalidConfiguration(
+                    "the cluster runner panicked".into(),
+                ))
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ClusteredQuery {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+/// The group member's callbacks: they keep the assignment, and stop the run
+/// before partitions are let go.
+struct Member {
+    shared: Arc<Shared>,
+    group: String,
+}
+
+impl ClientContext for Member {}
+
+impl ConsumerContext for Member {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(revoked) = rebalance {
+            self.shared
+                .transactions
+                .set_group(&self.group, consumer.group_metadata());
+            // The final checkpoint commits the offsets of the partitions
+            // revoked: only then may the next owner read them.
+            if let Err(error) = self.shared.stop_run() {
+                tracing::warn!(%error, "the run did not stop cleanly; its partitions resume from their last commit");
+            }
+            let mut assignment = lock(&self.shared.assignment);
+            for element in revoked.elements() {
+                assignment.remove(&(element.topic().to_owned(), element.partition()));
+            }
+            self.shared.changed();
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(assigned) => {
+                // The member only holds the membership; the run's readers read.
+                if let Err(error) = consumer.pause(assigned) {
+                    tracing::warn!(%error, "could not pause the member's partitions");
+                }
+                let mut assignment = lock(&self.shared.assignment);
+                for element in assigned.elements() {
+                    assignment.insert((element.topic().to_owned(), element.partition()));
+                }
+                self.shared.changed();
+            }
+            Rebalance::Revoke(_) => {}
+            Rebalance::Error(error) => tracing::warn!(%error, "rebalance failed"),
+        }
+        self.shared
+            .transactions
+            .set_group(&self.group, consumer.group_metadata());
+    }
+}
+
+/// Probes the dataflow, checks it against the group's, joins the group and
+/// hands the process's part to a thread of its own.
+pub(super) fn start<F>(
+    settings: Arc<ClusterSettings>,
+    config: QueryConfig,
+    build: F,
+) -> Result<ClusteredQuery>
+where
+    F: Fn(&Dataflow) -> Result<()> + Send + 'static,
+{
+    let probe = Arc::new(KafkaLink {
+        settings: settings.clone(),
+        mode: Mode::Probe(Mutex::default()),
+    });
+    let flow = Dataflow::clustered(config.name.clone(), probe.clone());
+    build(&flow)?;
+    let shape = Shape::new(flow.shape(&config)?);
+    let topics = probe.probed_topics();
+    shape.check_members(&settings)?;
+    shape.publish(&settings)?;
+    let shared = Arc::new(Shared {
+        transactions: Arc::new(Transactions::open(&settings)?),
+        settings: settings.clone(),
+        assignment: Mutex::default(),
+        generation: AtomicU64::new(0),
+        run: Mutex::default(),
+        runs: AtomicU64::new(0),
+        stop: AtomicBool::new(false),
+    });
+    let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for topic in topics {
+        groups
+            .entry(settings.group_of(&topic))
+            .or_default()
+            .push(topic);
+    }
+    let members = groups
+        .into_iter()
+        .map(|(group, topics)| join(&shared, &shape, group, &topics))
+        .collect::<Result<Vec<_>>>()?;
+    tracing::info!(query = %config.name, instance = %settings.instance, "joined the cluster");
+    let runner = shared.clone();
+    let thread = std::thread::Builder::new()
+        .name("rtflow-cluster".into())
+        .spawn(move || {
+            let result = run(&runner, &members, &config, &build);
+            // Leaving the groups revokes what is left: nothing runs any more.
+            let stopped = runner.stop_run();
+            drop(members);
+            result.and(stopped)
+        })
+        .map_err(|e| {
+            RtflowError::InvalidConfiguration(format!("could not start the cluster runner: {e}"))
+        })?;
+    Ok(ClusteredQuery {
+        shared,
+        thread: Mutex::new(Some(thread)),
+    })
+}
+
+/// A member of `group`, subscribed to `topics`.
+fn join(
+    shared: &Arc<Shared>,
+    shape: &Shape,
+    group: String,
+    topics: &[String],
+) -> Result<BaseConsumer<Member>> {
+    let settings = &shared.settings;
+    let member: BaseConsumer<Member> = settings
+        .client_config()
+        .set("group.id", &group)
+        .set("client.id", shape.client_id(settings))
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set(
+            "session.timeout.ms",
+            settings.session_timeout.as_millis().to_string(),
+        )
+        .set("heartbeat.interval.ms", "500")
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .set("queued.max.messages.kbytes", "64")
+        .create_with_context(Member {
+            shared: shared.clone(),
+            group: group.clone(),
+        })
+        .map_err(|e| {
+            RtflowError::InvalidConfiguration(format!("could not join group '{group}': {e}"))
+        })?;
+    let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+    member.subscribe(&names).map_err(|e| {
+        RtflowError::InvalidConfiguration(format!("could not subscribe to {topics:?}: {e}"))
+    })?;
+    Ok(member)
+}
+
+/// Polls the membership, and starts a run over the partitions the process
+/// owns each time the assignment changed and settled.
+fn run<F>(
+    shared: &Arc<Shared>,
+    members: &[BaseConsumer<Member>],
+    config: &QueryConfig,
+    build: &F,
+) -> Result<()>
+where
+    F: Fn(&Dataflow) -> Result<()>,
+{
+    let mut seen = shared.generation.load(Ordering::SeqCst);
+    let mut changed_at = Instant::now();
+    let mut running: Option<u64> = None;
+    let mut failures = 0;
+    loop {
+        // Records never arrive (the partitions are paused); the poll serves
+        // the group's callbacks.
+        for member in members {
+            if let Some(Err(error)) = member.poll(Duration::from_millis(25)) {
+                tracing::warn!(%error, "group member error");
+            }
+        }
+        if shared.stop.load(Ordering::SeqCst) {
+            return shared.stop_run();
+        }
+        let failed = lock(&shared.run)
+            .as_ref()
+            .and_then(|run| run.query.exception());
+        if let Some(error) = failed {
+            lock(&shared.run).take();
+            shared.transactions.discard();
+            failures += 1;
+            tracing::warn!(%error, failures, "the run failed; restarting from the last commit");
+            if failures >= MAX_FAILED_RUNS {
+                return Err(error);
+            }
+            running = None;
+        }
+        let generation = shared.generation.load(Ordering::SeqCst);
+        if generation != seen {
+            seen = generation;
+            changed_at = Instant::now();
+            failures = 0;
+        }
+        if running == Some(seen) || changed_at.elapsed() < SETTLE {
+            continue;
+        }
+        shared.stop_run()?;
+        let owned = lock(&shared.assignment).clone();
+        running = Some(seen);
+        if owned.is_empty() {
+            continue;
+        }
+        let link = Arc::new(KafkaLink {
+            settings: shared.settings.clone(),
+            mode: Mode::Live {
+                owned: owned.clone(),
+                transactions: shared.transactions.clone(),
+            },
+        });
+        let flow = Dataflow::clustered(config.name.clone(), link);
+        build(&flow)?;
+        match flow.start(config.clone()) {
+            Ok(query) => {
+                shared.runs.fetch_add(1, Ordering::SeqCst);
+                tracing::info!(partitions = ?owned, "run started");
+                *lock(&shared.run) = Some(Run { query, owned });
+            }
+            Err(error) => {
+                failures += 1;
+                tracing::warn!(%error, failures, "the run did not start");
+                if failures >= MAX_FAILED_RUNS {
+                    return Err(error);
+                }
+                running = None;
+            }
+        }
+    }
+}

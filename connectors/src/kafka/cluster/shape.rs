@@ -1,0 +1,176 @@
+//! Every process of a clustered query must run the same dataflow: otherwise
+//! keys, state and offsets would mean different things in different
+//! processes. A process names its dataflow's shape by a fingerprint in its
+//! client id, which the group's member list shows, and publishes the whole
+//! shape in the compacted `rtflow-<query>-shapes` topic under that
+//! fingerprint. Before it joins, a process compares its fingerprint with the
+//! live members' and, on a difference, fails with `CLUSTER_SHAPE_MISMATCH`
+//! naming the first step that differs.
+
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::DefaultProducerContext;
+use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use rtflow_runtime::key_groups::stable_hash;
+use rtflow_runtime::{Result, RtflowError};
+
+use super::ClusterSettings;
+use crate::kafka::admin::KafkaAdmin;
+
+/// Separates a member's instance from its fingerprint in its client id.
+const FINGERPRINT_MARK: &str = ".shape-";
+
+/// A dataflow's shape and its fingerprint.
+pub(crate) struct Shape {
+    pub(crate) lines: Vec<String>,
+    pub(crate) fingerprint: String,
+}
+
+impl Shape {
+    pub(crate) fn new(lines: Vec<String>) -> Self {
+        let fingerprint = format!("{:016x}", stable_hash(&lines));
+        Self { lines, fingerprint }
+    }
+
+    /// The client id of a member: its instance and its shape's fingerprint.
+    pub(crate) fn client_id(&self, settings: &ClusterSettings) -> String {
+        format!(
+            "{}{FINGERPRINT_MARK}{}",
+            settings.instance, self.fingerprint
+        )
+    }
+
+    /// Publishes the shape under its fingerprint.
+    pub(crate) fn publish(&self, settings: &ClusterSettings) -> Result<()> {
+        let topic = settings.shapes_topic();
+        KafkaAdmin::new(&settings.bootstrap_servers)?.create_compacted_topic(&topic)?;
+        let producer: ThreadedProducer<DefaultProducerContext> = settings
+            .client_config()
+            .create()
+            .map_err(|e| shape_error(format!("could not create a producer: {e}")))?;
+        let text = self.lines.join("\n");
+        producer
+            .send(BaseRecord::to(&topic).key(&self.fingerprint).payload(&text))
+            .map_err(|(e, _)| shape_error(format!("could not publish the shape: {e}")))?;
+        producer
+            .flush(settings.operation_timeout)
+            .map_err(|e| shape_error(format!("could not publish the shape: {e}")))
+    }
+
+    /// Fails when a live member of the group runs another dataflow.
+    pub(crate) fn check_members(&self, settings: &ClusterSettings) -> Result<()> {
+        let consumer: BaseConsumer = settings
+            .client_config()
+            .create()
+            .map_err(|e| shape_error(format!("could not create a consumer: {e}")))?;
+        let groups = consumer
+            .fetch_group_list(Some(&settings.group()), settings.operation_timeout)
+            .map_err(|e| shape_error(format!("could not list the group's members: {e}")))?;
+        let other = groups
+            .groups()
+            .iter()
+            .flat_map(|group| group.members())
+            .filter_map(|member| member.client_id().split_once(FINGERPRINT_MARK))
+            .find(|(_, fingerprint)| *fingerprint != self.fingerprint);
+        let Some((member, fingerprint)) = other else {
+            return Ok(());
+        };
+        let theirs = published(settings, &consumer, fingerprint)?;
+        Err(RtflowError::ClusterShapeMismatch {
+            member: member.to_owned(),
+            difference: difference(&self.lines, theirs.as_deref()),
+        })
+    }
+}
+
+fn shape_error(message: impl std::fmt::Display) -> RtflowError {
+    RtflowError::InvalidConfiguration(format!("cluster shape check: {message}"))
+}
+
+/// The shape published under `fingerprint`, if it can be found.
+fn published(
+    settings: &ClusterSettings,
+    consumer: &BaseConsumer,
+    fingerprint: &str,
+) -> Result<Option<Vec<String>>> {
+    let topic = settings.shapes_topic();
+    let (_, high) = consumer
+        .fetch_watermarks(&topic, 0, settings.operation_timeout)
+        .map_err(|e| shape_error(format!("could not read '{topic}': {e}")))?;
+    let mut list = TopicPartitionList::new();
+    list.add_partition_offset(&topic, 0, Offset::Beginning)
+        .map_err(shape_error)?;
+    consumer.assign(&list).map_err(shape_error)?;
+    let mut found = None;
+    let deadline = std::time::Instant::now() + settings.operation_timeout;
+    let mut position = 0;
+    while position < high && std::time::Instant::now() < deadline {
+        if let Some(Ok(message)) = consumer.poll(Duration::from_millis(100)) {
+            position = message.offset() + 1;
+            if message.key() == Some(fingerprint.as_bytes()) {
+                found = message.payload().map(|text| {
+                    String::from_utf8_lossy(text)
+                        .lines()
+                        .map(str::to_owned)
+                        .collect()
+                });
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// The first line where two shapes differ, said for a user.
+fn difference(ours: &[String], theirs: Option<&[String]>) -> String {
+    let Some(theirs) = theirs else {
+        return "its shape is not published".to_owned();
+    };
+    let count = ours.len().max(theirs.len());
+    (0..count)
+        .find_map(|i| match (ours.get(i), theirs.get(i)) {
+            (Some(a), Some(b)) if a == b => None,
+            (Some(a), Some(b)) => Some(format!("here {a}, there {b}")),
+            (Some(a), None) => Some(format!("here {a}, which it lacks")),
+            (None, Some(b)) => Some(format!("there {b}, which this one lacks")),
+            (None, None) => None,
+        })
+        .unwrap_or_else(|| "the shapes are the same but their fingerprints differ".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(text: &[&str]) -> Vec<String> {
+        text.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_first_differing_step_is_named() {
+        let ours = lines(&["key groups: 128", "step 1: operator 'count-0' (count)"]);
+        let theirs = lines(&["key groups: 128", "step 1: operator 'sum-0' (sum)"]);
+        assert_eq!(
+            difference(&ours, Some(&theirs)),
+            "here step 1: operator 'count-0' (count), there step 1: operator 'sum-0' (sum)"
+        );
+        assert_eq!(
+            difference(&ours[..1], Some(&theirs)),
+            "there step 1: operator 'sum-0' (sum), which this one lacks"
+        );
+    }
+
+    #[test]
+    fn the_fingerprint_follows_the_shape() {
+        let a = Shape::new(lines(&["step 0", "step 1"]));
+        assert_eq!(
+            a.fingerprint,
+            Shape::new(lines(&["step 0", "step 1"])).fingerprint
+        );
+        assert_ne!(
+            a.fingerprint,
+            Shape::new(lines(&["step 0", "step 2"])).fingerprint
+        );
+    }
+}

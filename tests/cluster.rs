@@ -1,0 +1,390 @@
+//! Scale-out: several processes (this test binary, running its ignored
+//! `cluster_child` test) run one query through a `KafkaCluster` on the test
+//! broker. The query reads a topic of six partitions, repartitions by key, and
+//! keeps a count per key and a tumbling-window count per key over event time.
+//! Three processes start; one is killed with SIGKILL while input flows, and one
+//! is started again under its name. The read_committed output of both counts
+//! must equal the batch reference, each output record exactly once.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::kafka::{bootstrap, consume, produce, topic};
+use rtflow::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// What a child runs, from `RTFLOW_CLUSTER_CHILD`:
+/// `bootstrap query input counts windows instance stop-file`.
+const CHILD_SPEC: &str = "RTFLOW_CLUSTER_CHILD";
+
+const PARTITIONS: i32 = 6;
+const KEYS: usize = 10;
+/// Event time advances 10 ms per record.
+const STEP_MS: i64 = 10;
+const WINDOW: Duration = Duration::from_secs(1);
+/// The event time of the records that close every window at the end.
+const FLUSH_TIME: i64 = 1 << 40;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Event {
+    key: String,
+    time: i64,
+}
+
+/// Record `i` of the input: `(partition, key, value)`, the value its event time.
+fn record(i: usize) -> (i32, String, Vec<u8>) {
+    let time = i as i64 * STEP_MS;
+    (
+        (i % PARTITIONS as usize) as i32,
+        format!("k{}", i % KEYS),
+        time.to_string().into_bytes(),
+    )
+}
+
+/// One record per partition far ahead in event time: every window closes.
+fn flush_records() -> Vec<(i32, String, Vec<u8>)> {
+    (0..PARTITIONS)
+        .map(|p| (p, "flush".to_owned(), FLUSH_TIME.to_string().into_bytes()))
+        .collect()
+}
+
+/// The batch reference: every `key:count` of the count per key, and every
+/// `key@start:count` of the window count (update mode: one per record), once
+/// each.
+fn reference(n: usize) -> (BTreeMap<String, usize>, BTreeMap<String, usize>) {
+    let input = (0..n).map(|i| (record(i).1, i as i64 * STEP_MS)).chain(
+        flush_records()
+            .into_iter()
+            .map(|(_, key, _)| (key, FLUSH_TIME)),
+    );
+    let mut per_key = BTreeMap::new();
+    let mut per_window = BTreeMap::new();
+    let (mut counts, mut windows) = (BTreeMap::new(), BTreeMap::new());
+    for (key, time) in input {
+        let count = per_key.entry(key.clone()).or_insert(0u64);
+        *count += 1;
+        counts.insert(format!("{key}:{count}"), 1);
+        let start = time - time % WINDOW.as_millis() as i64;
+        let count = per_window.entry((key.clone(), start)).or_insert(0u64);
+        *count += 1;
+        windows.insert(format!("{key}@{start}:{count}"), 1);
+    }
+    (counts, windows)
+}
+
+fn event(record: KafkaRecord) -> Event {
+    Event {
+        key: record.key_str().into_owned(),
+        time: record.value_str().parse().unwrap_or(0),
+    }
+}
+
+/// The dataflow every process runs.
+fn build(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, windows: &str) {
+    let by_key = flow
+        .source(
+            KafkaSource::new(bootstrap)
+                .subscribe([input])
+                .starting_offsets(StartingOffsets::Earliest),
+        )
+        .map(event)
+        .with_watermark(|e: &Event| e.time, Duration::from_millis(0))
+        .repartition_by(|e: &Event| e.key.clone());
+    by_key.count().sink(KafkaSink::new(
+        bootstrap,
+        counts,
+        |(key, count): &(String, u64)| KafkaMessage::new(format!("{key}:{count}")),
+    ));
+    by_key
+        .window(Window::tumbling(WINDOW))
+        .count()
+        .sink(KafkaSink::new(
+            bootstrap,
+            windows,
+            |(key, window, count): &(String, rtflow::operators::Window, u64)| {
+                KafkaMessage::new(format!("{key}@{}:{count}", window.start))
+            },
+        ));
+}
+
+fn config(query: &str) -> QueryConfig {
+    QueryConfig::new(query)
+        .trigger(Trigger::real_time("300 milliseconds"))
+        .min_batch_duration(Duration::from_millis(100))
+        .task_slots(64)
+}
+
+#[test]
+#[ignore = "the child process of cluster tests; run by them"]
+fn cluster_child() {
+    let Ok(spec) = std::env::var(CHILD_SPEC) else {
+        return;
+    };
+    let [bootstrap, query, input, counts, windows, instance, stop]: [String; 7] = spec
+        .split(' ')
+        .map(str::to_owned)
+        .collect::<Vec<_>>()
+        .try_into()
+        .expect("seven fields");
+    let (b, i, c, w) = (bootstrap.clone(), input, counts, windows);
+    let running = KafkaCluster::new(&bootstrap)
+        .instance(&instance)
+        .repartition_partitions(PARTITIONS as usize)
+        .start(config(&query), move |flow| {
+            build(flow, &b, &i, &c, &w);
+            Ok(())
+        })
+        .expect("the child joins the cluster");
+    let status = PathBuf::from(&stop).with_file_name(format!("{instance}.status"));
+    while !PathBuf::from(&stop).exists() {
+        assert!(
+            running.is_active(),
+            "the child failed: {:?}",
+            running.stop()
+        );
+        let owned = format!("{} {}", running.runs(), running.partitions().join(","));
+        std::fs::write(status.with_extension("tmp"), owned).unwrap();
+        std::fs::rename(status.with_extension("tmp"), &status).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    running.stop().expect("the child leaves cleanly");
+}
+
+struct Cluster {
+    bootstrap: String,
+    query: String,
+    input: String,
+    counts: String,
+    windows: String,
+    dir: PathBuf,
+    children: BTreeMap<String, Child>,
+}
+
+impl Cluster {
+    fn new(bootstrap: &str) -> Self {
+        let input = topic(bootstrap, "cluster-in", PARTITIONS);
+        let dir = std::env::temp_dir().join(&input);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self {
+            bootstrap: bootstrap.to_owned(),
+            query: format!("{input}-q"),
+            counts: topic(bootstrap, "cluster-counts", 1),
+            windows: topic(bootstrap, "cluster-windows", 1),
+            input,
+            dir,
+            children: BTreeMap::new(),
+        }
+    }
+
+    fn spawn(&mut self, instance: &str) {
+        let spec = [
+            &self.bootstrap,
+            &self.query,
+            &self.input,
+            &self.counts,
+            &self.windows,
+            &instance.to_owned(),
+            &self.dir.join("stop").display().to_string(),
+        ]
+        .map(|s| s.as_str())
+        .join(" ");
+        let log = std::fs::File::create(self.dir.join(format!("{instance}.log"))).unwrap();
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", "cluster_child", "--nocapture"])
+            .env(CHILD_SPEC, spec)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("the child starts");
+        self.children.insert(instance.to_owned(), child);
+    }
+
+    /// How many runs `instance` started, and the partitions it runs now.
+    fn status(&self, instance: &str) -> (u64, Vec<String>) {
+        let text = std::fs::read_to_string(self.dir.join(format!("{instance}.status")))
+            .unwrap_or_default();
+        let (runs, partitions) = text.split_once(' ').unwrap_or(("0", ""));
+        let partitions = partitions
+            .split(',')
+            .filter(|p| !p.is_empty())
+            .map(str::to_owned)
+            .collect();
+        (runs.parse().unwrap_or(0), partitions)
+    }
+
+    /// Waits until every running process runs some of the input's partitions.
+    fn wait_for_shares(&self, timeout: Duration) -> BTreeMap<String, Vec<String>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let shares: BTreeMap<String, Vec<String>> = self
+                .children
+                .keys()
+                .map(|instance| (instance.clone(), self.status(instance).1))
+                .collect();
+            let input = |partitions: &Vec<String>| {
+                partitions
+                    .iter()
+                    .any(|p| p.starts_with(&format!("{}-", self.input)))
+            };
+            if shares.values().all(input) {
+                return shares;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the processes did not all get input partitions: {shares:?}\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn kill(&mut self, instance: &str) {
+        let mut child = self.children.remove(instance).unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let _ = std::fs::remove_file(self.dir.join(format!("{instance}.status")));
+    }
+
+    /// Reads both outputs until they hold as many records as `expected`, or
+    /// the timeout passes.
+    fn outputs(
+        &self,
+        counts: usize,
+        windows: usize,
+        timeout: Duration,
+    ) -> (Vec<String>, Vec<String>) {
+        let read = |topic: &str, n: usize| {
+            consume(&self.bootstrap, topic, 1, n, timeout)
+                .into_iter()
+                .map(|r| String::from_utf8(r.value).unwrap())
+                .collect::<Vec<_>>()
+        };
+        (read(&self.counts, counts), read(&self.windows, windows))
+    }
+
+    fn logs(&self) -> String {
+        let mut logs = String::new();
+        for entry in std::fs::read_dir(&self.dir).unwrap().flatten() {
+            if entry.path().extension().is_some_and(|e| e == "log") {
+                let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+                logs.push_str(&format!("--- {}\n{text}\n", entry.path().display()));
+            }
+        }
+        logs
+    }
+
+    fn stop_all(&mut self) {
+        std::fs::write(self.dir.join("stop"), b"").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for (instance, mut child) in std::mem::take(&mut self.children) {
+            loop {
+                match child.try_wait().unwrap() {
+                    Some(status) => {
+                        assert!(status.success(), "{instance} failed:\n{}", self.logs());
+                        break;
+                    }
+                    None if Instant::now() > deadline => {
+                        child.kill().unwrap();
+                        panic!("{instance} did not stop:\n{}", self.logs());
+                    }
+                    None => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for child in self.children.values_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn tally(records: &[String]) -> BTreeMap<String, usize> {
+    let mut tally = BTreeMap::new();
+    for record in records {
+        *tally.entry(record.clone()).or_insert(0) += 1;
+    }
+    tally
+}
+
+#[test]
+fn three_processes_one_killed_and_one_added_count_exactly_once() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let total = 6_000;
+    let third = total / 3;
+    produce(&bootstrap, &cluster.input, (0..third).map(record));
+    for instance in ["p0", "p1", "p2"] {
+        cluster.spawn(instance);
+    }
+    // The three share the input's partitions and make progress.
+    let shares = cluster.wait_for_shares(Duration::from_secs(90));
+    let (counts, _) = cluster.outputs(third / 2, 0, Duration::from_secs(90));
+    assert!(
+        counts.len() >= third / 2,
+        "no progress:\n{}",
+        cluster.logs()
+    );
+    produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
+    std::thread::sleep(Duration::from_millis(700));
+    cluster.kill("p1");
+    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
+    std::thread::sleep(Duration::from_secs(3));
+    let survivors = [cluster.status("p0"), cluster.status("p2")];
+    cluster.spawn("p1");
+    produce(&bootstrap, &cluster.input, flush_records());
+    // The one added back takes partitions over from the others, whose runs
+    // restart on what they keep.
+    let reshared = cluster.wait_for_shares(Duration::from_secs(90));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for (instance, before) in ["p0", "p2"].iter().zip(survivors) {
+        while cluster.status(instance).0 == before.0 {
+            assert!(Instant::now() < deadline, "{instance} kept its run");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    eprintln!("partitions before the kill {shares:?}, after one was added back {reshared:?}");
+
+    let (expected_counts, expected_windows) = reference(total);
+    let (counts, windows) = cluster.outputs(
+        expected_counts.len(),
+        expected_windows.len(),
+        Duration::from_secs(120),
+    );
+    cluster.stop_all();
+    // Whatever the last commits added is read too.
+    let (counts, windows) =
+        cluster.outputs(counts.len() + 1, windows.len() + 1, Duration::from_secs(3));
+    let logs = cluster.logs();
+    check("count per key", &counts, &expected_counts, &logs);
+    check("window count per key", &windows, &expected_windows, &logs);
+}
+
+/// `output` holds every record of `expected` exactly once, and nothing else.
+fn check(what: &str, output: &[String], expected: &BTreeMap<String, usize>, logs: &str) {
+    let output = tally(output);
+    let wrong: Vec<_> = output
+        .iter()
+        .filter(|(record, n)| expected.get(*record) != Some(n))
+        .take(10)
+        .collect();
+    let missing: Vec<_> = expected
+        .keys()
+        .filter(|record| !output.contains_key(*record))
+        .take(10)
+        .collect();
+    assert!(
+        wrong.is_empty() && missing.is_empty(),
+        "{what}: {} records, {} expected; unexpected or repeated {wrong:?}, missing {missing:?}\n{logs}",
+        output.values().sum::<usize>(),
+        expected.len()
+    );
+}
