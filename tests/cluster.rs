@@ -9,6 +9,8 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -307,6 +309,22 @@ impl Drop for Cluster {
     }
 }
 
+fn free_address() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// GET /metrics: the body as served.
+fn scrape(address: SocketAddr) -> String {
+    let mut stream = TcpStream::connect(address).unwrap();
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
+}
+
 fn tally(records: &[String]) -> BTreeMap<String, usize> {
     let mut tally = BTreeMap::new();
     for record in records {
@@ -387,4 +405,137 @@ fn check(what: &str, output: &[String], expected: &BTreeMap<String, usize>, logs
         output.values().sum::<usize>(),
         expected.len()
     );
+}
+
+/// A process that runs the query's dataflow in the test's own process.
+fn start_here(
+    bootstrap: &str,
+    cluster: &Cluster,
+    instance: &str,
+    metrics: SocketAddr,
+    build_it: impl Fn(&Dataflow, &str, &str, &str, &str) + Send + 'static,
+) -> rtflow::Result<ClusteredQuery> {
+    let (b, i, c, w) = (
+        bootstrap.to_owned(),
+        cluster.input.clone(),
+        cluster.counts.clone(),
+        cluster.windows.clone(),
+    );
+    KafkaCluster::new(bootstrap)
+        .instance(instance)
+        .repartition_partitions(PARTITIONS as usize)
+        .start(
+            config(&cluster.query).metrics_address(metrics),
+            move |flow| {
+                build_it(flow, &b, &i, &c, &w);
+                Ok(())
+            },
+        )
+}
+
+#[test]
+fn a_process_with_another_dataflow_cannot_join_and_is_told_the_difference() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let cluster = Cluster::new(&bootstrap);
+    let metrics = free_address();
+    let first = start_here(&bootstrap, &cluster, "a", metrics, build).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // Alone in the group, it runs every partition of both stages, and its
+    // progress reports and /metrics say so.
+    let all: Vec<String> = (0..PARTITIONS)
+        .map(|p| format!("{}-{p}", cluster.input))
+        .chain((0..PARTITIONS).map(|p| format!("rtflow-{}-0-repartition-{p}", cluster.query)))
+        .collect();
+    let mut sorted_all = all.clone();
+    sorted_all.sort();
+    loop {
+        let progress = first.last_progress().and_then(|p| p.cluster);
+        if let Some(progress) = progress.filter(|p| p.partitions.len() == all.len()) {
+            assert_eq!(progress.member, "a");
+            let mut partitions = progress.partitions;
+            partitions.sort();
+            assert_eq!(partitions, sorted_all);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no progress names the partitions"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let scraped = scrape(metrics);
+    for partition in &all {
+        let line = format!(
+            "rtflow_cluster_partition_owned{{query=\"{}\",member=\"a\",partition=\"{partition}\"}} 1",
+            cluster.query
+        );
+        assert!(scraped.contains(&line), "{line} not in\n{scraped}");
+    }
+    // The same query, but summing event times instead of counting keys.
+    let other = |flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str| {
+        flow.source(
+            KafkaSource::new(bootstrap)
+                .subscribe([input])
+                .starting_offsets(StartingOffsets::Earliest),
+        )
+        .map(event)
+        .with_watermark(|e: &Event| e.time, Duration::from_millis(0))
+        .repartition_by(|e: &Event| e.key.clone())
+        .sum(|e: &Event| e.time)
+        .sink(KafkaSink::new(
+            bootstrap,
+            counts,
+            |(key, sum): &(String, i64)| KafkaMessage::new(format!("{key}:{sum}")),
+        ));
+    };
+    let error = start_here(&bootstrap, &cluster, "b", free_address(), other)
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(error.error_class(), "CLUSTER_SHAPE_MISMATCH", "{error}");
+    let message = error.to_string();
+    assert!(message.contains("process 'a'"), "{message}");
+    assert!(
+        message.contains("'count-0' (count)") && message.contains("(sum)"),
+        "the first differing step is named: {message}"
+    );
+    // The running process is not disturbed by the one turned away.
+    assert!(first.is_active());
+    first.stop().unwrap();
+}
+
+/// Starts a clustered query of `build_it`'s dataflow that needs no broker to
+/// be rejected.
+fn rejected(build_it: impl Fn(&Dataflow) + Send + 'static) -> RtflowError {
+    KafkaCluster::new("127.0.0.1:1")
+        .start(config("rejected"), move |flow| {
+            build_it(flow);
+            Ok(())
+        })
+        .map(|_| ())
+        .unwrap_err()
+}
+
+#[test]
+fn a_key_by_within_one_process_is_rejected_in_a_clustered_query() {
+    let error = rejected(|flow| {
+        flow.source(MemorySource::<(String, i64)>::new(2))
+            .key_by(|(key, _): &(String, i64)| key.clone())
+            .count()
+            .sink(MemorySink::new());
+    });
+    assert_eq!(error.error_class(), "INVALID_DATAFLOW");
+    assert!(
+        error.to_string().contains("shuffle with repartition_by"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_source_the_cluster_cannot_share_out_is_rejected() {
+    let error = rejected(|flow| {
+        flow.source(MemorySource::<String>::new(2))
+            .sink(MemorySink::new());
+    });
+    assert_eq!(error.error_class(), "INVALID_DATAFLOW");
+    assert!(error.to_string().contains("read a Kafka topic"), "{error}");
 }

@@ -100,6 +100,10 @@ pub trait ClusterLink: Send + Sync + 'static {
     /// The process's name in the cluster, for progress and metrics.
     fn member(&self) -> String;
 
+    /// The partitions this process owns, as `topic-partition`, for progress
+    /// reports and metrics.
+    fn partitions(&self) -> Vec<String>;
+
     /// Of the `(topic, partition)`s a source reads, the indexes of those this
     /// process owns now.
     fn owned(&self, partitions: &[(String, i32)]) -> Vec<usize>;

@@ -222,6 +222,27 @@ fn gather(queries: &[Arc<QueryShared>]) -> Vec<MetricFamily> {
             f64::from(u8::from(failed)),
         );
 
+        if let Some(cluster) = &query.cluster {
+            for partition in &cluster.partitions {
+                families.gauge(
+                    "rtflow_cluster_partition_owned",
+                    "1 for each partition (a task of its stage) this process of a clustered \
+                     query runs",
+                    &[
+                        ("query", name),
+                        ("member", &cluster.member),
+                        ("partition", partition),
+                    ],
+                    1.0,
+                );
+            }
+            families.gauge(
+                "rtflow_cluster_partitions",
+                "Partitions this process of a clustered query runs",
+                &[("query", name), ("member", &cluster.member)],
+                cluster.partitions.len() as f64,
+            );
+        }
         let snapshot = query.metrics.snapshot();
         for op in &snapshot.operators {
             let subtask = op.subtask.to_string();

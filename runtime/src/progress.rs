@@ -50,6 +50,21 @@ pub struct StreamingQueryProgress {
     pub sources: Vec<SourceProgress>,
     pub sink: SinkProgress,
     pub latencies: Latencies,
+    /// In a clustered query: which process made the report, and the
+    /// partitions (each a task of its stage) it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<ClusterProgress>,
+}
+
+/// A process's share of a clustered query.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterProgress {
+    /// The process's name in the cluster.
+    pub member: String,
+    /// The partitions it runs, as `topic-partition`: source partitions for the
+    /// stage before the repartition, repartition partitions for the one after.
+    pub partitions: Vec<String>,
 }
 
 /// One stateful operator's keyed state at its last barrier, summed over its
@@ -218,6 +233,7 @@ pub(crate) struct EpochOffsets<'a> {
 
 /// Builds each progress report from the counters' change since the previous one.
 pub(crate) struct ProgressTracker {
+    cluster: Option<ClusterProgress>,
     id: String,
     run_id: String,
     name: String,
@@ -234,11 +250,13 @@ impl ProgressTracker {
         (id, run_id, name): (String, String, String),
         sources: Vec<SourceDescription>,
         sinks: Vec<String>,
+        cluster: Option<ClusterProgress>,
     ) -> Self {
         Self {
             id,
             run_id,
             name,
+            cluster,
             sources,
             sink: sinks.join(", "),
             last_report: Instant::now(),
@@ -328,6 +346,7 @@ impl ProgressTracker {
                 source_queuing_latency_ms: latency.source_queuing.into(),
                 e2e_latency_ms: latency.end_to_end.into(),
             },
+            cluster: self.cluster.clone(),
         }
     }
 }

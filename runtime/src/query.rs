@@ -17,7 +17,7 @@ use crate::error::{Result, RtflowError};
 use crate::graph::Graph;
 use crate::metrics::MetricsSnapshot;
 use crate::plan::{validate, Plan};
-use crate::progress::{StreamingQueryProgress, StreamingQueryStatus};
+use crate::progress::{ClusterProgress, StreamingQueryProgress, StreamingQueryStatus};
 use crate::record::Epoch;
 use crate::shared::{Lifecycle, QueryShared};
 
@@ -51,11 +51,12 @@ impl StreamingQuery {
             }
             None => open_location(&config)?,
         };
-        let shared = Arc::new(QueryShared::new(
-            id,
-            config.name.clone(),
-            config.listeners.0.clone(),
-        ));
+        let mut shared = QueryShared::new(id, config.name.clone(), config.listeners.0.clone());
+        shared.cluster = plan.graph().cluster.as_ref().map(|link| ClusterProgress {
+            member: link.member(),
+            partitions: link.partitions(),
+        });
+        let shared = Arc::new(shared);
         let endpoint = config
             .metrics_address
             .map(|address| register(address, shared.clone()))

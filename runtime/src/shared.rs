@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use crate::error::RtflowError;
 use crate::metrics::QueryMetrics;
-use crate::progress::{StreamingQueryListener, StreamingQueryProgress};
+use crate::progress::{ClusterProgress, StreamingQueryListener, StreamingQueryProgress};
 
 /// How many progress reports a query keeps for `recent_progress`.
 const RECENT_PROGRESS: usize = 100;
@@ -29,6 +29,8 @@ pub(crate) struct QueryShared {
     pub(crate) name: String,
     pub(crate) metrics: QueryMetrics,
     pub(crate) listeners: Vec<Arc<dyn StreamingQueryListener>>,
+    /// In a clustered query, the process's share of it.
+    pub(crate) cluster: Option<ClusterProgress>,
     lifecycle: Mutex<Lifecycle>,
     changed: Condvar,
     progress: Mutex<VecDeque<StreamingQueryProgress>>,
@@ -47,6 +49,7 @@ impl QueryShared {
             name,
             metrics: QueryMetrics::new(),
             listeners,
+            cluster: None,
             lifecycle: Mutex::new(Lifecycle::Starting),
             changed: Condvar::new(),
             progress: Mutex::default(),

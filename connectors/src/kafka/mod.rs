@@ -32,7 +32,7 @@ use rdkafka::ClientConfig;
 use rtflow_runtime::{Result, RtflowError};
 
 pub use admin::KafkaAdmin;
-pub use cluster::{ClusteredQuery, KafkaCluster};
+pub use cluster::{ClusteredQuery, KafkaCluster, RestoreStats};
 pub use producer::KafkaMessage;
 pub use sink::{DeliveryGuarantee, KafkaSink};
 pub use source::{KafkaSource, StartingOffsets};

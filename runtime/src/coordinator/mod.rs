@@ -200,6 +200,7 @@ impl Coordinator {
             ),
             plan.graph().source_descriptions(),
             plan.graph().sink_descriptions(),
+            shared.cluster.clone(),
         ));
         let coordinator = ctx.address();
         self.env.report = Arc::new(move |report| coordinator.do_send(ActorReport(report)));

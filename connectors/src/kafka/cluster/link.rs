@@ -28,6 +28,19 @@ use crate::kafka::producer::{send, Deliveries, KafkaMessage};
 /// A `(topic, partition)`.
 pub(crate) type TopicPartition = (String, i32);
 
+type RestoredStates = BTreeMap<rtflow_checkpoint::StateId, rtflow_checkpoint::RestoredState>;
+
+/// What the latest start of a run restored from the changelog.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RestoreStats {
+    /// The partitions the run owns.
+    pub partitions: usize,
+    /// Bytes of changelog records read (keys and values).
+    pub changelog_bytes: u64,
+    /// How long reading the committed offsets and the changelog took.
+    pub duration: Duration,
+}
+
 /// What the link is for: learning the dataflow's topics before the process
 /// joins the group, or running with the partitions the group assigned.
 pub(crate) enum Mode {
@@ -84,6 +97,13 @@ impl ClusterLink for KafkaLink {
         self.settings.instance.clone()
     }
 
+    fn partitions(&self) -> Vec<String> {
+        KafkaLink::owned(self)
+            .into_iter()
+            .map(|(topic, partition)| format!("{topic}-{partition}"))
+            .collect()
+    }
+
     fn owned(&self, partitions: &[(String, i32)]) -> Vec<usize> {
         match &self.mode {
             Mode::Probe(topics) => {
@@ -136,7 +156,15 @@ impl ClusterLink for KafkaLink {
             .filter(|(topic, _)| self.settings.is_repartition_topic(topic))
             .map(|(_, p)| *p)
             .collect();
-        let state = self.read_changelog(&changelog, &repartitions)?;
+        let started = std::time::Instant::now();
+        let (state, bytes) = self.read_changelog(&changelog, &repartitions)?;
+        if let Some(transactions) = self.transactions() {
+            *lock(&transactions.last_restore) = Some(RestoreStats {
+                partitions: owned.len(),
+                changelog_bytes: bytes,
+                duration: started.elapsed(),
+            });
+        }
         Ok(ClusterRecovery { offsets, state })
     }
 
@@ -233,14 +261,12 @@ impl KafkaLink {
         Ok(())
     }
 
-    /// The keyed state in `partitions` of the changelog, folded.
-    fn read_changelog(
-        &self,
-        changelog: &str,
-        partitions: &[i32],
-    ) -> Result<BTreeMap<rtflow_checkpoint::StateId, rtflow_checkpoint::RestoredState>> {
+    /// The keyed state in `partitions` of the changelog, folded, and the
+    /// bytes of changelog records read.
+    fn read_changelog(&self, changelog: &str, partitions: &[i32]) -> Result<(RestoredStates, u64)> {
+        let mut bytes = 0u64;
         if partitions.is_empty() {
-            return Ok(BTreeMap::new());
+            return Ok((BTreeMap::new(), bytes));
         }
         let consumer: BaseConsumer = self
             .settings
@@ -266,7 +292,7 @@ impl KafkaLink {
         }
         let mut fold = Fold::default();
         if open.is_empty() {
-            return fold.into_states();
+            return Ok((fold.into_states()?, bytes));
         }
         consumer
             .assign(&list)
@@ -284,6 +310,7 @@ impl KafkaLink {
                 Some(Ok(message)) => {
                     use rdkafka::Message;
                     if let Some(key) = message.key() {
+                        bytes += (key.len() + message.payload_len()) as u64;
                         fold.apply(key, message.payload())?;
                     }
                 }
@@ -295,7 +322,7 @@ impl KafkaLink {
                 }
             }
         }
-        fold.into_states()
+        Ok((fold.into_states()?, bytes))
     }
 }
 
@@ -371,6 +398,7 @@ pub(crate) struct Transactions {
     groups: Mutex<BTreeMap<String, ConsumerGroupMetadata>>,
     timeout: Duration,
     name: String,
+    pub(crate) last_restore: Mutex<Option<RestoreStats>>,
 }
 
 impl Transactions {
@@ -401,6 +429,7 @@ impl Transactions {
             groups: Mutex::default(),
             timeout: settings.operation_timeout,
             name,
+            last_restore: Mutex::default(),
         })
     }
 

@@ -35,6 +35,7 @@ use rdkafka::ClientConfig;
 use rtflow_runtime::{Dataflow, QueryConfig, Result, RtflowError};
 
 use super::Options;
+pub use link::RestoreStats;
 pub use runner::ClusteredQuery;
 
 pub(crate) use exchange::{transactions_of, Staging};

@@ -22,7 +22,7 @@ use rtflow_runtime::{
     Dataflow, QueryConfig, Result, RtflowError, StreamingQuery, StreamingQueryProgress,
 };
 
-use super::link::{KafkaLink, Mode, TopicPartition, Transactions};
+use super::link::{KafkaLink, Mode, RestoreStats, TopicPartition, Transactions};
 use super::shape::Shape;
 use super::ClusterSettings;
 
@@ -92,6 +92,11 @@ impl ClusteredQuery {
     /// rebalance that moved partitions to or from it.
     pub fn runs(&self) -> u64 {
         self.shared.runs.load(Ordering::SeqCst)
+    }
+
+    /// What the latest run restored from the changelog, and how long it took.
+    pub fn last_restore(&self) -> Option<RestoreStats> {
+        *lock(&self.shared.transactions.last_restore)
     }
 
     /// The latest progress report of the current run.

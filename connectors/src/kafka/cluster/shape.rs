@@ -61,8 +61,10 @@ impl Shape {
 
     /// Fails when a live member of the group runs another dataflow.
     pub(crate) fn check_members(&self, settings: &ClusterSettings) -> Result<()> {
+        // Reading the shapes topic takes a group id, though nothing is committed.
         let consumer: BaseConsumer = settings
             .client_config()
+            .set("group.id", format!("{}-shapes", settings.group()))
             .create()
             .map_err(|e| shape_error(format!("could not create a consumer: {e}")))?;
         let groups = consumer
