@@ -12,9 +12,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use rdkafka::config::FromClientConfigAndContext;
-use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerGroupMetadata};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, ConsumerGroupMetadata};
+use rdkafka::error::KafkaError;
 use rdkafka::producer::{Producer, ThreadedProducer};
-use rdkafka::{Offset, TopicPartitionList};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::ClientContext;
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use rtflow_checkpoint::{Delta, Offsets};
 use rtflow_runtime::cluster::{ClusterLink, ClusterRecovery, Exchanged};
 use rtflow_runtime::{Epoch, Result, RtflowError, Sink, Source};
@@ -268,7 +271,7 @@ impl KafkaLink {
         if partitions.is_empty() {
             return Ok((BTreeMap::new(), bytes));
         }
-        let consumer: BaseConsumer = self
+        let consumer: BaseConsumer<EndsExpected> = self
             .settings
             .client_config()
             .set("group.id", self.settings.group())
@@ -276,7 +279,7 @@ impl KafkaLink {
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "true")
             .set("auto.offset.reset", "earliest")
-            .create()
+            .create_with_context(EndsExpected)
             .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
         let mut list = TopicPartitionList::new();
         let mut open = BTreeSet::new();
@@ -314,7 +317,7 @@ impl KafkaLink {
                         fold.apply(key, message.payload())?;
                     }
                 }
-                Some(Err(rdkafka::error::KafkaError::PartitionEOF(partition))) => {
+                Some(Err(KafkaError::PartitionEOF(partition))) => {
                     open.remove(&partition);
                 }
                 Some(Err(error)) => {
@@ -325,6 +328,20 @@ impl KafkaLink {
         Ok((fold.into_states()?, bytes))
     }
 }
+
+/// The context of a consumer that reads partitions to their end: the end of
+/// a partition is what it waits for, not an error to log.
+struct EndsExpected;
+
+impl ClientContext for EndsExpected {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if !matches!(error, KafkaError::PartitionEOF(_)) {
+            tracing::warn!(%error, reason, "changelog consumer error");
+        }
+    }
+}
+
+impl ConsumerContext for EndsExpected {}
 
 /// The readers' offset labels as a partition list: `topic-partition` is the
 /// next offset to read; `topic-partition@upstream` a repartition reader's
@@ -391,42 +408,52 @@ fn parse_watermarks(metadata: &str) -> Vec<(String, i64)> {
 /// The process's transactional producer and the records its sinks staged,
 /// by epoch, for the transactions still to commit.
 pub(crate) struct Transactions {
-    producer: ThreadedProducer<Deliveries>,
+    /// Renewed after a failed transaction: a fresh producer (the same
+    /// transactional id, initialised again) leaves no error state behind.
+    producer: Mutex<ThreadedProducer<Deliveries>>,
     staged: Mutex<BTreeMap<Epoch, Vec<KafkaMessage>>>,
-    /// Each group's metadata as of its latest rebalance: offsets committed
+    /// Each group's metadata as of its latest generation: offsets committed
     /// with an older generation are refused.
     groups: Mutex<BTreeMap<String, ConsumerGroupMetadata>>,
+    config: ClientConfig,
     timeout: Duration,
     name: String,
     pub(crate) last_restore: Mutex<Option<RestoreStats>>,
 }
 
+/// How often a commit refused for a group generation that just ended is
+/// tried again with the next one, and how long apart.
+const GENERATION_RETRIES: u32 = 50;
+const GENERATION_RETRY_PAUSE: Duration = Duration::from_millis(100);
+
+/// How one attempt at a transaction failed.
+struct Failed {
+    error: RtflowError,
+    /// The group moved to a new generation meanwhile: the same transaction
+    /// may commit with the new one.
+    generation: bool,
+}
+
 impl Transactions {
-    /// The producer of `transactional_id`, initialised: an earlier incarnation's
-    /// open transaction is aborted, and it can no longer commit.
+    /// The producer of the process's transactional id, initialised: an
+    /// earlier incarnation's open transaction is aborted, and it can no longer
+    /// commit.
     pub(crate) fn open(settings: &ClusterSettings) -> Result<Self> {
         let name = format!("kafka cluster {}", settings.bootstrap_servers);
-        let producer = ThreadedProducer::from_config_and_context(
-            settings
-                .client_config()
-                .set("transactional.id", settings.transactional_id())
-                .set(
-                    "transaction.timeout.ms",
-                    settings.transaction_timeout.as_millis().to_string(),
-                )
-                .set("linger.ms", "5"),
-            Deliveries::default(),
-        )
-        .map_err(|e| RtflowError::sink(&name, format!("could not create the producer: {e}")))?;
-        producer
-            .init_transactions(settings.operation_timeout)
-            .map_err(|e| {
-                RtflowError::sink(&name, format!("could not initialise transactions: {e}"))
-            })?;
+        let mut config = settings.client_config();
+        config
+            .set("transactional.id", settings.transactional_id())
+            .set(
+                "transaction.timeout.ms",
+                settings.transaction_timeout.as_millis().to_string(),
+            )
+            .set("linger.ms", "5");
+        let producer = initialised(&config, settings.operation_timeout, &name)?;
         Ok(Self {
-            producer,
+            producer: Mutex::new(producer),
             staged: Mutex::default(),
             groups: Mutex::default(),
+            config,
             timeout: settings.operation_timeout,
             name,
             last_restore: Mutex::default(),
@@ -454,6 +481,12 @@ impl Transactions {
         lock(&self.staged).clear();
     }
 
+    /// Commits the records staged for epochs up to `epoch`, `changes` and the
+    /// offsets `positions` (by group) in one transaction. A rebalance that
+    /// starts a new generation while it commits makes the broker refuse the
+    /// offsets: the transaction is aborted and made again with the new
+    /// generation, which still owns the partitions (a revocation stops the
+    /// run, and so its commits, before it takes effect).
     fn commit(
         &self,
         epoch: Epoch,
@@ -468,39 +501,103 @@ impl Transactions {
                 .flatten()
                 .collect()
         };
-        let failed = |what: &str, e: &dyn std::fmt::Display| {
-            RtflowError::Checkpoint(format!(
+        let mut attempts = 0;
+        loop {
+            let failed = match self.attempt(epoch, &staged, &changes, positions) {
+                Ok(()) => return Ok(()),
+                Err(failed) => failed,
+            };
+            let renewed = self.renew();
+            attempts += 1;
+            if !failed.generation || attempts >= GENERATION_RETRIES {
+                return Err(failed.error);
+            }
+            renewed?;
+            tracing::debug!(
+                epoch,
+                attempts,
+                "the group's generation changed; committing again"
+            );
+            std::thread::sleep(GENERATION_RETRY_PAUSE);
+        }
+    }
+
+    fn attempt(
+        &self,
+        epoch: Epoch,
+        staged: &[KafkaMessage],
+        changes: &[KafkaMessage],
+        positions: &BTreeMap<String, TopicPartitionList>,
+    ) -> Result<(), Failed> {
+        let failed = |what: &str, e: &dyn std::fmt::Display| Failed {
+            error: RtflowError::Checkpoint(format!(
                 "{}: could not {what} the transaction of epoch {epoch}: {e}",
                 self.name
-            ))
+            )),
+            generation: false,
         };
-        self.producer
+        let producer = lock(&self.producer);
+        producer
             .begin_transaction()
             .map_err(|e| failed("begin", &e))?;
-        let result = (|| {
-            for message in staged.iter().chain(&changes) {
-                send(&self.producer, message, None, &self.name)?;
-            }
-            let groups = lock(&self.groups);
-            for (group, positions) in positions {
-                let metadata = groups.get(group).ok_or_else(|| {
-                    failed("commit", &format!("the process is not in group '{group}'"))
-                })?;
-                self.producer
-                    .send_offsets_to_transaction(positions, metadata, self.timeout)
-                    .map_err(|e| failed("add the offsets to", &e))?;
-            }
-            drop(groups);
-            self.producer
-                .commit_transaction(self.timeout)
-                .map_err(|e| failed("commit", &e))?;
-            self.producer.context().check(&self.name)
-        })();
-        if result.is_err() {
-            let _ = self.producer.abort_transaction(self.timeout);
+        for message in staged.iter().chain(changes) {
+            send(&producer, message, None, &self.name).map_err(|error| Failed {
+                error,
+                generation: false,
+            })?;
         }
-        result
+        for (group, positions) in positions {
+            let groups = lock(&self.groups);
+            let metadata = groups.get(group).ok_or_else(|| {
+                failed("commit", &format!("the process is not in group '{group}'"))
+            })?;
+            producer
+                .send_offsets_to_transaction(positions, metadata, self.timeout)
+                .map_err(|e| Failed {
+                    generation: matches!(
+                        e.rdkafka_error_code(),
+                        Some(
+                            RDKafkaErrorCode::IllegalGeneration
+                                | RDKafkaErrorCode::RebalanceInProgress
+                                | RDKafkaErrorCode::UnknownMemberId
+                        )
+                    ),
+                    ..failed("add the offsets to", &e)
+                })?;
+        }
+        producer
+            .commit_transaction(self.timeout)
+            .map_err(|e| failed("commit", &e))?;
+        producer
+            .context()
+            .check(&self.name)
+            .map_err(|error| Failed {
+                error,
+                generation: false,
+            })
     }
+
+    /// Aborts what the failed attempt left open and starts a fresh producer.
+    fn renew(&self) -> Result<()> {
+        let mut producer = lock(&self.producer);
+        let _ = producer.abort_transaction(self.timeout);
+        *producer = initialised(&self.config, self.timeout, &self.name)?;
+        Ok(())
+    }
+}
+
+/// A transactional producer of `config`, initialised.
+fn initialised(
+    config: &ClientConfig,
+    timeout: Duration,
+    name: &str,
+) -> Result<ThreadedProducer<Deliveries>> {
+    let producer = ThreadedProducer::from_config_and_context(config, Deliveries::default())
+        .map_err(|e| RtflowError::sink(name, format!("could not create the producer: {e}")))?;
+    producer
+        .init_transactions(timeout)
+        .map_err(|e| RtflowError::sink(name, format!("could not initialise transactions: {e}")))?;
+    Ok(producer)
 }
 
 #[cfg(test)]

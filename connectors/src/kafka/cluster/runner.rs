@@ -318,6 +318,11 @@ where
             if let Some(Err(error)) = member.poll(Duration::from_millis(25)) {
                 tracing::warn!(%error, "group member error");
             }
+            // A rebalance that moved nothing from this process still starts a
+            // new generation, which the next commit must name.
+            shared
+                .transactions
+                .set_group(&member.context().group, member.group_metadata());
         }
         if shared.stop.load(Ordering::SeqCst) {
             return shared.stop_run();

@@ -1,0 +1,124 @@
+//! One query, several processes: a count of clicks per user over a Kafka topic,
+//! shared by every process started with the same `--query` name.
+//!
+//! Each process joins the query's consumer groups; Kafka shares the topic's
+//! partitions, and those of the query's repartition topic, among the processes.
+//! Start more and they take partitions over; stop or kill one and the others
+//! take its partitions back, resuming its counts from the changelog, exactly
+//! once.
+//!
+//! ```text
+//! scripts/kafka.sh start
+//! cargo run --release --example cluster_count -- --instance a --produce 200 &
+//! cargo run --release --example cluster_count -- --instance b &
+//! cargo run --release --example cluster_count -- --instance c &
+//! scripts/kafka.sh consume rtflow-clicks-per-user 10
+//! ```
+//!
+//! Every few seconds each process prints the partitions it runs. `--seconds`
+//! bounds how long it runs (default: until killed); `--metrics-address
+//! HOST:PORT` serves its Prometheus metrics, the partitions it owns among them.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use rtflow::prelude::*;
+
+const INPUT: &str = "rtflow-clicks";
+const OUTPUT: &str = "rtflow-clicks-per-user";
+
+#[derive(Parser)]
+#[command(about = "rtflow: a count per user, shared by several processes")]
+struct Args {
+    /// Kafka bootstrap servers.
+    #[arg(long, default_value = "127.0.0.1:9092")]
+    bootstrap: String,
+    /// This process's name in the cluster; restart a process under its name.
+    #[arg(long)]
+    instance: String,
+    /// The query's name: processes with the same name share the query.
+    #[arg(long, default_value = "clicks-per-user")]
+    query: String,
+    /// Partitions of the input topic, when this creates it, and of the
+    /// repartition topic.
+    #[arg(long, default_value_t = 6)]
+    partitions: i32,
+    /// Also write this many test clicks per second to the input topic.
+    #[arg(long, value_name = "RATE", value_parser = clap::value_parser!(u64).range(1..))]
+    produce: Option<u64>,
+    /// Stop after this many seconds.
+    #[arg(long)]
+    seconds: Option<u64>,
+    #[command(flatten)]
+    metrics: common::MetricsArgs,
+}
+
+fn main() -> std::result::Result<(), BoxError> {
+    let args = Args::parse();
+    common::init_tracing();
+    let admin = KafkaAdmin::new(&args.bootstrap)?;
+    admin.create_topic(INPUT, args.partitions)?;
+    admin.create_topic(OUTPUT, args.partitions)?;
+
+    let bootstrap = args.bootstrap.clone();
+    let query = KafkaCluster::new(&args.bootstrap)
+        .instance(&args.instance)
+        .repartition_partitions(args.partitions as usize)
+        .start(
+            // Each checkpoint is a Kafka transaction, and read_committed readers
+            // see the output when it commits: the interval bounds that delay.
+            args.metrics.apply(
+                QueryConfig::new(&args.query)
+                    .trigger(Trigger::real_time("1 second"))
+                    .min_batch_duration(Duration::from_secs(1)),
+            ),
+            move |flow| {
+                flow.source(
+                    KafkaSource::new(&bootstrap)
+                        .subscribe([INPUT])
+                        .starting_offsets(StartingOffsets::Earliest),
+                )
+                .map(|click: KafkaRecord| click.key_str().into_owned())
+                .repartition_by(|user: &String| user.clone())
+                .count()
+                .sink(KafkaSink::new(
+                    &bootstrap,
+                    OUTPUT,
+                    |(user, clicks): &(String, u64)| {
+                        KafkaMessage::new(format!("{user}:{clicks}")).key(user.clone())
+                    },
+                ));
+                Ok(())
+            },
+        )?;
+    args.metrics.announce();
+    if let Some(rate) = args.produce {
+        common::spawn_producer(&args.bootstrap, INPUT, rate, |n| {
+            (format!("user-{}", n % 100), format!("click {n}"))
+        })?;
+    }
+    println!(
+        "{} runs its share of query '{}': {INPUT} -> count per user -> {OUTPUT}",
+        args.instance, args.query
+    );
+    let started = Instant::now();
+    let mut shown = Vec::new();
+    while args
+        .seconds
+        .is_none_or(|s| started.elapsed() < Duration::from_secs(s))
+    {
+        if query.await_termination(Duration::from_secs(2))? {
+            return Ok(());
+        }
+        let mut partitions = query.partitions();
+        partitions.sort();
+        if partitions != shown {
+            println!("{} runs {partitions:?}", args.instance);
+            shown = partitions;
+        }
+    }
+    query.stop()?;
+    Ok(())
+}
