@@ -133,10 +133,12 @@ fn cluster_child() {
         .try_into()
         .expect("seven fields");
     let (b, i, c, w) = (bootstrap.clone(), input, counts, windows);
+    // Each process keeps its changelog copies in a location of its own.
+    let location = PathBuf::from(&stop).with_file_name(format!("{instance}.checkpoints"));
     let running = KafkaCluster::new(&bootstrap)
         .instance(&instance)
         .repartition_partitions(PARTITIONS as usize)
-        .start(config(&query), move |flow| {
+        .start(config(&query).checkpoint_location(location), move |flow| {
             build(flow, &b, &i, &c, &w);
             Ok(())
         })
@@ -148,7 +150,12 @@ fn cluster_child() {
             "the child failed: {:?}",
             running.stop()
         );
-        let owned = format!("{} {}", running.runs(), running.partitions().join(","));
+        let local = running.last_restore().map_or(0, |r| r.local_bytes);
+        let owned = format!(
+            "{} {local} {}",
+            running.runs(),
+            running.partitions().join(",")
+        );
         std::fs::write(status.with_extension("tmp"), owned).unwrap();
         std::fs::rename(status.with_extension("tmp"), &status).unwrap();
         std::thread::sleep(Duration::from_millis(50));
@@ -207,15 +214,30 @@ impl Cluster {
 
     /// How many runs `instance` started, and the partitions it runs now.
     fn status(&self, instance: &str) -> (u64, Vec<String>) {
+        let (runs, _, partitions) = self.status_line(instance);
+        (runs, partitions)
+    }
+
+    /// The bytes of state `instance`'s latest run took from its local copies
+    /// of the changelog rather than from Kafka.
+    fn restored_locally(&self, instance: &str) -> u64 {
+        self.status_line(instance).1
+    }
+
+    fn status_line(&self, instance: &str) -> (u64, u64, Vec<String>) {
         let text = std::fs::read_to_string(self.dir.join(format!("{instance}.status")))
             .unwrap_or_default();
-        let (runs, partitions) = text.split_once(' ').unwrap_or(("0", ""));
-        let partitions = partitions
+        let mut fields = text.splitn(3, ' ');
+        let mut number = || fields.next().and_then(|f| f.parse().ok()).unwrap_or(0);
+        let (runs, local) = (number(), number());
+        let partitions = fields
+            .next()
+            .unwrap_or_default()
             .split(',')
             .filter(|p| !p.is_empty())
             .map(str::to_owned)
             .collect();
-        (runs.parse().unwrap_or(0), partitions)
+        (runs, local, partitions)
     }
 
     /// Waits until every running process runs some of the input's partitions.
@@ -370,6 +392,13 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
         }
     }
     eprintln!("partitions before the kill {shares:?}, after one was added back {reshared:?}");
+    // A run restarted on a process that restored its partitions before read
+    // their state from its local copy, and only the changelog's tail.
+    assert!(
+        ["p0", "p2"].iter().any(|p| cluster.restored_locally(p) > 0),
+        "no run restored from a local copy:\n{}",
+        cluster.logs()
+    );
 
     let (expected_counts, expected_windows) = reference(total);
     let (counts, windows) = cluster.outputs(

@@ -24,6 +24,7 @@ use rtflow_runtime::{Epoch, Result, RtflowError, Sink, Source};
 
 use super::changelog::{self, Fold};
 use super::exchange::{ExchangeSink, ExchangeSource};
+use super::local::Image;
 use super::{ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::producer::{send, Deliveries, KafkaMessage};
@@ -38,8 +39,11 @@ type RestoredStates = BTreeMap<rtflow_checkpoint::StateId, rtflow_checkpoint::Re
 pub struct RestoreStats {
     /// The partitions the run owns.
     pub partitions: usize,
-    /// Bytes of changelog records read (keys and values).
+    /// Bytes of changelog records read from Kafka (keys and values).
     pub changelog_bytes: u64,
+    /// Bytes of live records taken from the process's local copies of the
+    /// changelog partitions, which spared reading them from Kafka.
+    pub local_bytes: u64,
     /// How long reading the committed offsets and the changelog took.
     pub duration: Duration,
 }
@@ -160,11 +164,12 @@ impl ClusterLink for KafkaLink {
             .map(|(_, p)| *p)
             .collect();
         let started = std::time::Instant::now();
-        let (state, bytes) = self.read_changelog(&changelog, &repartitions)?;
+        let (state, read) = self.read_changelog(&changelog, &repartitions)?;
         if let Some(transactions) = self.transactions() {
             *lock(&transactions.last_restore) = Some(RestoreStats {
                 partitions: owned.len(),
-                changelog_bytes: bytes,
+                changelog_bytes: read.changelog_bytes,
+                local_bytes: read.local_bytes,
                 duration: started.elapsed(),
             });
         }
@@ -264,12 +269,17 @@ impl KafkaLink {
         Ok(())
     }
 
-    /// The keyed state in `partitions` of the changelog, folded, and the
-    /// bytes of changelog records read.
-    fn read_changelog(&self, changelog: &str, partitions: &[i32]) -> Result<(RestoredStates, u64)> {
-        let mut bytes = 0u64;
+    /// The keyed state in `partitions` of the changelog, folded: from the
+    /// local copy of each partition where there is one, then the changelog
+    /// after it.
+    fn read_changelog(
+        &self,
+        changelog: &str,
+        partitions: &[i32],
+    ) -> Result<(RestoredStates, Read)> {
+        let mut read = Read::default();
         if partitions.is_empty() {
-            return Ok((BTreeMap::new(), bytes));
+            return Ok((BTreeMap::new(), read));
         }
         let consumer: BaseConsumer<EndsExpected> = self
             .settings
@@ -282,24 +292,34 @@ impl KafkaLink {
             .create_with_context(EndsExpected)
             .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
         let mut list = TopicPartitionList::new();
-        let mut open = BTreeSet::new();
+        let mut images: BTreeMap<i32, Image> = BTreeMap::new();
         for partition in partitions {
             let (low, high) = consumer
                 .fetch_watermarks(changelog, *partition, self.settings.operation_timeout)
                 .map_err(|e| self.error(format!("could not read the changelog's end: {e}")))?;
-            if high > low {
-                list.add_partition_offset(changelog, *partition, Offset::Beginning)
+            let copy = self
+                .settings
+                .copies
+                .as_ref()
+                .and_then(|copies| copies.load(changelog, *partition))
+                .filter(|image| (low..=high).contains(&image.offset));
+            let image = copy.unwrap_or(Image {
+                offset: low,
+                ..Image::default()
+            });
+            read.local_bytes += image.bytes();
+            if image.offset < high {
+                list.add_partition_offset(changelog, *partition, Offset::Offset(image.offset))
                     .map_err(|e| self.error(e))?;
-                open.insert(*partition);
             }
+            images.insert(*partition, image);
         }
-        let mut fold = Fold::default();
-        if open.is_empty() {
-            return Ok((fold.into_states()?, bytes));
+        let mut open: BTreeSet<i32> = list.elements().iter().map(|e| e.partition()).collect();
+        if !open.is_empty() {
+            consumer
+                .assign(&list)
+                .map_err(|e| self.error(format!("could not read the changelog: {e}")))?;
         }
-        consumer
-            .assign(&list)
-            .map_err(|e| self.error(format!("could not read the changelog: {e}")))?;
         let deadline = std::time::Instant::now() + self.settings.restore_timeout;
         while !open.is_empty() {
             if std::time::Instant::now() > deadline {
@@ -312,12 +332,26 @@ impl KafkaLink {
                 None => {}
                 Some(Ok(message)) => {
                     use rdkafka::Message;
-                    if let Some(key) = message.key() {
-                        bytes += (key.len() + message.payload_len()) as u64;
-                        fold.apply(key, message.payload())?;
-                    }
+                    let (Some(key), Some(image)) =
+                        (message.key(), images.get_mut(&message.partition()))
+                    else {
+                        continue;
+                    };
+                    read.changelog_bytes += (key.len() + message.payload_len()) as u64;
+                    image.apply(key, message.payload());
                 }
                 Some(Err(KafkaError::PartitionEOF(partition))) => {
+                    let position = consumer
+                        .position()
+                        .map_err(|e| self.error(format!("could not read a position: {e}")))?;
+                    if let (Some(Offset::Offset(offset)), Some(image)) = (
+                        position
+                            .find_partition(changelog, partition)
+                            .map(|p| p.offset()),
+                        images.get_mut(&partition),
+                    ) {
+                        image.offset = offset;
+                    }
                     open.remove(&partition);
                 }
                 Some(Err(error)) => {
@@ -325,8 +359,24 @@ impl KafkaLink {
                 }
             }
         }
-        Ok((fold.into_states()?, bytes))
+        let mut fold = Fold::default();
+        for (partition, image) in &mut images {
+            for (key, value) in &image.records {
+                fold.apply(key, Some(value))?;
+            }
+            if let Some(copies) = &self.settings.copies {
+                copies.save(changelog, *partition, image)?;
+            }
+        }
+        Ok((fold.into_states()?, read))
     }
+}
+
+/// What a restore read: from local copies, and from the changelog.
+#[derive(Debug, Default, Clone, Copy)]
+struct Read {
+    local_bytes: u64,
+    changelog_bytes: u64,
 }
 
 /// The context of a consumer that reads partitions to their end: the end of

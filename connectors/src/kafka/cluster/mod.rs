@@ -25,6 +25,7 @@
 mod changelog;
 mod exchange;
 mod link;
+mod local;
 mod runner;
 mod shape;
 
@@ -120,6 +121,11 @@ impl KafkaCluster {
     /// this process is given, until [`ClusteredQuery::stop`]. `build` is
     /// called for every run: at the start, and again whenever the group moves
     /// partitions to or from the process.
+    ///
+    /// Checkpoints commit into Kafka, so `config` needs no checkpoint
+    /// location. Given one (of this process alone), the process keeps there a
+    /// copy of each changelog partition it restored, and a later restore of
+    /// the partition reads only the changelog after it.
     pub fn start<F>(self, config: QueryConfig, build: F) -> Result<ClusteredQuery>
     where
         F: Fn(&Dataflow) -> Result<()> + Send + 'static,
@@ -138,6 +144,11 @@ impl KafkaCluster {
             transaction_timeout: (batch_duration * 3).max(Duration::from_secs(10)),
             operation_timeout: Duration::from_secs(30),
             restore_timeout: Duration::from_secs(300),
+            copies: config
+                .checkpoint_location
+                .as_deref()
+                .map(local::LocalCopies::open)
+                .transpose()?,
             options: self.options,
         };
         if settings.query.is_empty() {
@@ -150,7 +161,6 @@ impl KafkaCluster {
 }
 
 /// What every part of a process's cluster shares.
-#[derive(Debug)]
 pub(crate) struct ClusterSettings {
     pub(crate) query: String,
     pub(crate) bootstrap_servers: String,
@@ -161,6 +171,9 @@ pub(crate) struct ClusterSettings {
     pub(crate) transaction_timeout: Duration,
     pub(crate) operation_timeout: Duration,
     pub(crate) restore_timeout: Duration,
+    /// Local copies of changelog partitions, kept at the checkpoint location
+    /// when the query has one.
+    pub(crate) copies: Option<local::LocalCopies>,
     options: Options,
 }
 
