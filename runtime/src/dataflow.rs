@@ -80,6 +80,17 @@ impl Dataflow {
     /// shape: one line per step (kind, uid, inputs) and the key-group count.
     /// The processes of a clustered query compare shapes, since they must run
     /// the same dataflow.
+    ///
+    /// ```no_run
+    /// use rtflow_runtime::{Dataflow, QueryConfig};
+    /// # fn build(flow: &Dataflow) {}
+    /// let flow = Dataflow::new("clicks");
+    /// build(&flow);
+    /// for step in flow.shape(&QueryConfig::new("clicks").checkpoint_location("/tmp/clicks"))? {
+    ///     println!("{step}"); // step 0: source of 2 partitions 'kafka-0' (kafka) reading []
+    /// }
+    /// # Ok::<(), rtflow_runtime::RtflowError>(())
+    /// ```
     pub fn shape(self, config: &QueryConfig) -> Result<Vec<String>> {
         let graph = self.graph.take();
         config.check(graph.cluster.is_none())?;
