@@ -156,6 +156,7 @@ impl ClusterLink for KafkaLink {
         if owned.is_empty() {
             return Ok(ClusterRecovery::default());
         }
+        let started = std::time::Instant::now();
         let offsets = self.committed_offsets(&owned)?;
         let changelog = self.settings.changelog_topic();
         let repartitions: Vec<i32> = owned
@@ -163,7 +164,6 @@ impl ClusterLink for KafkaLink {
             .filter(|(topic, _)| self.settings.is_repartition_topic(topic))
             .map(|(_, p)| *p)
             .collect();
-        let started = std::time::Instant::now();
         let (state, read) = self.read_changelog(&changelog, &repartitions)?;
         if let Some(transactions) = self.transactions() {
             *lock(&transactions.last_restore) = Some(RestoreStats {
@@ -385,7 +385,11 @@ struct EndsExpected;
 
 impl ClientContext for EndsExpected {
     fn error(&self, error: KafkaError, reason: &str) {
-        if !matches!(error, KafkaError::PartitionEOF(_)) {
+        let end = matches!(
+            error,
+            KafkaError::PartitionEOF(_) | KafkaError::Global(RDKafkaErrorCode::PartitionEOF)
+        );
+        if !end {
             tracing::warn!(%error, reason, "changelog consumer error");
         }
     }

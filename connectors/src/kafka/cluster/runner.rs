@@ -1,14 +1,15 @@
-//! The process's part of a clustered query: its membership of the group and
+//! The process's part of a clustered query: its membership of the groups and
 //! the runs of its dataflow.
 //!
-//! A run is a query of this process over the partitions it owns. The group's
-//! member consumer never reads records (its partitions stay paused); it only
-//! holds the membership. When the group takes partitions away, the rebalance
-//! callback stops the run with a final checkpoint before it returns, so the
-//! next owner resumes exactly where this one committed. When partitions
-//! arrive, the run is restarted over the new set once the group settles.
-//! Partitions that stay put keep their records flowing in processes the
-//! rebalance leaves alone.
+//! A run is a query of this process over the partitions it owns. The groups'
+//! member consumers never read records (their partitions stay paused); they
+//! only hold the membership, each polled by a thread of its own, so that one
+//! group's rebalance goes on while the other's callback waits. When a group
+//! takes partitions away, the rebalance callback stops the run with a final
+//! checkpoint before it returns, so the next owner resumes exactly where this
+//! one committed. When partitions arrive, the run is restarted over the new
+//! set once the groups settle. Processes the rebalance leaves alone keep
+//! their run.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -47,8 +48,14 @@ struct Shared {
     /// Bumped by every change of the assignment.
     generation: AtomicU64,
     run: Mutex<Option<Run>>,
+    /// Held while a run starts or stops: a revocation that arrives meanwhile
+    /// waits until the run it must stop exists, or has committed its end.
+    transition: Mutex<()>,
     runs: AtomicU64,
+    /// Asked by `ClusteredQuery::stop`.
     stop: AtomicBool,
+    /// Set once the last run committed its end: the members leave.
+    leave: AtomicBool,
 }
 
 struct Run {
@@ -63,6 +70,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Shared {
     /// Stops the run, if one is running, with a final checkpoint.
     fn stop_run(&self) -> Result<()> {
+        let _transition = lock(&self.transition);
         let Some(run) = lock(&self.run).take() else {
             return Ok(());
         };
@@ -227,8 +235,10 @@ where
         assignment: Mutex::default(),
         generation: AtomicU64::new(0),
         run: Mutex::default(),
+        transition: Mutex::default(),
         runs: AtomicU64::new(0),
         stop: AtomicBool::new(false),
+        leave: AtomicBool::new(false),
     });
     let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for topic in topics {
@@ -242,19 +252,34 @@ where
         .map(|(group, topics)| join(&shared, &shape, group, &topics))
         .collect::<Result<Vec<_>>>()?;
     tracing::info!(query = %config.name, instance = %settings.instance, "joined the cluster");
+    let spawn_failed = |e: std::io::Error| {
+        RtflowError::InvalidConfiguration(format!("could not start the cluster runner: {e}"))
+    };
+    let pollers = members
+        .into_iter()
+        .map(|member| {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("rtflow-member".into())
+                .spawn(move || hold_membership(&shared, member))
+                .map_err(spawn_failed)
+        })
+        .collect::<Result<Vec<_>>>()?;
     let runner = shared.clone();
     let thread = std::thread::Builder::new()
         .name("rtflow-cluster".into())
         .spawn(move || {
-            let result = run(&runner, &members, &config, &build);
-            // Leaving the groups revokes what is left: nothing runs any more.
+            let result = run(&runner, &config, &build);
+            // The run ends with a final commit while the process is still a
+            // member; leaving the groups then revokes what is left.
             let stopped = runner.stop_run();
-            drop(members);
+            runner.leave.store(true, Ordering::SeqCst);
+            for poller in pollers {
+                let _ = poller.join();
+            }
             result.and(stopped)
         })
-        .map_err(|e| {
-            RtflowError::InvalidConfiguration(format!("could not start the cluster runner: {e}"))
-        })?;
+        .map_err(spawn_failed)?;
     Ok(ClusteredQuery {
         shared,
         thread: Mutex::new(Some(thread)),
@@ -296,14 +321,25 @@ fn join(
     Ok(member)
 }
 
-/// Polls the membership, and starts a run over the partitions the process
-/// owns each time the assignment changed and settled.
-fn run<F>(
-    shared: &Arc<Shared>,
-    members: &[BaseConsumer<Member>],
-    config: &QueryConfig,
-    build: &F,
-) -> Result<()>
+/// Polls one group's member until the process stops, then leaves the group.
+fn hold_membership(shared: &Shared, member: BaseConsumer<Member>) {
+    while !shared.leave.load(Ordering::SeqCst) {
+        // Records never arrive (the partitions are paused); the poll serves
+        // the group's callbacks.
+        if let Some(Err(error)) = member.poll(Duration::from_millis(50)) {
+            tracing::warn!(%error, "group member error");
+        }
+        // A rebalance that moved nothing from this process still starts a
+        // new generation, which the next commit must name.
+        shared
+            .transactions
+            .set_group(&member.context().group, member.group_metadata());
+    }
+}
+
+/// Starts a run over the partitions the process owns each time the
+/// assignment changed and settled, until the process stops.
+fn run<F>(shared: &Arc<Shared>, config: &QueryConfig, build: &F) -> Result<()>
 where
     F: Fn(&Dataflow) -> Result<()>,
 {
@@ -312,18 +348,7 @@ where
     let mut running: Option<u64> = None;
     let mut failures = 0;
     loop {
-        // Records never arrive (the partitions are paused); the poll serves
-        // the group's callbacks.
-        for member in members {
-            if let Some(Err(error)) = member.poll(Duration::from_millis(25)) {
-                tracing::warn!(%error, "group member error");
-            }
-            // A rebalance that moved nothing from this process still starts a
-            // new generation, which the next commit must name.
-            shared
-                .transactions
-                .set_group(&member.context().group, member.group_metadata());
-        }
+        std::thread::sleep(Duration::from_millis(25));
         if shared.stop.load(Ordering::SeqCst) {
             return shared.stop_run();
         }
@@ -350,6 +375,7 @@ where
             continue;
         }
         shared.stop_run()?;
+        let _transition = lock(&shared.transition);
         let owned = lock(&shared.assignment).clone();
         running = Some(seen);
         if owned.is_empty() {
