@@ -259,12 +259,12 @@ impl<T: DeserializeOwned + Data> Operator<Exchanged, T> for Decode<T> {
     fn process(&mut self, record: Record<Exchanged>, out: &mut Collector<'_, T>) -> Result<()> {
         let (value, _) =
             bincode::serde::decode_from_slice(&record.value.payload, bincode::config::standard())
-                .map_err(|e| {
-                RtflowError::Checkpoint(format!(
-                    "a record read back from the repartition topic does not decode as {}: {e}; \
-                     every process of the cluster must run the same dataflow",
+                .map_err(|e| RtflowError::ClusterShapeMismatch {
+                member: "a writer of the repartition topic".to_owned(),
+                difference: format!(
+                    "a record it wrote does not decode as {}: {e}",
                     std::any::type_name::<T>()
-                ))
+                ),
             })?;
         out.emit(value)
     }
@@ -315,6 +315,34 @@ mod tests {
         table.update(&told(&[2], Some(60)));
         assert!(!table.is_idle());
         assert_eq!(table.watermark(), Some(60));
+    }
+
+    #[test]
+    fn records_cross_the_repartition_encoded_with_their_key_hash() {
+        use crate::tester::OperatorTester;
+        let key_hash = Arc::new(|word: &String| word.len() as u64);
+        let mut encode =
+            OperatorTester::new(ENCODE, |_| Ok(Encode::<String> { key_hash })).unwrap();
+        encode.record("four".to_owned(), 40).unwrap();
+        let encoded = encode.take_values();
+        assert_eq!(encoded[0].key_hash, 4);
+        let mut decode =
+            OperatorTester::new(DECODE, |_| Ok(Decode::<String>(PhantomData))).unwrap();
+        decode.record(encoded[0].clone(), 40).unwrap();
+        assert_eq!(decode.take_values(), ["four"]);
+    }
+
+    #[test]
+    fn a_record_another_dataflow_wrote_is_a_shape_mismatch() {
+        use crate::tester::OperatorTester;
+        let mut decode =
+            OperatorTester::new(DECODE, |_| Ok(Decode::<(u64, String)>(PhantomData))).unwrap();
+        let garbage = Exchanged {
+            key_hash: 0,
+            payload: vec![0xff; 3],
+        };
+        let error = decode.record(garbage, 0).unwrap_err();
+        assert_eq!(error.error_class(), "CLUSTER_SHAPE_MISMATCH", "{error}");
     }
 
     #[test]
