@@ -573,3 +573,67 @@ fn a_source_the_cluster_cannot_share_out_is_rejected() {
     assert_eq!(error.error_class(), "INVALID_DATAFLOW");
     assert!(error.to_string().contains("read a Kafka topic"), "{error}");
 }
+
+#[test]
+fn a_silent_partition_goes_idle_and_lets_the_watermark_through_the_repartition() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let cluster = Cluster::new(&bootstrap);
+    let windows_of = |flow: &Dataflow, bootstrap: &str, input: &str, _: &str, windows: &str| {
+        flow.source(
+            KafkaSource::new(bootstrap)
+                .subscribe([input])
+                .starting_offsets(StartingOffsets::Earliest),
+        )
+        .map(event)
+        .with_watermark_idle(
+            |e: &Event| e.time,
+            Duration::ZERO,
+            Duration::from_millis(500),
+        )
+        .repartition_by(|e: &Event| e.key.clone())
+        .window(Window::tumbling(WINDOW))
+        .count()
+        .sink(KafkaSink::new(
+            bootstrap,
+            windows,
+            |(key, window, count): &(String, rtflow::operators::Window, u64)| {
+                KafkaMessage::new(format!("{key}@{}:{count}", window.start))
+            },
+        ));
+    };
+    let running = start_here(&bootstrap, &cluster, "a", free_address(), windows_of).unwrap();
+    // Partition 5 never receives a record.
+    let at = |partition: i32, key: &str, time: i64| {
+        (partition, key.to_owned(), time.to_string().into_bytes())
+    };
+    produce(
+        &bootstrap,
+        &cluster.input,
+        (0..5).flat_map(|p| [at(p, "k1", 100), at(p, "k2", 10_000)]),
+    );
+    let read = |n: usize| {
+        consume(&bootstrap, &cluster.windows, 1, n, Duration::from_secs(60))
+            .into_iter()
+            .map(|r| String::from_utf8(r.value).unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(read(10).len(), 10, "the first records were counted");
+    // Once the watermark has reached 10 000 (partition 5 idle), a record of
+    // the window [0, 1000) is late; one of the same key behind it is not.
+    std::thread::sleep(Duration::from_secs(3));
+    produce(
+        &bootstrap,
+        &cluster.input,
+        [at(0, "k1", 200), at(0, "k1", 20_000)],
+    );
+    let windows = read(11);
+    running.stop().unwrap();
+    assert!(
+        windows.contains(&"k1@20000:1".to_owned()),
+        "the record in time was counted: {windows:?}"
+    );
+    assert!(
+        !windows.contains(&"k1@0:6".to_owned()),
+        "the late record was dropped: {windows:?}"
+    );
+}
