@@ -41,7 +41,7 @@ pub use source::{KafkaSource, StartingOffsets};
 const DEFAULT_METADATA_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a record's Kafka timestamp means.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum TimestampType {
     /// Set by the producer.
     CreateTime,
@@ -49,8 +49,9 @@ pub enum TimestampType {
     LogAppendTime,
 }
 
-/// One record read from Kafka.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One record read from Kafka; serde types, so that a clustered query can
+/// repartition records as read.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KafkaRecord {
     pub topic: String,
     pub partition: i32,

@@ -48,17 +48,22 @@ const WATERMARK_MARK: char = '@';
 /// Runs a query in several processes that share it through a Kafka cluster.
 ///
 /// ```no_run
-/// use rtflow_connectors::kafka::{KafkaCluster, KafkaSink, KafkaSource, StartingOffsets};
+/// use rtflow_connectors::kafka::{KafkaCluster, KafkaMessage, KafkaRecord, KafkaSink, KafkaSource};
+/// use rtflow_operators::KeyedStreamExt;
 /// use rtflow_runtime::QueryConfig;
+/// // Run this in every process; each counts the clicks of the users it is given.
 /// let query = KafkaCluster::new("127.0.0.1:9092")
+///     .instance("host-a")
 ///     .repartition_partitions(6)
 ///     .start(QueryConfig::new("clicks-per-user"), |flow| {
 ///         flow.source(KafkaSource::new("127.0.0.1:9092").subscribe(["clicks"]))
-///             .repartition_by(|click| click.key.clone())
-///             .as_ref()
-///             .sink(KafkaSink::new("127.0.0.1:9092", "clicks-by-user", |click| {
-///                 rtflow_connectors::kafka::KafkaMessage::new(click.value.clone().unwrap_or_default())
-///             }));
+///             .repartition_by(|click: &KafkaRecord| click.key_str().into_owned())
+///             .count()
+///             .sink(KafkaSink::new(
+///                 "127.0.0.1:9092",
+///                 "clicks-per-user",
+///                 |(user, clicks): &(String, u64)| KafkaMessage::new(format!("{user}:{clicks}")),
+///             ));
 ///         Ok(())
 ///     })?;
 /// query.stop()?;
