@@ -637,3 +637,56 @@ fn a_silent_partition_goes_idle_and_lets_the_watermark_through_the_repartition()
         "the late record was dropped: {windows:?}"
     );
 }
+
+#[test]
+fn a_stateless_query_shared_by_two_processes_copies_each_record_once() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let cluster = Cluster::new(&bootstrap);
+    let copy = |flow: &Dataflow, bootstrap: &str, input: &str, output: &str, _: &str| {
+        flow.source(
+            KafkaSource::new(bootstrap)
+                .subscribe([input])
+                .starting_offsets(StartingOffsets::Earliest),
+        )
+        .map(|record: KafkaRecord| record.value_str().into_owned())
+        .sink(KafkaSink::new(bootstrap, output, |value: &String| {
+            KafkaMessage::new(value.clone())
+        }));
+    };
+    let values = |from: usize, to: usize| {
+        (from..to).map(|i| {
+            (
+                (i % PARTITIONS as usize) as i32,
+                String::new(),
+                i.to_string().into_bytes(),
+            )
+        })
+    };
+    let a = start_here(&bootstrap, &cluster, "a", free_address(), copy).unwrap();
+    let b = start_here(&bootstrap, &cluster, "b", free_address(), copy).unwrap();
+    produce(&bootstrap, &cluster.input, values(0, 600));
+    let read = |n: usize, timeout: Duration| {
+        consume(&bootstrap, &cluster.counts, 1, n, timeout)
+            .into_iter()
+            .map(|r| String::from_utf8(r.value).unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(read(600, Duration::from_secs(60)).len(), 600);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while a.partitions().is_empty() || b.partitions().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the two processes never shared the input"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // One leaves; the other takes its partitions over where it committed.
+    b.stop().unwrap();
+    produce(&bootstrap, &cluster.input, values(600, 1200));
+    assert_eq!(read(1200, Duration::from_secs(60)).len(), 1200);
+    a.stop().unwrap();
+    // Whatever the last commits added is read too.
+    let copied = read(1201, Duration::from_secs(3));
+    let expected: BTreeMap<String, usize> = (0..1200).map(|i| (i.to_string(), 1)).collect();
+    check("copy", &copied, &expected, "");
+}
