@@ -144,19 +144,13 @@ fn cluster_child() {
         })
         .expect("the child joins the cluster");
     let status = PathBuf::from(&stop).with_file_name(format!("{instance}.status"));
-    let mut local = 0;
     while !PathBuf::from(&stop).exists() {
         assert!(
             running.is_active(),
             "the child failed: {:?}",
             running.stop()
         );
-        local = local.max(running.last_restore().map_or(0, |r| r.local_bytes));
-        let owned = format!(
-            "{} {local} {}",
-            running.runs(),
-            running.partitions().join(",")
-        );
+        let owned = format!("{} {}", running.runs(), running.partitions().join(","));
         std::fs::write(status.with_extension("tmp"), owned).unwrap();
         std::fs::rename(status.with_extension("tmp"), &status).unwrap();
         std::thread::sleep(Duration::from_millis(50));
@@ -215,30 +209,15 @@ impl Cluster {
 
     /// How many runs `instance` started, and the partitions it runs now.
     fn status(&self, instance: &str) -> (u64, Vec<String>) {
-        let (runs, _, partitions) = self.status_line(instance);
-        (runs, partitions)
-    }
-
-    /// The most bytes of state a run of `instance` took from its local copies
-    /// of the changelog rather than from Kafka.
-    fn restored_locally(&self, instance: &str) -> u64 {
-        self.status_line(instance).1
-    }
-
-    fn status_line(&self, instance: &str) -> (u64, u64, Vec<String>) {
         let text = std::fs::read_to_string(self.dir.join(format!("{instance}.status")))
             .unwrap_or_default();
-        let mut fields = text.splitn(3, ' ');
-        let mut number = || fields.next().and_then(|f| f.parse().ok()).unwrap_or(0);
-        let (runs, local) = (number(), number());
-        let partitions = fields
-            .next()
-            .unwrap_or_default()
+        let (runs, partitions) = text.split_once(' ').unwrap_or(("0", ""));
+        let partitions = partitions
             .split(',')
             .filter(|p| !p.is_empty())
             .map(str::to_owned)
             .collect();
-        (runs, local, partitions)
+        (runs.parse().unwrap_or(0), partitions)
     }
 
     /// Waits until every running process runs some of the input's partitions.
@@ -394,17 +373,6 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     }
     eprintln!("partitions before the kill {shares:?}, after one was added back {reshared:?}");
 
-    // Runs restarted on a process that restored their partitions before read
-    // that state from the process's local copy, and only the changelog's tail.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !["p0", "p2"].iter().any(|p| cluster.restored_locally(p) > 0) {
-        assert!(
-            Instant::now() < deadline,
-            "no run restored from a local copy:\n{}",
-            cluster.logs()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
     let (expected_counts, expected_windows) = reference(total);
     let (counts, windows) = cluster.outputs(
         expected_counts.len(),
@@ -689,4 +657,85 @@ fn a_stateless_query_shared_by_two_processes_copies_each_record_once() {
     let copied = read(1201, Duration::from_secs(3));
     let expected: BTreeMap<String, usize> = (0..1200).map(|i| (i.to_string(), 1)).collect();
     check("copy", &copied, &expected, "");
+}
+
+#[test]
+fn a_process_restores_the_partitions_it_had_from_its_local_copy_and_the_changelog_tail() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let cluster = Cluster::new(&bootstrap);
+    let location = cluster.dir.join("a.checkpoints");
+    let start = || {
+        let (b, i, c) = (
+            bootstrap.clone(),
+            cluster.input.clone(),
+            cluster.counts.clone(),
+        );
+        KafkaCluster::new(&bootstrap)
+            .instance("a")
+            .repartition_partitions(PARTITIONS as usize)
+            .start(
+                config(&cluster.query).checkpoint_location(&location),
+                move |flow| {
+                    flow.source(
+                        KafkaSource::new(&b)
+                            .subscribe([&i])
+                            .starting_offsets(StartingOffsets::Earliest),
+                    )
+                    .map(event)
+                    .repartition_by(|e: &Event| e.key.clone())
+                    .count()
+                    .sink(KafkaSink::new(
+                        &b,
+                        &c,
+                        |(key, count): &(String, u64)| KafkaMessage::new(format!("{key}:{count}")),
+                    ));
+                    Ok(())
+                },
+            )
+            .unwrap()
+    };
+    let restored = |query: &ClusteredQuery| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(restore) = query.last_restore() {
+                return restore;
+            }
+            assert!(Instant::now() < deadline, "no run started");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let read = |n: usize, timeout: Duration| {
+        consume(&bootstrap, &cluster.counts, 1, n, timeout)
+            .into_iter()
+            .map(|r| String::from_utf8(r.value).unwrap())
+            .collect::<Vec<_>>()
+    };
+    produce(&bootstrap, &cluster.input, (0..600).map(record));
+    let first = start();
+    assert_eq!(read(600, Duration::from_secs(60)).len(), 600);
+    first.stop().unwrap();
+    // The location's copies are the handle's until it is dropped.
+    drop(first);
+    // The second run reads the state from the changelog and keeps a copy.
+    let second = start();
+    let from_kafka = restored(&second);
+    assert!(from_kafka.changelog_bytes > 0, "{from_kafka:?}");
+    second.stop().unwrap();
+    drop(second);
+    // The third reads it from the copy; the changelog holds nothing newer.
+    let third = start();
+    let from_copy = restored(&third);
+    assert!(from_copy.local_bytes > 0, "{from_copy:?}");
+    assert_eq!(from_copy.changelog_bytes, 0, "{from_copy:?}");
+    // And the counts go on from the restored state, each once.
+    produce(&bootstrap, &cluster.input, (600..1200).map(record));
+    assert_eq!(read(1200, Duration::from_secs(60)).len(), 1200);
+    third.stop().unwrap();
+    let counts = read(1201, Duration::from_secs(3));
+    let (expected, _) = reference(1200);
+    let expected = expected
+        .into_iter()
+        .filter(|(record, _)| !record.starts_with("flush"))
+        .collect();
+    check("count per key", &counts, &expected, "");
 }
