@@ -588,7 +588,20 @@ fn a_silent_partition_goes_idle_and_lets_the_watermark_through_the_repartition()
     assert_eq!(read(10).len(), 10, "the first records were counted");
     // Once the watermark has reached 10 000 (partition 5 idle), a record of
     // the window [0, 1000) is late; one of the same key behind it is not.
-    std::thread::sleep(Duration::from_secs(3));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let watermark = || {
+        running
+            .last_progress()
+            .and_then(|p| p.event_time.get("watermark").cloned())
+    };
+    while watermark().is_none_or(|w| w.as_str() < "1970-01-01T00:00:10.000Z") {
+        assert!(
+            Instant::now() < deadline,
+            "the watermark stayed at {:?}",
+            watermark()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     produce(
         &bootstrap,
         &cluster.input,
