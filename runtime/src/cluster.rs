@@ -220,6 +220,43 @@ impl UpstreamWatermarks {
     }
 }
 
+/// What a reader of several repartition partitions knows of event time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventTimeAcross {
+    /// The least watermark over the partitions that are not idle.
+    Watermark(EventTime),
+    /// Every partition is idle.
+    Idle,
+    /// A partition that is not idle has not heard of every source partition.
+    Unknown,
+}
+
+impl EventTimeAcross {
+    /// The event time across `partitions`, each one's table.
+    ///
+    /// ```
+    /// use rtflow_runtime::cluster::{EventTimeAcross, UpstreamProgress, UpstreamWatermarks};
+    /// let table = |watermark| {
+    ///     let mut table = UpstreamWatermarks::default();
+    ///     table.update(&UpstreamProgress { upstream: 1, partitions: vec![0], watermark });
+    ///     table
+    /// };
+    /// let tables = [table(Some(30)), table(Some(20)), table(None)];
+    /// assert_eq!(EventTimeAcross::of(&tables), EventTimeAcross::Watermark(20));
+    /// assert_eq!(EventTimeAcross::of(&tables[2..]), EventTimeAcross::Idle);
+    /// ```
+    pub fn of<'a>(partitions: impl IntoIterator<Item = &'a UpstreamWatermarks>) -> Self {
+        let mut least: Option<EventTime> = None;
+        for partition in partitions.into_iter().filter(|p| !p.is_idle()) {
+            match partition.watermark() {
+                Some(w) => least = Some(least.map_or(w, |l| l.min(w))),
+                None => return Self::Unknown,
+            }
+        }
+        least.map_or(Self::Idle, Self::Watermark)
+    }
+}
+
 /// The operator family of the steps that encode records for a repartition
 /// and decode them after it.
 pub(crate) const ENCODE: &str = "repartition_encode";
@@ -343,6 +380,24 @@ mod tests {
         };
         let error = decode.record(garbage, 0).unwrap_err();
         assert_eq!(error.error_class(), "CLUSTER_SHAPE_MISMATCH", "{error}");
+    }
+
+    #[test]
+    fn across_partitions_one_that_has_not_heard_of_every_source_partition_holds_all_back() {
+        let mut heard = UpstreamWatermarks::default();
+        heard.update(&told(&[0, 1, 2], Some(50)));
+        let mut partly = UpstreamWatermarks::default();
+        partly.update(&told(&[0], Some(70)));
+        assert_eq!(
+            EventTimeAcross::of([&heard, &partly]),
+            EventTimeAcross::Unknown
+        );
+        partly.update(&told(&[1, 2], None));
+        assert_eq!(
+            EventTimeAcross::of([&heard, &partly]),
+            EventTimeAcross::Watermark(50)
+        );
+        assert_eq!(EventTimeAcross::of([]), EventTimeAcross::Idle);
     }
 
     #[test]

@@ -118,6 +118,21 @@ impl Deliveries {
     }
 }
 
+/// The topic `message` goes to: its own, else the sink's `topic`; an error
+/// for a message that has neither.
+pub(crate) fn topic_of<'a>(
+    message: &'a KafkaMessage,
+    topic: Option<&'a str>,
+    sink: &str,
+) -> Result<&'a str> {
+    message.topic.as_deref().or(topic).ok_or_else(|| {
+        RtflowError::sink(
+            sink,
+            "a KafkaSink::per_record_topic message names no topic; set KafkaMessage::topic",
+        )
+    })
+}
+
 /// Hands `message` to the producer, waiting while its local queue is full
 /// (backpressure). Fails on a message without a topic.
 pub(crate) fn send(
@@ -126,12 +141,7 @@ pub(crate) fn send(
     topic: Option<&str>,
     sink: &str,
 ) -> Result<()> {
-    let Some(topic) = message.topic.as_deref().or(topic) else {
-        return Err(RtflowError::sink(
-            sink,
-            "a KafkaSink::per_record_topic message names no topic; set KafkaMessage::topic",
-        ));
-    };
+    let topic = topic_of(message, topic, sink)?;
     let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
     for (name, value) in &message.headers {
         headers = headers.insert(Header {

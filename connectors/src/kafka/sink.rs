@@ -16,7 +16,7 @@ use rtflow_runtime::{
 
 use super::cluster;
 use super::exactly_once::TransactionalWriter;
-use super::producer::{send, Deliveries, KafkaMessage, ProducerSettings, Serialize};
+use super::producer::{send, topic_of, Deliveries, KafkaMessage, ProducerSettings, Serialize};
 use super::{Options, DEFAULT_METADATA_TIMEOUT};
 
 /// What a [`KafkaSink`] promises about each record's delivery.
@@ -209,9 +209,8 @@ impl<T: Data> Sink<T> for KafkaSink<T> {
         if ctx.cluster.is_some() {
             let transactions = cluster::transactions_of(ctx, &settings.name())?;
             return Ok(Box::new(ClusterWriter {
-                staging: cluster::Staging::new(transactions, ctx.first_epoch),
                 sink: settings.name(),
-                topic: settings.topic,
+                staging: cluster::Staging::new(transactions, settings.topic, ctx.first_epoch),
                 serialize: settings.serialize,
             }));
         }
@@ -285,23 +284,14 @@ impl<T: Data> SinkWriter<T> for KafkaWriter<T> {
 /// exactly once.
 struct ClusterWriter<T> {
     staging: cluster::Staging,
-    topic: Option<String>,
     serialize: Serialize<T>,
     sink: String,
 }
 
 impl<T: Data> SinkWriter<T> for ClusterWriter<T> {
     fn write(&mut self, record: Record<T>) -> Result<()> {
-        let mut message = (self.serialize)(&record.value);
-        if message.topic.is_none() {
-            message.topic = self.topic.clone();
-        }
-        if message.topic.is_none() {
-            return Err(RtflowError::sink(
-                &self.sink,
-                "a KafkaSink::per_record_topic message names no topic; set KafkaMessage::topic",
-            ));
-        }
+        let message = (self.serialize)(&record.value);
+        topic_of(&message, self.staging.topic(), &self.sink)?;
         self.staging.push(message);
         Ok(())
     }

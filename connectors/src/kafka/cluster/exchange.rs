@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
-use rtflow_runtime::cluster::{Exchanged, UpstreamProgress, UpstreamWatermarks};
+use rtflow_runtime::cluster::{EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks};
 use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::key_groups::key_group;
 use rtflow_runtime::{
@@ -23,7 +23,7 @@ use rtflow_runtime::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::link::{KafkaLink, Transactions};
+use super::link::{Batch, KafkaLink, Transactions};
 use super::{ClusterSettings, WATERMARK_MARK};
 use crate::kafka::producer::KafkaMessage;
 
@@ -59,20 +59,32 @@ pub(crate) fn transactions_of(ctx: &SinkContext, sink: &str) -> Result<Arc<Trans
 }
 
 /// Buffers a writer's records of the current epoch and stages them into the
-/// process's transaction at the barrier (and at the end, for the final epoch).
+/// process's transaction at the barrier (and at the end, for the final epoch),
+/// with the topic of those that name none: no record carries a copy of it.
 pub(crate) struct Staging {
     transactions: Arc<Transactions>,
+    topic: Option<String>,
     epoch: Epoch,
     buffer: Vec<KafkaMessage>,
 }
 
 impl Staging {
-    pub(crate) fn new(transactions: Arc<Transactions>, first_epoch: Epoch) -> Self {
+    pub(crate) fn new(
+        transactions: Arc<Transactions>,
+        topic: Option<String>,
+        first_epoch: Epoch,
+    ) -> Self {
         Self {
             transactions,
+            topic,
             epoch: first_epoch,
             buffer: Vec::new(),
         }
+    }
+
+    /// The topic of the records that name none.
+    pub(crate) fn topic(&self) -> Option<&str> {
+        self.topic.as_deref()
     }
 
     #[inline]
@@ -82,15 +94,23 @@ impl Staging {
 
     /// Epoch `epoch` ended: its records go to its transaction.
     pub(crate) fn end_epoch(&mut self, epoch: Epoch) {
-        self.transactions
-            .stage(epoch, std::mem::take(&mut self.buffer));
+        self.stage(epoch);
         self.epoch = epoch + 1;
     }
 
     /// The input ended: what is left belongs to the final epoch.
     pub(crate) fn end_input(&mut self) {
-        self.transactions
-            .stage(self.epoch, std::mem::take(&mut self.buffer));
+        self.stage(self.epoch);
+    }
+
+    fn stage(&mut self, epoch: Epoch) {
+        self.transactions.stage(
+            epoch,
+            Batch {
+                topic: self.topic.clone(),
+                messages: std::mem::take(&mut self.buffer),
+            },
+        );
     }
 }
 
@@ -116,8 +136,7 @@ impl Sink<Exchanged> for ExchangeSink {
     fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<Exchanged>>> {
         let transactions = transactions_of(ctx, &self.description())?;
         Ok(Box::new(ExchangeWriter {
-            staging: Staging::new(transactions, ctx.first_epoch),
-            topic: self.topic.clone(),
+            staging: Staging::new(transactions, Some(self.topic.clone()), ctx.first_epoch),
             partitions: self.settings.repartition_partitions as u32,
             key_groups: self.settings.key_groups,
             upstream: ctx.upstream_partitions,
@@ -130,7 +149,6 @@ impl Sink<Exchanged> for ExchangeSink {
 
 struct ExchangeWriter {
     staging: Staging,
-    topic: String,
     partitions: u32,
     key_groups: usize,
     upstream: u32,
@@ -158,7 +176,7 @@ impl ExchangeWriter {
         }));
         for partition in 0..self.partitions {
             self.staging.push(KafkaMessage {
-                topic: Some(self.topic.clone()),
+                topic: None,
                 partition: Some(partition as i32),
                 key: None,
                 value: Some(value.clone().into()),
@@ -179,7 +197,7 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
             payload: record.value.payload,
         });
         self.staging.push(KafkaMessage {
-            topic: Some(self.topic.clone()),
+            topic: None,
             partition: Some((group % self.partitions) as i32),
             key: None,
             value: Some(value.into()),
@@ -255,10 +273,7 @@ impl Source<Exchanged> for ExchangeSource {
         };
         let mut consumer: BaseConsumer = self
             .settings
-            .client_config()
-            .set("group.id", self.settings.group_of(&self.topic))
-            .set("isolation.level", "read_committed")
-            .set("enable.auto.commit", "false")
+            .committed_reader(&self.settings.group_of(&self.topic))
             .set("enable.auto.offset.store", "false")
             .set("fetch.wait.max.ms", "5")
             .create()
@@ -329,39 +344,23 @@ struct ExchangeReader {
 }
 
 impl ExchangeReader {
-    /// The least watermark over the partitions that are not idle, once every
-    /// one has one; whether all are idle.
-    fn watermark(&self) -> (Option<EventTime>, bool) {
-        let mut least: Option<EventTime> = None;
-        let mut all_idle = true;
-        for partition in &self.partitions {
-            if partition.watermarks.is_idle() {
-                continue;
-            }
-            all_idle = false;
-            match partition.watermarks.watermark() {
-                Some(w) => least = Some(least.map_or(w, |l| l.min(w))),
-                None => return (None, false),
-            }
-        }
-        (least, all_idle)
-    }
-
+    /// Passes on the event time across the reader's partitions, if it moved.
     fn tell(&mut self, out: &mut SourceOutput<Exchanged>) {
-        let (watermark, all_idle) = self.watermark();
-        if all_idle {
-            if !self.idle {
-                out.idle();
-                self.idle = true;
+        match EventTimeAcross::of(self.partitions.iter().map(|p| &p.watermarks)) {
+            EventTimeAcross::Idle => {
+                if !self.idle {
+                    out.idle();
+                    self.idle = true;
+                }
             }
-            return;
-        }
-        if let Some(watermark) = watermark {
-            if self.idle || self.emitted.is_none_or(|e| watermark > e) {
-                out.watermark(watermark);
-                self.emitted = Some(self.emitted.map_or(watermark, |e| e.max(watermark)));
-                self.idle = false;
+            EventTimeAcross::Watermark(watermark) => {
+                if self.idle || self.emitted.is_none_or(|e| watermark > e) {
+                    out.watermark(watermark);
+                    self.emitted = Some(self.emitted.map_or(watermark, |e| e.max(watermark)));
+                    self.idle = false;
+                }
             }
+            EventTimeAcross::Unknown => {}
         }
     }
 }

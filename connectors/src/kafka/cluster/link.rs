@@ -87,7 +87,7 @@ impl KafkaLink {
         ))
     }
 
-    fn owned(&self) -> Vec<TopicPartition> {
+    fn owned_partitions(&self) -> Vec<TopicPartition> {
         match &self.mode {
             Mode::Live { owned, .. } => owned.iter().cloned().collect(),
             Mode::Probe(_) => Vec::new(),
@@ -105,7 +105,7 @@ impl ClusterLink for KafkaLink {
     }
 
     fn partitions(&self) -> Vec<String> {
-        KafkaLink::owned(self)
+        self.owned_partitions()
             .into_iter()
             .map(|(topic, partition)| format!("{topic}-{partition}"))
             .collect()
@@ -152,7 +152,7 @@ impl ClusterLink for KafkaLink {
     }
 
     fn recover(&self) -> Result<ClusterRecovery> {
-        let owned = self.owned();
+        let owned = self.owned_partitions();
         if owned.is_empty() {
             return Ok(ClusterRecovery::default());
         }
@@ -185,14 +185,16 @@ impl ClusterLink for KafkaLink {
         let Some(transactions) = self.transactions() else {
             return Err(self.error("a probe does not commit"));
         };
-        let changelog = self.settings.changelog_topic();
         let partitions = self.settings.repartition_partitions as u32;
-        let mut changes = Vec::new();
+        let mut changes = Batch {
+            topic: Some(self.settings.changelog_topic()),
+            messages: Vec::new(),
+        };
         for delta in deltas.iter().filter(|d| d.keyed) {
             for entry in &delta.entries {
                 let (key, value) = changelog::record(&delta.state, &delta.meta, entry);
-                changes.push(KafkaMessage {
-                    topic: Some(changelog.clone()),
+                changes.messages.push(KafkaMessage {
+                    topic: None,
                     partition: Some((entry.group % partitions) as i32),
                     key: Some(key.into()),
                     value: value.map(Into::into),
@@ -200,19 +202,8 @@ impl ClusterLink for KafkaLink {
                 });
             }
         }
-        let positions = positions(offsets.values())?;
-        let mut by_group: BTreeMap<String, TopicPartitionList> = BTreeMap::new();
-        for element in positions.elements() {
-            let list = by_group
-                .entry(self.settings.group_of(element.topic()))
-                .or_default();
-            let mut added = list.add_partition(element.topic(), element.partition());
-            added
-                .set_offset(element.offset())
-                .map_err(|e| self.error(e))?;
-            added.set_metadata(element.metadata());
-        }
-        transactions.commit(epoch, changes, &by_group)
+        let positions = positions(offsets.values(), |topic| self.settings.group_of(topic))?;
+        transactions.commit(epoch, changes, &positions)
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -247,10 +238,7 @@ impl KafkaLink {
     ) -> Result<()> {
         let consumer: BaseConsumer = self
             .settings
-            .client_config()
-            .set("group.id", group)
-            .set("isolation.level", "read_committed")
-            .set("enable.auto.commit", "false")
+            .committed_reader(group)
             .create()
             .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
         let committed = consumer
@@ -283,10 +271,7 @@ impl KafkaLink {
         }
         let consumer: BaseConsumer<EndsExpected> = self
             .settings
-            .client_config()
-            .set("group.id", self.settings.group())
-            .set("isolation.level", "read_committed")
-            .set("enable.auto.commit", "false")
+            .committed_reader(&self.settings.group())
             .set("enable.partition.eof", "true")
             .set("auto.offset.reset", "earliest")
             .create_with_context(EndsExpected)
@@ -397,11 +382,15 @@ impl ClientContext for EndsExpected {
 
 impl ConsumerContext for EndsExpected {}
 
-/// The readers' offset labels as a partition list: `topic-partition` is the
+/// The readers' offset labels as a partition list per consumer group
+/// (`group_of` a topic): `topic-partition` is the
 /// next offset to read; `topic-partition@upstream` a repartition reader's
 /// watermark of an upstream source partition, which travels as the offset's
 /// metadata, committed with it.
-fn positions<'a>(offsets: impl Iterator<Item = &'a Offsets>) -> Result<TopicPartitionList> {
+fn positions<'a>(
+    offsets: impl Iterator<Item = &'a Offsets>,
+    group_of: impl Fn(&str) -> String,
+) -> Result<BTreeMap<String, TopicPartitionList>> {
     let mut next: BTreeMap<TopicPartition, i64> = BTreeMap::new();
     let mut watermarks: BTreeMap<TopicPartition, Vec<(String, i64)>> = BTreeMap::new();
     for labels in offsets {
@@ -417,7 +406,7 @@ fn positions<'a>(offsets: impl Iterator<Item = &'a Offsets>) -> Result<TopicPart
             }
         }
     }
-    let mut list = TopicPartitionList::new();
+    let mut lists: BTreeMap<String, TopicPartitionList> = BTreeMap::new();
     for (tp, offset) in next {
         let metadata = watermarks
             .get(&tp)
@@ -428,13 +417,14 @@ fn positions<'a>(offsets: impl Iterator<Item = &'a Offsets>) -> Result<TopicPart
                     .join(",")
             })
             .unwrap_or_default();
+        let list = lists.entry(group_of(&tp.0)).or_default();
         let mut element = list.add_partition(&tp.0, tp.1);
         element
             .set_offset(Offset::Offset(offset))
             .map_err(|e| RtflowError::Checkpoint(e.to_string()))?;
         element.set_metadata(metadata);
     }
-    Ok(list)
+    Ok(lists)
 }
 
 fn parse_label(label: &str) -> Result<TopicPartition> {
@@ -465,7 +455,7 @@ pub(crate) struct Transactions {
     /// Renewed after a failed transaction: a fresh producer (the same
     /// transactional id, initialised again) leaves no error state behind.
     producer: Mutex<ThreadedProducer<Deliveries>>,
-    staged: Mutex<BTreeMap<Epoch, Vec<KafkaMessage>>>,
+    staged: Mutex<BTreeMap<Epoch, Vec<Batch>>>,
     /// Each group's metadata as of its latest generation: offsets committed
     /// with an older generation are refused.
     groups: Mutex<BTreeMap<String, ConsumerGroupMetadata>>,
@@ -473,6 +463,13 @@ pub(crate) struct Transactions {
     timeout: Duration,
     name: String,
     pub(crate) last_restore: Mutex<Option<RestoreStats>>,
+}
+
+/// Records a writer staged for an epoch's transaction, and the topic of those
+/// that name none.
+pub(crate) struct Batch {
+    pub(crate) topic: Option<String>,
+    pub(crate) messages: Vec<KafkaMessage>,
 }
 
 /// How often a commit refused for a group generation that just ended is
@@ -515,9 +512,9 @@ impl Transactions {
     }
 
     /// Records to commit with epoch `epoch`, staged by a sink at its barrier.
-    pub(crate) fn stage(&self, epoch: Epoch, records: Vec<KafkaMessage>) {
-        if !records.is_empty() {
-            lock(&self.staged).entry(epoch).or_default().extend(records);
+    pub(crate) fn stage(&self, epoch: Epoch, batch: Batch) {
+        if !batch.messages.is_empty() {
+            lock(&self.staged).entry(epoch).or_default().push(batch);
         }
     }
 
@@ -535,8 +532,8 @@ impl Transactions {
         lock(&self.staged).clear();
     }
 
-    /// Commits the records staged for epochs up to `epoch`, `changes` and the
-    /// offsets `positions` (by group) in one transaction. A rebalance that
+    /// Commits the records staged for epochs up to `epoch`, the changelog's
+    /// `changes` and the offsets `positions` (by group) in one transaction. A rebalance that
     /// starts a new generation while it commits makes the broker refuse the
     /// offsets: the transaction is aborted and made again with the new
     /// generation, which still owns the partitions (a revocation stops the
@@ -544,10 +541,10 @@ impl Transactions {
     fn commit(
         &self,
         epoch: Epoch,
-        changes: Vec<KafkaMessage>,
+        changes: Batch,
         positions: &BTreeMap<String, TopicPartitionList>,
     ) -> Result<()> {
-        let staged: Vec<KafkaMessage> = {
+        let mut staged: Vec<Batch> = {
             let mut staged = lock(&self.staged);
             let later = staged.split_off(&(epoch + 1));
             std::mem::replace(&mut *staged, later)
@@ -555,9 +552,10 @@ impl Transactions {
                 .flatten()
                 .collect()
         };
+        staged.push(changes);
         let mut attempts = 0;
         loop {
-            let failed = match self.attempt(epoch, &staged, &changes, positions) {
+            let failed = match self.attempt(epoch, &staged, positions) {
                 Ok(()) => return Ok(()),
                 Err(failed) => failed,
             };
@@ -579,8 +577,7 @@ impl Transactions {
     fn attempt(
         &self,
         epoch: Epoch,
-        staged: &[KafkaMessage],
-        changes: &[KafkaMessage],
+        staged: &[Batch],
         positions: &BTreeMap<String, TopicPartitionList>,
     ) -> Result<(), Failed> {
         let failed = |what: &str, e: &dyn std::fmt::Display| Failed {
@@ -594,11 +591,15 @@ impl Transactions {
         producer
             .begin_transaction()
             .map_err(|e| failed("begin", &e))?;
-        for message in staged.iter().chain(changes) {
-            send(&producer, message, None, &self.name).map_err(|error| Failed {
-                error,
-                generation: false,
-            })?;
+        for batch in staged {
+            for message in &batch.messages {
+                send(&producer, message, batch.topic.as_deref(), &self.name).map_err(|error| {
+                    Failed {
+                        error,
+                        generation: false,
+                    }
+                })?;
+            }
         }
         for (group, positions) in positions {
             let groups = lock(&self.groups);
@@ -671,11 +672,15 @@ mod tests {
         ]
         .into_iter()
         .collect();
-        let list = positions([&offsets].into_iter()).unwrap();
-        let orders = list.find_partition("orders", 2).unwrap();
+        let group_of = |topic: &str| topic.split('-').next().unwrap().to_owned();
+        let lists = positions([&offsets].into_iter(), group_of).unwrap();
+        assert_eq!(lists.keys().collect::<Vec<_>>(), ["orders", "rtflow"]);
+        let orders = lists["orders"].find_partition("orders", 2).unwrap();
         assert_eq!(orders.offset(), Offset::Offset(17));
         assert_eq!(orders.metadata(), "");
-        let repartition = list.find_partition("rtflow-q-0-repartition", 1).unwrap();
+        let repartition = lists["rtflow"]
+            .find_partition("rtflow-q-0-repartition", 1)
+            .unwrap();
         assert_eq!(repartition.offset(), Offset::Offset(40));
         assert_eq!(
             parse_watermarks(repartition.metadata()),
@@ -686,7 +691,7 @@ mod tests {
     #[test]
     fn a_label_that_names_no_partition_is_a_checkpoint_failure() {
         let offsets: Offsets = [("memory".to_owned(), 1)].into_iter().collect();
-        let error = positions([&offsets].into_iter()).unwrap_err();
+        let error = positions([&offsets].into_iter(), str::to_owned).unwrap_err();
         assert_eq!(error.error_class(), "CHECKPOINT_FAILED");
     }
 }

@@ -221,6 +221,19 @@ impl ClusterSettings {
         format!("rtflow-{}-{}", self.query, self.instance)
     }
 
+    /// The configuration of a consumer of `group` that sees only committed
+    /// transactions, and so also fetches only stable committed offsets
+    /// (librdkafka's `require_stable` follows `isolation.level`), and
+    /// commits nothing itself.
+    pub(crate) fn committed_reader(&self, group: &str) -> ClientConfig {
+        let mut config = self.client_config();
+        config
+            .set("group.id", group)
+            .set("isolation.level", "read_committed")
+            .set("enable.auto.commit", "false");
+        config
+    }
+
     /// A client configuration: the brokers, then the user's options.
     pub(crate) fn client_config(&self) -> ClientConfig {
         self.options

@@ -295,8 +295,7 @@ fn join(
 ) -> Result<BaseConsumer<Member>> {
     let settings = &shared.settings;
     let member: BaseConsumer<Member> = settings
-        .client_config()
-        .set("group.id", &group)
+        .committed_reader(&group)
         .set("client.id", shape.client_id(settings))
         .set("partition.assignment.strategy", "cooperative-sticky")
         .set(
@@ -304,8 +303,6 @@ fn join(
             settings.session_timeout.as_millis().to_string(),
         )
         .set("heartbeat.interval.ms", "500")
-        .set("enable.auto.commit", "false")
-        .set("isolation.level", "read_committed")
         .set("queued.max.messages.kbytes", "64")
         .create_with_context(Member {
             shared: shared.clone(),
