@@ -261,13 +261,19 @@ impl Cluster {
         windows: usize,
         timeout: Duration,
     ) -> (Vec<String>, Vec<String>) {
-        let read = |topic: &str, n: usize| {
-            consume(&self.bootstrap, topic, 1, n, timeout)
-                .into_iter()
-                .map(|r| String::from_utf8(r.value).unwrap())
-                .collect::<Vec<_>>()
-        };
-        (read(&self.counts, counts), read(&self.windows, windows))
+        (
+            self.read(&self.counts, counts, timeout),
+            self.read(&self.windows, windows, timeout),
+        )
+    }
+
+    /// The values in one-partition `topic` (read_committed) once it holds
+    /// `n` records, or when `timeout` passed.
+    fn read(&self, topic: &str, n: usize, timeout: Duration) -> Vec<String> {
+        consume(&self.bootstrap, topic, 1, n, timeout)
+            .into_iter()
+            .map(|r| String::from_utf8(r.value).unwrap())
+            .collect()
     }
 
     fn logs(&self) -> String {
@@ -579,12 +585,7 @@ fn a_silent_partition_goes_idle_and_lets_the_watermark_through_the_repartition()
         &cluster.input,
         (0..5).flat_map(|p| [at(p, "k1", 100), at(p, "k2", 10_000)]),
     );
-    let read = |n: usize| {
-        consume(&bootstrap, &cluster.windows, 1, n, Duration::from_secs(60))
-            .into_iter()
-            .map(|r| String::from_utf8(r.value).unwrap())
-            .collect::<Vec<_>>()
-    };
+    let read = |n: usize| cluster.read(&cluster.windows, n, Duration::from_secs(60));
     assert_eq!(read(10).len(), 10, "the first records were counted");
     // Once the watermark has reached 10 000 (partition 5 idle), a record of
     // the window [0, 1000) is late; one of the same key behind it is not.
@@ -646,12 +647,7 @@ fn a_stateless_query_shared_by_two_processes_copies_each_record_once() {
     let a = start_here(&bootstrap, &cluster, "a", free_address(), copy).unwrap();
     let b = start_here(&bootstrap, &cluster, "b", free_address(), copy).unwrap();
     produce(&bootstrap, &cluster.input, values(0, 600));
-    let read = |n: usize, timeout: Duration| {
-        consume(&bootstrap, &cluster.counts, 1, n, timeout)
-            .into_iter()
-            .map(|r| String::from_utf8(r.value).unwrap())
-            .collect::<Vec<_>>()
-    };
+    let read = |n: usize, timeout: Duration| cluster.read(&cluster.counts, n, timeout);
     assert_eq!(read(600, Duration::from_secs(60)).len(), 600);
     let deadline = Instant::now() + Duration::from_secs(60);
     while a.partitions().is_empty() || b.partitions().is_empty() {
@@ -717,12 +713,7 @@ fn a_process_restores_the_partitions_it_had_from_its_local_copy_and_the_changelo
             std::thread::sleep(Duration::from_millis(50));
         }
     };
-    let read = |n: usize, timeout: Duration| {
-        consume(&bootstrap, &cluster.counts, 1, n, timeout)
-            .into_iter()
-            .map(|r| String::from_utf8(r.value).unwrap())
-            .collect::<Vec<_>>()
-    };
+    let read = |n: usize, timeout: Duration| cluster.read(&cluster.counts, n, timeout);
     produce(&bootstrap, &cluster.input, (0..600).map(record));
     let first = start();
     assert_eq!(read(600, Duration::from_secs(60)).len(), 600);

@@ -21,8 +21,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::kafka::{bootstrap, produce, topic};
+use common::Spec;
 use rtflow::operators::process::{MapState, StateDeclarations};
-use rtflow::operators::Windowing;
 use rtflow::prelude::*;
 
 /// `(key, event time in ms, id)`, produced as the text "key,time,id".
@@ -375,28 +375,6 @@ fn assert_same_multiset<T: Ord + Clone + Debug>(what: &str, mut got: Vec<T>, mut
 }
 
 // ---- Windows. ----------------------------------------------------------------
-
-#[derive(Debug, Clone, Copy)]
-enum Spec {
-    /// Tumbling when the slide is the size.
-    Sliding {
-        size: i64,
-        slide: i64,
-    },
-    Session {
-        gap: i64,
-    },
-}
-
-impl Spec {
-    fn windowing(self) -> Windowing {
-        match self {
-            Spec::Sliding { size, slide } if size == slide => Window::tumbling(ms(size)),
-            Spec::Sliding { size, slide } => Window::sliding(ms(size), ms(slide)),
-            Spec::Session { gap } => Window::session(ms(gap)),
-        }
-    }
-}
 
 /// The record count of every `(key, window)` of a batch run over `events`.
 fn window_counts(spec: Spec, events: &[Event]) -> BTreeMap<(u32, Window), u64> {

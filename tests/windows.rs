@@ -10,7 +10,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use common::{config, TIMEOUT};
+use common::{config, Spec, TIMEOUT};
 use proptest::prelude::*;
 use rtflow::checkpoint::{CheckpointStore, StateId};
 use rtflow::operators::Windowing;
@@ -319,29 +319,6 @@ const DELAY: i64 = 40;
 /// The key of the last record of every partition, at the same, latest time: it
 /// moves every source partition's watermark past every other window.
 const SENTINEL: u8 = 99;
-
-/// The windows of a property case.
-#[derive(Debug, Clone, Copy)]
-enum Spec {
-    /// Tumbling when the slide is the size.
-    Sliding {
-        size: i64,
-        slide: i64,
-    },
-    Session {
-        gap: i64,
-    },
-}
-
-impl Spec {
-    fn windowing(self) -> Windowing {
-        match self {
-            Spec::Sliding { size, slide } if size == slide => Window::tumbling(ms(size as u64)),
-            Spec::Sliding { size, slide } => Window::sliding(ms(size as u64), ms(slide as u64)),
-            Spec::Session { gap } => Window::session(ms(gap as u64)),
-        }
-    }
-}
 
 /// Times, sizes, slides and gaps are multiples of 5 ms, so records often fall on
 /// window boundaries and exactly one gap apart.

@@ -6,6 +6,7 @@ pub mod kafka;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use rtflow::operators::Windowing;
 use rtflow::prelude::*;
 
 /// Long enough for any test query on a loaded 2-core machine.
@@ -48,4 +49,28 @@ pub fn wait_for_rows<T: Clone + Send + 'static>(sink: &MemorySink<T>, n: usize) 
         std::thread::sleep(Duration::from_millis(5));
     }
     sink.rows()
+}
+
+/// The windows of a test case, in milliseconds.
+#[derive(Debug, Clone, Copy)]
+pub enum Spec {
+    /// Tumbling when the slide is the size.
+    Sliding {
+        size: i64,
+        slide: i64,
+    },
+    Session {
+        gap: i64,
+    },
+}
+
+impl Spec {
+    pub fn windowing(self) -> Windowing {
+        let ms = |ms: i64| Duration::from_millis(ms as u64);
+        match self {
+            Spec::Sliding { size, slide } if size == slide => Window::tumbling(ms(size)),
+            Spec::Sliding { size, slide } => Window::sliding(ms(size), ms(slide)),
+            Spec::Session { gap } => Window::session(ms(gap)),
+        }
+    }
 }
