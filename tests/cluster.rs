@@ -743,3 +743,59 @@ fn a_process_restores_the_partitions_it_had_from_its_local_copy_and_the_changelo
         .collect();
     check("count per key", &counts, &expected, "");
 }
+
+#[test]
+fn a_second_repartition_is_rejected_in_a_clustered_query() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let cluster = Cluster::new(&bootstrap);
+    let twice = |flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str| {
+        flow.source(KafkaSource::new(bootstrap).subscribe([input]))
+            .map(event)
+            .repartition_by(|e: &Event| e.key.clone())
+            .as_ref()
+            .repartition_by(|e: &Event| e.time)
+            .count()
+            .sink(KafkaSink::new(
+                bootstrap,
+                counts,
+                |(time, n): &(i64, u64)| KafkaMessage::new(format!("{time}:{n}")),
+            ));
+    };
+    let error = start_here(&bootstrap, &cluster, "a", free_address(), twice)
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(error.error_class(), "INVALID_DATAFLOW", "{error}");
+    assert!(
+        error.to_string().contains("repartitions 2 times"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_clustered_sink_message_without_a_topic_fails_the_process_with_its_sink_error() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let cluster = Cluster::new(&bootstrap);
+    let nowhere = |flow: &Dataflow, bootstrap: &str, input: &str, _: &str, _: &str| {
+        flow.source(
+            KafkaSource::new(bootstrap)
+                .subscribe([input])
+                .starting_offsets(StartingOffsets::Earliest),
+        )
+        .map(|record: KafkaRecord| record.value_str().into_owned())
+        .sink(KafkaSink::per_record_topic(bootstrap, |value: &String| {
+            KafkaMessage::new(value.clone())
+        }));
+    };
+    let running = start_here(&bootstrap, &cluster, "a", free_address(), nowhere).unwrap();
+    produce(
+        &bootstrap,
+        &cluster.input,
+        [(0, String::new(), b"x".to_vec())],
+    );
+    // Each run fails at the record; after three in a row the process gives up.
+    let error = running
+        .await_termination(Duration::from_secs(120))
+        .unwrap_err();
+    assert_eq!(error.error_class(), "SINK_FAILED", "{error}");
+    assert!(error.to_string().contains("names no topic"), "{error}");
+}

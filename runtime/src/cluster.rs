@@ -370,6 +370,24 @@ mod tests {
     }
 
     #[test]
+    fn a_record_that_cannot_be_encoded_is_an_invalid_dataflow() {
+        use crate::tester::OperatorTester;
+        #[derive(Clone)]
+        struct Unencodable;
+        impl Serialize for Unencodable {
+            fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+                Err(serde::ser::Error::custom("no bytes for this"))
+            }
+        }
+        let key_hash = Arc::new(|_: &Unencodable| 0);
+        let mut encode =
+            OperatorTester::new(ENCODE, |_| Ok(Encode::<Unencodable> { key_hash })).unwrap();
+        let error = encode.record(Unencodable, 0).unwrap_err();
+        assert_eq!(error.error_class(), "INVALID_DATAFLOW", "{error}");
+        assert!(error.to_string().contains("cannot be encoded"), "{error}");
+    }
+
+    #[test]
     fn a_record_another_dataflow_wrote_is_a_shape_mismatch() {
         use crate::tester::OperatorTester;
         let mut decode =

@@ -120,4 +120,19 @@ mod tests {
         drop(copies);
         std::fs::remove_dir_all(dir).unwrap();
     }
+
+    #[test]
+    fn a_location_another_process_keeps_its_copies_in_is_unusable() {
+        let dir = std::env::temp_dir().join(format!("rtflow-copies-held-{}", std::process::id()));
+        let held = LocalCopies::open(&dir).unwrap();
+        let error = LocalCopies::open(&dir).map(|_| ()).unwrap_err();
+        assert_eq!(
+            error.error_class(),
+            "CHECKPOINT_LOCATION_UNUSABLE",
+            "{error}"
+        );
+        assert!(error.to_string().contains("changelog copies"), "{error}");
+        drop(held);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }
