@@ -151,11 +151,7 @@ fn config(query: &str) -> QueryConfig {
 /// A child process: joins the cluster, writes its status every 50 ms, and
 /// leaves when the stop file appears.
 fn child(spec: &str) -> BenchResult<()> {
-    use tracing_subscriber::EnvFilter;
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    rtflow::logging::init("warn");
     let [bootstrap, query, input, output, instance, dir]: [String; 6] = spec
         .split(' ')
         .map(str::to_owned)

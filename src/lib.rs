@@ -9,7 +9,8 @@
 //! [`runtime`] (graph, actors, coordinator, query), [`operators`] (map, filter,
 //! joins, ...), [`connectors`] (Kafka, memory, generator, console, foreach, ...)
 //! and [`checkpoint`] (the checkpoint store and commit protocol).
-//! `use rtflow::prelude::*` brings in everything a dataflow needs. With the
+//! `use rtflow::prelude::*` brings in everything a dataflow needs;
+//! [`logging`] sets up logs for a program. With the
 //! `testing` feature, `rtflow::testing` is a property-based harness for testing
 //! dataflows (crashes and restores included) against a batch reference.
 //!
@@ -43,6 +44,7 @@ pub use rtflow_connectors as connectors;
 pub use rtflow_operators as operators;
 pub use rtflow_runtime as runtime;
 
+pub mod logging;
 #[cfg(feature = "testing")]
 pub mod testing;
 

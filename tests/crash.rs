@@ -101,9 +101,11 @@ fn crash_child() {
         return;
     };
     let _failpoints = fail::FailScenario::setup();
+    // Its logs go to a pipe: no colour.
     tracing_subscriber::fmt()
         .with_env_filter("info")
         .with_writer(std::io::stderr)
+        .with_ansi(false)
         .init();
     let [mode, bootstrap, input, eos, alo, dir]: [&str; 6] = spec
         .split(' ')

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::TIMEOUT;
+use common::{sorted, TIMEOUT};
 use rtflow::prelude::*;
 
 /// A pipeline root of its own per test.
@@ -95,18 +95,92 @@ fn flows_share_the_pipelines_task_slots_and_start_all_or_none() {
     let root = root("slots");
     let (orders, refunds) = (MemorySource::new(2), MemorySource::new(2));
     let out = MemorySink::new();
+    // Records already wait: a flow that ran at all would write them.
+    orders.push_all(0, [1, 2]).unwrap();
+    refunds.push_all(1, [10]).unwrap();
     let Err(error) = shop(&root, &orders, &refunds, &out, 3).start() else {
-        panic!("the refunds flow needs 2 slots and 1 is left")
+        panic!("the flows need 4 slots and the pipeline has 3")
     };
     assert_eq!(error.error_class(), "INSUFFICIENT_TASK_SLOTS");
     let message = error.to_string();
-    assert!(message.contains("needs 2 task slots"), "{message}");
-    assert!(message.contains("only 1"), "{message}");
-    // The orders flow that had started was stopped again: its sources take
-    // no more records in.
-    orders.push_all(0, [1]).unwrap();
+    for part in [
+        "pipeline 'shop' (flow 'orders' 2, flow 'refunds' 2) needs 4 task slots",
+        "only 3 are available",
+        "flow 'refunds' does not fit in the 1 left",
+        "raise Pipeline::task_slots(4)",
+    ] {
+        assert!(message.contains(part), "{part:?} in {message}");
+    }
     std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(out.len(), 0);
+    assert_eq!(out.len(), 0, "no flow ran");
+    assert!(!root.exists(), "no flow checkpointed");
+
+    // With the slots they need, both start and read what waited.
+    let running = shop(&root, &orders, &refunds, &out, 4).start().unwrap();
+    assert!(out.wait_for(3, TIMEOUT));
+    running.stop().unwrap();
+    assert_eq!(sorted(&out), [('o', 1), ('o', 2), ('r', 10)]);
+}
+
+#[test]
+fn a_flow_that_fails_to_start_keeps_every_flow_from_running() {
+    struct Refused;
+    impl Operator<u64, u64> for Refused {
+        fn allowlisted() -> bool {
+            true
+        }
+        fn process(&mut self, record: Record<u64>, out: &mut Collector<'_, u64>) -> Result<()> {
+            out.emit(record.value)
+        }
+    }
+    // The second flow's operator cannot be made, or its build closure panics.
+    type Build = fn(&Dataflow, MemorySource<u64>) -> Stream<u64>;
+    let refusing: Build = |flow, source| {
+        flow.source(source)
+            .try_transform("refused", |_| -> Result<Refused> {
+                Err(RtflowError::InvalidConfiguration("no licence key".into()))
+            })
+    };
+    let panicking: Build = |_, _| panic!("the topic list is empty");
+    let cases: [(Build, &str, &[&str]); 2] = [
+        (
+            refusing,
+            "INVALID_CONFIGURATION",
+            &["no licence key", "operator 'refused-1', subtask 0"],
+        ),
+        (
+            panicking,
+            "INVALID_DATAFLOW",
+            &["pipeline 'shop', flow 'refunds'", "the topic list is empty"],
+        ),
+    ];
+    for (build, class, parts) in cases {
+        let root = root("refused-flow");
+        let (orders, refunds) = (MemorySource::new(2), MemorySource::new(1));
+        orders.push_all(0, [1, 2]).unwrap();
+        refunds.push_all(0, [10]).unwrap();
+        let out = MemorySink::new();
+        let mut pipeline = Pipeline::new("shop").checkpoint_root(&root);
+        let sink = pipeline.create_sink("amounts", out.clone());
+        let source = orders.clone();
+        pipeline.update_flow("orders", &sink, quick, move |flow: &Dataflow| {
+            flow.source(source)
+        });
+        let source = refunds.clone();
+        pipeline.update_flow("refunds", &sink, quick, move |flow: &Dataflow| {
+            build(flow, source)
+        });
+        let Err(error) = pipeline.start() else {
+            panic!("the refunds flow cannot start")
+        };
+        assert_eq!(error.error_class(), class, "{error}");
+        for part in parts {
+            assert!(error.to_string().contains(part), "{part:?} in {error}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(out.len(), 0, "the orders flow did not run either");
+        assert!(!root.exists(), "no flow checkpointed");
+    }
 }
 
 #[test]

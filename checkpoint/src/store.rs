@@ -538,13 +538,22 @@ impl CheckpointStore {
         std::thread::Builder::new()
             .name("rtflow-compact".into())
             .spawn(move || {
-                let folded = read_chain(&segments, &id, &chain)
-                    .map(|blobs| Folded {
-                        bytes: encode_blob(&merge(&blobs).iter().collect::<Vec<_>>()),
-                        state: id,
-                        chain: chain.blobs,
-                    })
-                    .map_err(|e| e.to_string());
+                // A panic folding the chain fails the next commit, which waits
+                // for this result, rather than pass unseen.
+                let folded = std::panic::catch_unwind(|| {
+                    read_chain(&segments, &id, &chain)
+                        .map(|blobs| Folded {
+                            bytes: encode_blob(&merge(&blobs).iter().collect::<Vec<_>>()),
+                            state: id,
+                            chain: chain.blobs,
+                        })
+                        .map_err(|e| e.to_string())
+                })
+                .unwrap_or_else(|panic| {
+                    let message = (panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .or_else(|| panic.downcast_ref::<String>().cloned());
+                    Err(format!("thread 'rtflow-compact' panicked: {message:?}"))
+                });
                 let _ = sender.send(folded);
             })
             .map_err(|e| self.io(e))?;

@@ -9,12 +9,10 @@ use rdkafka::producer::{BaseProducer, BaseRecord};
 use rdkafka::ClientConfig;
 use rtflow::prelude::*;
 
-/// Prints `RUST_LOG`-filtered logs to stderr.
+/// Prints `RUST_LOG`-filtered logs to stderr (errors only by default), in
+/// colour only on a terminal.
 pub fn init_tracing() {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    rtflow::logging::init("error");
 }
 
 /// `--metrics-address`, which every example takes (`#[command(flatten)]`).

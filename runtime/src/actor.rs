@@ -12,6 +12,7 @@ use rtflow_checkpoint::{ActorId, Offsets};
 use crate::cancel::Cancel;
 use crate::connector::{Progress, SourceOutput, SourceReader, SourceStatus, SourceWaker};
 use crate::error::{Result, RtflowError};
+use crate::guard::Place;
 use crate::inputs::{Alignment, IdleStep, Inputs};
 use crate::metrics::OperatorMetrics;
 use crate::operator::{Emit, SnapshotBuffer};
@@ -166,11 +167,12 @@ impl ActorEnv {
 
 /// Runs a source actor until its input ends, the query stops, or it fails.
 pub(crate) fn run_source<T: Data>(
+    place: &Place,
     reader: Box<dyn SourceReader<T>>,
     mut emit: Box<dyn Emit<T>>,
     env: ActorEnv,
 ) -> Result<()> {
-    let result = source_loop(reader, &mut *emit, &env);
+    let result = source_loop(place, reader, &mut *emit, &env);
     if let Err(error) = &result {
         emit.abort(error);
     }
@@ -178,6 +180,7 @@ pub(crate) fn run_source<T: Data>(
 }
 
 fn source_loop<T: Data>(
+    place: &Place,
     mut reader: Box<dyn SourceReader<T>>,
     emit: &mut dyn Emit<T>,
     env: &ActorEnv,
@@ -199,7 +202,7 @@ fn source_loop<T: Data>(
             env.barrier(epoch, reader.offsets(), &mut unacked, emit)?;
         }
         env.continue_snapshot(&mut unacked, SNAPSHOT_SLICE, emit)?;
-        let status = reader.poll(&mut out, IDLE_WAIT)?;
+        let status = place.run("SourceReader::poll", || reader.poll(&mut out, IDLE_WAIT))?;
         if !out.is_empty() {
             let read = out.drain_into(emit)?;
             if let Some(metrics) = &env.source_metrics {

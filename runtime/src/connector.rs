@@ -11,6 +11,7 @@ pub use rtflow_checkpoint::Offsets;
 use crate::cancel::Cancel;
 use crate::cluster::ClusterLink;
 use crate::error::{Result, RtflowError};
+use crate::guard::Place;
 use crate::metrics::{LatencyRecorder, OperatorMetrics};
 use crate::operator::{Emit, SnapshotBuffer};
 use crate::record::{nanos_to_event_time, now_nanos, Epoch, EventTime, Nanos, Record, RecordMeta};
@@ -440,9 +441,18 @@ pub trait SinkWriter<T>: Send {
     }
 }
 
+/// What a sink actor needs from the runtime besides its context.
+pub(crate) struct SinkWiring {
+    pub(crate) snapshots: SnapshotBuffer,
+    pub(crate) commits: Receiver<Epoch>,
+    pub(crate) cancel: Cancel,
+}
+
 /// The end of a sink actor's chain: writes each record, and once the batch is
 /// flushed records the latencies of its records against one clock read.
 pub(crate) struct SinkEmit<T> {
+    /// Where the writer runs, for its failures.
+    place: Place,
     writer: Box<dyn SinkWriter<T>>,
     latency: LatencyRecorder,
     metrics: Arc<OperatorMetrics>,
@@ -462,15 +472,20 @@ const COMMIT_WAIT: Duration = Duration::from_millis(20);
 
 impl<T> SinkEmit<T> {
     pub(crate) fn new(
+        place: Place,
         writer: Box<dyn SinkWriter<T>>,
         latency: LatencyRecorder,
         metrics: Arc<OperatorMetrics>,
-        snapshots: SnapshotBuffer,
-        commits: Receiver<Epoch>,
-        cancel: Cancel,
+        wiring: SinkWiring,
         restored_watermark: Option<EventTime>,
     ) -> Self {
+        let SinkWiring {
+            snapshots,
+            commits,
+            cancel,
+        } = wiring;
         Self {
+            place,
             writer,
             latency,
             metrics,
@@ -486,7 +501,8 @@ impl<T> SinkEmit<T> {
     /// Tells the writer of the epochs committed since it last looked.
     fn take_commits(&mut self) -> Result<()> {
         while let Ok(epoch) = self.commits.try_recv() {
-            self.writer.on_commit(epoch)?;
+            self.place
+                .run("on_commit", || self.writer.on_commit(epoch))?;
         }
         Ok(())
     }
@@ -496,7 +512,8 @@ impl<T> SinkEmit<T> {
     fn snapshot(&mut self) -> Result<()> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
         snapshot.sink_watermark = Some(self.watermark);
-        self.writer.snapshot(&mut snapshot)
+        self.place
+            .run("snapshot", || self.writer.snapshot(&mut snapshot))
     }
 
     /// The unflushed records are now fully processed.
@@ -523,7 +540,7 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
     #[inline]
     fn record(&mut self, record: Record<T>) -> Result<()> {
         let meta = record.meta;
-        self.writer.write(record)?;
+        self.place.run("write", || self.writer.write(record))?;
         self.unflushed.push(meta);
         Ok(())
     }
@@ -531,23 +548,25 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
     fn watermark(&mut self, watermark: EventTime) -> Result<()> {
         self.watermark = Some(watermark);
         self.metrics.set_watermark(watermark);
-        self.writer.on_watermark(watermark)
+        self.place
+            .run("on_watermark", || self.writer.on_watermark(watermark))
     }
 
     fn idle(&mut self) -> Result<()> {
         self.metrics.set_idle();
-        self.writer.on_idle()
+        self.place.run("on_idle", || self.writer.on_idle())
     }
 
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {
         // Commits always precede the next barrier in time: take them first.
         self.take_commits()?;
-        self.writer.on_barrier(epoch)?;
+        self.place
+            .run("on_barrier", || self.writer.on_barrier(epoch))?;
         self.snapshot()
     }
 
     fn flush(&mut self) -> Result<()> {
-        self.writer.flush()?;
+        self.place.run("flush", || self.writer.flush())?;
         self.settle();
         self.take_commits()?;
         self.latency.publish_if_due();
@@ -556,7 +575,7 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
 
     fn end(&mut self) -> Result<()> {
         self.take_commits()?;
-        self.writer.flush()?;
+        self.place.run("flush", || self.writer.flush())?;
         self.settle();
         self.snapshot()?;
         self.latency.publish();
@@ -569,16 +588,19 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
                 return Err(RtflowError::Cancelled);
             }
             match self.commits.recv_timeout(COMMIT_WAIT) {
-                Ok(epoch) => self.writer.on_commit(epoch)?,
+                Ok(epoch) => self
+                    .place
+                    .run("on_commit", || self.writer.on_commit(epoch))?,
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
             }
         }
-        self.writer.close(None)
+        self.place.run("close", || self.writer.close(None))
     }
 
     fn abort(&mut self, error: &RtflowError) {
-        let _ = self.writer.close(Some(self.cancel.explain(error)));
+        let error = self.cancel.explain(error);
+        let _ = self.place.run("close", || self.writer.close(Some(error)));
         self.latency.publish();
     }
 }

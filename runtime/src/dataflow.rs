@@ -19,7 +19,7 @@ use crate::error::Result;
 use crate::graph::{Edge, Graph, Node, NodeId, WITH_WATERMARK};
 use crate::key_groups::stable_hash;
 use crate::operator::{Operator, OperatorContext};
-use crate::query::StreamingQuery;
+use crate::query::{Prepared, Start, StreamingQuery};
 use crate::record::{Data, EventTime};
 use crate::watermark::AssignWatermarks;
 use crate::wiring::{Body, OperatorNode, PortOf, SinkNode, SourceNode};
@@ -102,8 +102,12 @@ impl Dataflow {
     /// Validates the dataflow and configuration, starts one long-running actor per
     /// operator instance, and returns the running query.
     pub fn start(self, config: QueryConfig) -> Result<StreamingQuery> {
-        let graph = self.graph.take();
-        StreamingQuery::launch(graph, config)
+        StreamingQuery::launch(self.prepare(config)?, Start::Now)
+    }
+
+    /// Runs the start-time checks of [`start`](Self::start), and starts nothing.
+    pub(crate) fn prepare(self, config: QueryConfig) -> Result<Prepared> {
+        Prepared::new(self.graph.take(), config)
     }
 }
 

@@ -9,10 +9,14 @@ use crossbeam_channel::{SendTimeoutError, Sender, TrySendError};
 
 use crate::cancel::Cancel;
 use crate::error::{Result, RtflowError};
+use crate::guard::Place;
 pub use crate::key_groups::{key_group, stable_hash, subtask_for_key_group};
 use crate::metrics::MailboxMetrics;
 use crate::operator::Emit;
 use crate::record::{Data, Epoch, EventTime, Message, Record};
+
+/// The hook a key panicking before a shuffle is blamed on.
+const KEY_EXTRACTOR: &str = "its key extractor (run by the sending subtask)";
 
 /// Hashes a record's key for a shuffle.
 pub(crate) type KeyHash<T> = Arc<dyn Fn(&T) -> u64 + Send + Sync>;
@@ -45,6 +49,8 @@ enum Route<T> {
     Hash {
         key_hash: KeyHash<T>,
         key_groups: KeyGroups,
+        /// The keyed operator the key is for, blamed when the key panics.
+        consumer: Box<Place>,
     },
     Broadcast,
     RoundRobin {
@@ -98,9 +104,11 @@ pub(crate) struct Output<T> {
 }
 
 impl<T: Data> Output<T> {
+    /// `consumer` is the operator the lanes lead to, with the sending subtask.
     pub(crate) fn new(
         lanes: Vec<(Sender<Message<T>>, Arc<MailboxMetrics>)>,
         partitioning: &Partitioning,
+        consumer: Place,
         max_key_groups: usize,
         max_records: usize,
         cancel: Cancel,
@@ -114,6 +122,7 @@ impl<T: Data> Output<T> {
                     .expect("hash partitioning built for the edge's record type")
                     .clone(),
                 key_groups: KeyGroups::new(max_key_groups, lanes.len()),
+                consumer: Box::new(consumer),
             },
             Partitioning::Broadcast => Route::Broadcast,
             Partitioning::RoundRobin => Route::RoundRobin { next: 0 },
@@ -204,7 +213,11 @@ impl<T: Data> Emit<T> for Output<T> {
             Route::Hash {
                 key_hash,
                 key_groups,
-            } => key_groups.lane(key_hash(&record.value)),
+                consumer,
+            } => {
+                let hash = consumer.run(KEY_EXTRACTOR, || Ok(key_hash(&record.value)))?;
+                key_groups.lane(hash)
+            }
             Route::RoundRobin { next } => {
                 let lane = *next;
                 *next = (lane + 1) % self.lanes.len();

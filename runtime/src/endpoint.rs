@@ -14,6 +14,7 @@ use prometheus::proto::{
 use prometheus::{Encoder, TextEncoder};
 
 use crate::error::{Result, RtflowError};
+use crate::guard;
 use crate::metrics::LatencyHistograms;
 use crate::record::now_nanos;
 use crate::shared::QueryShared;
@@ -67,7 +68,7 @@ fn start(address: SocketAddr) -> Result<Endpoint> {
     let server = Arc::new(server);
     let queries = Arc::new(Mutex::new(Vec::new()));
     let thread = std::thread::Builder::new()
-        .name("metrics-http".into())
+        .name(ENDPOINT_THREAD.into())
         .spawn({
             let (server, queries) = (server.clone(), queries.clone());
             move || serve(&server, &queries)
@@ -106,22 +107,39 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Answers scrapes until the last query leaves. A scrape that panics is
+/// answered with a 500 carrying the panic's message, and logged: the
+/// endpoint serves the next one, and the queries run on (Prometheus shows the
+/// target down, which is what alerts watch).
 fn serve(server: &tiny_http::Server, queries: &Mutex<Vec<Arc<QueryShared>>>) {
     for request in server.incoming_requests() {
-        let response = if request.url() == "/metrics" {
-            let families = gather(&lock(queries));
-            let mut body = Vec::new();
-            let encoder = TextEncoder::new();
-            let _ = encoder.encode(&families, &mut body);
-            let content_type = tiny_http::Header::from_bytes("Content-Type", encoder.format_type())
-                .expect("a valid header");
-            tiny_http::Response::from_data(body).with_header(content_type)
-        } else {
-            tiny_http::Response::from_data(b"rtflow serves /metrics\n".to_vec())
-                .with_status_code(404)
-        };
+        let answered = guard::engine(ENDPOINT_THREAD, || Ok(respond(request.url(), queries)));
+        let response = answered.unwrap_or_else(|error| {
+            tracing::error!(%error, "a /metrics scrape failed");
+            tiny_http::Response::from_data(error.to_string().into_bytes()).with_status_code(500)
+        });
         let _ = request.respond(response);
     }
+}
+
+/// The endpoint's thread, as errors name it.
+const ENDPOINT_THREAD: &str = "metrics-http";
+
+fn respond(
+    url: &str,
+    queries: &Mutex<Vec<Arc<QueryShared>>>,
+) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    if url != "/metrics" {
+        return tiny_http::Response::from_data(b"rtflow serves /metrics\n".to_vec())
+            .with_status_code(404);
+    }
+    let families = gather(&lock(queries));
+    let mut body = Vec::new();
+    let encoder = TextEncoder::new();
+    let _ = encoder.encode(&families, &mut body);
+    let content_type = tiny_http::Header::from_bytes("Content-Type", encoder.format_type())
+        .expect("a valid header");
+    tiny_http::Response::from_data(body).with_header(content_type)
 }
 
 /// Metric families by name, built up query by query.

@@ -82,12 +82,18 @@ pub enum RtflowError {
     MultipleShuffles { operator: String },
 
     /// More actors than task slots: real-time mode holds one slot per actor.
+    /// `whose` says what needs them (a query, a pipeline and what each of its
+    /// flows needs), `fix` how to make them fit.
     #[error(
-        "the query needs {needed} task slots (one per long-running actor) but only \
-         {available} are available; raise QueryConfig::task_slots({needed}) or lower the \
-         parallelism of the query"
+        "{whose} needs {needed} task slots (one per long-running actor) but only \
+         {available} are available; {fix}"
     )]
-    InsufficientTaskSlots { needed: usize, available: usize },
+    InsufficientTaskSlots {
+        whose: String,
+        needed: usize,
+        available: usize,
+        fix: String,
+    },
 
     /// A setting that cannot run.
     #[error("invalid configuration: {0}")]
@@ -147,6 +153,15 @@ pub enum RtflowError {
     )]
     ClusterShapeMismatch { member: String, difference: String },
 
+    /// A thread of the engine itself (the coordinator, the `/metrics`
+    /// endpoint, a cluster's runner) panicked: a defect of rtflow, not of the
+    /// dataflow. The query fails rather than hang without it.
+    #[error(
+        "internal error on rtflow's thread '{thread}': {message}; the query stopped, and \
+         restarts from its last checkpoint; please report this"
+    )]
+    Internal { thread: String, message: String },
+
     /// The actor stopped because the query is stopping after another failure.
     #[error("cancelled because the query is stopping")]
     Cancelled,
@@ -188,6 +203,7 @@ impl RtflowError {
                 "STREAMING_STATEFUL_OPERATOR_NOT_MATCH_IN_STATE_METADATA"
             }
             Self::ClusterShapeMismatch { .. } => "CLUSTER_SHAPE_MISMATCH",
+            Self::Internal { .. } => "INTERNAL_ERROR",
             Self::Cancelled => "CANCELLED",
         }
     }

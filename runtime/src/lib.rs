@@ -46,6 +46,7 @@ pub mod dispatch;
 mod endpoint;
 pub mod error;
 mod graph;
+pub mod guard;
 mod inputs;
 pub mod key_groups;
 pub mod metrics;

@@ -5,7 +5,8 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Result, RtflowError};
-use crate::metrics::OperatorMetrics;
+use crate::guard::{self, Place};
+use crate::metrics::{OperatorMetrics, Role};
 use crate::record::{now_nanos, Epoch, EventTime, Record, RecordMeta};
 use crate::state::{StateContext, StateSnapshot, Table};
 
@@ -91,6 +92,19 @@ pub struct Collector<'a, T> {
 pub(crate) struct Counts {
     out: u64,
     late: u64,
+    /// What the operator emitted into failed: the error its hook returns came
+    /// from downstream, and already says where.
+    failed_downstream: bool,
+}
+
+impl Counts {
+    #[inline]
+    fn passed(&mut self, pushed: Result<()>) -> Result<()> {
+        if pushed.is_err() {
+            self.failed_downstream = true;
+        }
+        pushed
+    }
 }
 
 impl<'a, T> Collector<'a, T> {
@@ -98,17 +112,19 @@ impl<'a, T> Collector<'a, T> {
     #[inline]
     pub fn emit(&mut self, value: T) -> Result<()> {
         self.counts.out += 1;
-        self.next.record(Record {
+        let pushed = self.next.record(Record {
             value,
             meta: self.meta,
-        })
+        });
+        self.counts.passed(pushed)
     }
 
     /// Emits a record with timestamps of its own.
     #[inline]
     pub fn emit_record(&mut self, record: Record<T>) -> Result<()> {
         self.counts.out += 1;
-        self.next.record(record)
+        let pushed = self.next.record(record);
+        self.counts.passed(pushed)
     }
 
     /// The timestamps emitted records inherit.
@@ -126,13 +142,15 @@ impl<'a, T> Collector<'a, T> {
     /// Emits a watermark: no record with an earlier event time follows. For
     /// operators that generate watermarks, as `with_watermark` does.
     pub fn watermark(&mut self, watermark: EventTime) -> Result<()> {
-        self.next.watermark(watermark)
+        let pushed = self.next.watermark(watermark);
+        self.counts.passed(pushed)
     }
 
     /// Declares the stream idle: downstream watermarks stop waiting for it until
     /// it emits a watermark again. For operators that generate watermarks.
     pub fn idle(&mut self) -> Result<()> {
-        self.next.idle()
+        let pushed = self.next.idle();
+        self.counts.passed(pushed)
     }
 }
 
@@ -224,6 +242,8 @@ pub trait Operator<In, Out>: Send + 'static {
 /// An operator fused with whatever follows it in the same actor.
 pub(crate) struct Chained<O, In, Out> {
     operator: O,
+    /// Where the operator's hooks run, for their failures.
+    place: Place,
     next: Box<dyn Emit<Out>>,
     metrics: Arc<OperatorMetrics>,
     snapshots: SnapshotBuffer,
@@ -244,11 +264,14 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
         metrics: Arc<OperatorMetrics>,
         snapshots: SnapshotBuffer,
     ) -> Result<Self> {
-        operator.on_start(ctx)?;
+        let place = Place::new(Role::Operator, &ctx.operator, ctx.subtask);
+        place.run("on_start", || operator.on_start(ctx))?;
         let mut declared = 0;
-        operator.tables(&mut |_| {
-            declared += 1;
-            Ok(())
+        place.run("tables", || {
+            operator.tables(&mut |_| {
+                declared += 1;
+                Ok(())
+            })
         })?;
         let claimed = ctx.state.claims.load(std::sync::atomic::Ordering::Relaxed);
         if declared < claimed {
@@ -265,6 +288,7 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
         }
         Ok(Self {
             operator,
+            place,
             next,
             metrics,
             snapshots,
@@ -276,24 +300,39 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
         })
     }
 
+    /// Runs the operator's `hook` named `name` under its [`Place`] with
+    /// `meta` for what it emits.
+    #[inline]
+    fn run_hook(
+        &mut self,
+        name: &str,
+        meta: RecordMeta,
+        hook: impl FnOnce(&mut O, &mut Collector<'_, Out>) -> Result<()>,
+    ) -> Result<()> {
+        let (operator, next, counts) = (&mut self.operator, &mut *self.next, &mut self.counts);
+        let caught = guard::catch(|| {
+            let mut out = Collector { next, meta, counts };
+            hook(operator, &mut out)
+        });
+        let from_downstream = std::mem::take(&mut self.counts.failed_downstream);
+        self.place.settle(name, caught, from_downstream)
+    }
+
     /// Runs a hook that is not about one record; what it emits is stamped now.
     fn out_of_band(
         &mut self,
+        name: &str,
         event_time: EventTime,
         hook: impl FnOnce(&mut O, &mut Collector<'_, Out>) -> Result<()>,
     ) -> Result<()> {
         let now = now_nanos();
-        let mut out = Collector {
-            next: &mut *self.next,
-            meta: RecordMeta {
-                event_time,
-                source_time: now,
-                ingest_time: now,
-                partition: 0,
-            },
-            counts: &mut self.counts,
+        let meta = RecordMeta {
+            event_time,
+            source_time: now,
+            ingest_time: now,
+            partition: 0,
         };
-        hook(&mut self.operator, &mut out)
+        self.run_hook(name, meta, hook)
     }
 
     /// Passes on the received watermark, or the operator's hold if that is
@@ -323,8 +362,10 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
     fn snapshot(&mut self) -> Result<()> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
         let rows_before = snapshot.rows;
-        self.operator
-            .tables(&mut |table| table.begin_snapshot(&mut snapshot))?;
+        let operator = &mut self.operator;
+        self.place.run("snapshot", || {
+            operator.tables(&mut |table| table.begin_snapshot(&mut snapshot))
+        })?;
         if O::stateful() {
             self.metrics.set_state(snapshot.rows.since(rows_before));
         }
@@ -343,17 +384,14 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
     #[inline]
     fn record(&mut self, record: Record<In>) -> Result<()> {
         self.records_in += 1;
-        let mut out = Collector {
-            next: &mut *self.next,
-            meta: record.meta,
-            counts: &mut self.counts,
-        };
-        self.operator.process(record, &mut out)?;
+        self.run_hook("process", record.meta, |op, out| op.process(record, out))?;
         self.release_held_watermark()
     }
 
     fn watermark(&mut self, watermark: EventTime) -> Result<()> {
-        self.out_of_band(watermark, |op, out| op.on_watermark(watermark, out))?;
+        self.out_of_band("on_watermark", watermark, |op, out| {
+            op.on_watermark(watermark, out)
+        })?;
         self.watermark_in = watermark;
         self.pass_watermark()
     }
@@ -370,23 +408,26 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
     fn continue_snapshot(&mut self, budget: usize) -> Result<bool> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
         let mut done = true;
-        self.operator.tables(&mut |table| {
-            done &= table.continue_snapshot(budget, &mut snapshot)?;
-            Ok(())
+        let operator = &mut self.operator;
+        self.place.run("snapshot", || {
+            operator.tables(&mut |table| {
+                done &= table.continue_snapshot(budget, &mut snapshot)?;
+                Ok(())
+            })
         })?;
         drop(snapshot);
         Ok(self.next.continue_snapshot(budget)? && done)
     }
 
     fn flush(&mut self) -> Result<()> {
-        self.out_of_band(EventTime::MIN, |op, out| op.on_flush(out))?;
+        self.out_of_band("on_flush", EventTime::MIN, |op, out| op.on_flush(out))?;
         self.release_held_watermark()?;
         self.publish_counts();
         self.next.flush()
     }
 
     fn end(&mut self) -> Result<()> {
-        self.out_of_band(EventTime::MAX, |op, out| op.on_close(out))?;
+        self.out_of_band("on_close", EventTime::MAX, |op, out| op.on_close(out))?;
         self.release_held_watermark()?;
         self.snapshot()?;
         self.publish_counts();

@@ -3,7 +3,7 @@
 //! ([`Pipeline::update_flow`]), each flow a query of its own with its own
 //! trigger and checkpoint location, and one [`RunningPipeline`] handle that
 //! starts, stops and watches them all. The flows of a pipeline share its task
-//! slots: a flow starts only if the slots the flows before it left cover it.
+//! slots, and start all or none.
 //!
 //! ```
 //! use rtflow_runtime::pipeline::Pipeline;
@@ -39,8 +39,9 @@ use crate::config::{QueryConfig, Trigger};
 use crate::connector::{Sink, SinkContext, SinkWriter};
 use crate::dataflow::{Dataflow, Stream};
 use crate::error::{Result, RtflowError};
+use crate::guard;
 use crate::progress::StreamingQueryProgress;
-use crate::query::StreamingQuery;
+use crate::query::{Prepared, Start, StreamingQuery};
 use crate::record::Data;
 
 /// A sink created once in a pipeline, which any of its flows write into: each
@@ -189,10 +190,14 @@ impl Pipeline {
         });
     }
 
-    /// Starts every flow, in the order they were added. All or none: a flow
-    /// that cannot start (`INSUFFICIENT_TASK_SLOTS` when the flows before it
-    /// left too few of the pipeline's slots, or any start-time error) stops
-    /// the flows already started and fails the start with its error.
+    /// Starts every flow, all or none. First every flow passes its
+    /// start-time checks (its build closure, validation, trigger, checkpoint
+    /// location) and together they fit the pipeline's task slots
+    /// (`INSUFFICIENT_TASK_SLOTS` otherwise); then every flow is wired (its
+    /// operators made and started, its readers and writers opened) without
+    /// running; only then do they all run. A flow that fails any step fails
+    /// the start with its error, and no flow has read or written a record or
+    /// written a checkpoint.
     pub fn start(self) -> Result<RunningPipeline> {
         if let Some(error) = self.errors.first() {
             return Err(RtflowError::InvalidDataflow(format!(
@@ -203,41 +208,77 @@ impl Pipeline {
         let Some(root) = self.checkpoint_root else {
             return Err(RtflowError::CheckpointLocationRequired);
         };
-        let mut running = RunningPipeline {
-            name: self.name,
-            task_slots: self.task_slots,
-            flows: Vec::new(),
-        };
+        let mut prepared = Vec::with_capacity(self.flows.len());
         for flow in self.flows {
-            let left = running.task_slots - running.task_slots_used();
             let config = flow
                 .config
                 .checkpoint_location(root.join(&flow.name))
-                .task_slots(left);
+                .task_slots(self.task_slots);
             let dataflow = Dataflow::new(&flow.name);
-            (flow.build)(&dataflow);
-            match dataflow.start(config) {
-                Ok(query) => running.flows.push((flow.name, query)),
-                Err(error) => {
-                    tracing::warn!(
-                        pipeline = %running.name,
-                        flow = %flow.name,
-                        %error,
-                        "a flow could not start: stopping the others"
-                    );
-                    let _ = running.stop();
-                    return Err(error);
-                }
+            let built_by = format!("pipeline '{}', flow '{}'", self.name, flow.name);
+            guard::building(&built_by, || {
+                (flow.build)(&dataflow);
+                Ok(())
+            })?;
+            prepared.push((flow.name, dataflow.prepare(config)?));
+        }
+        check_slots(&self.name, self.task_slots, &prepared)?;
+        let mut held = Vec::with_capacity(prepared.len());
+        for (flow, prepared) in prepared {
+            // Dropping the flows held so far abandons them: none has run.
+            held.push((flow, StreamingQuery::launch(prepared, Start::Held)?));
+        }
+        let running = RunningPipeline {
+            name: self.name,
+            flows: held,
+        };
+        for (flow, query) in &running.flows {
+            if let Err(error) = query.release() {
+                tracing::warn!(
+                    pipeline = %running.name,
+                    %flow,
+                    %error,
+                    "a flow could not start: stopping the others"
+                );
+                let _ = running.stop();
+                return Err(error);
             }
         }
         Ok(running)
     }
 }
 
+/// Whether the flows fit the pipeline's `slots` together.
+fn check_slots(pipeline: &str, slots: usize, flows: &[(String, Prepared)]) -> Result<()> {
+    let needed: usize = flows.iter().map(|(_, flow)| flow.task_slots()).sum();
+    if needed <= slots {
+        return Ok(());
+    }
+    let mut left = slots;
+    let mut first_short = None;
+    let mut needs = Vec::with_capacity(flows.len());
+    for (name, flow) in flows {
+        let wants = flow.task_slots();
+        if wants > left && first_short.is_none() {
+            first_short = Some(format!("flow '{name}' does not fit in the {left} left"));
+        }
+        left = left.saturating_sub(wants);
+        needs.push(format!("flow '{name}' {wants}"));
+    }
+    Err(RtflowError::InsufficientTaskSlots {
+        whose: format!("pipeline '{pipeline}' ({})", needs.join(", ")),
+        needed,
+        available: slots,
+        fix: format!(
+            "{}: raise Pipeline::task_slots({needed}) or lower the parallelism of its flows",
+            first_short.expect("some flow falls short when the sum does")
+        ),
+    })
+}
+
 /// The flows of a started pipeline.
 pub struct RunningPipeline {
     name: String,
-    task_slots: usize,
     flows: Vec<(String, StreamingQuery)>,
 }
 

@@ -9,15 +9,17 @@ use rtflow_checkpoint::Offsets;
 
 use crate::actor::ActorEnv;
 use crate::config::QueryConfig;
+use crate::connector::SinkWiring;
 use crate::connector::{SinkContext, SourceContext, SourceWaker};
 use crate::dispatch::Partitioning;
 use crate::error::{Result, RtflowError};
 use crate::graph::{Graph, NodeId, WITH_WATERMARK};
+use crate::guard::Place;
 use crate::metrics::{MailboxMetrics, QueryMetrics, Role};
 use crate::operator::OperatorContext;
 use crate::record::Epoch;
 use crate::state::{Restored, StateContext};
-use crate::wiring::{ActorMain, AnyBox, Body, SinkWiring};
+use crate::wiring::{ActorMain, AnyBox, Body};
 
 /// Checks the dataflow's shape against real-time mode's rules. No I/O.
 pub(crate) fn validate(graph: &Graph, config: &QueryConfig) -> Result<()> {
@@ -246,7 +248,8 @@ impl Plan {
             let node = &graph.nodes[id];
             parallelism[id] = match &node.body {
                 Body::Source(source, _) => {
-                    source_partitions[id] = source.partitions()?;
+                    source_partitions[id] = Place::new(Role::Source, &node.name, 0)
+                        .run("Source::partitions", || source.partitions())?;
                     if source_partitions[id] == 0 {
                         return Err(RtflowError::source(
                             &node.name,
@@ -328,8 +331,12 @@ impl Plan {
         let needed = plan.actor_count();
         if needed > config.task_slots {
             return Err(RtflowError::InsufficientTaskSlots {
+                whose: format!("query '{}'", config.name),
                 needed,
                 available: config.task_slots,
+                fix: format!(
+                    "raise QueryConfig::task_slots({needed}) or lower the parallelism of the query"
+                ),
             });
         }
         Ok(plan)
@@ -516,7 +523,7 @@ impl Plan {
                 .collect::<Vec<_>>()
                 .join(" -> ");
             for subtask in (0..self.parallelism[head]).rev() {
-                let mut emit = self.outputs(tail, outgoing[tail].pop(), config, env);
+                let mut emit = self.outputs(tail, subtask, outgoing[tail].pop(), config, env);
                 let snapshots = crate::operator::SnapshotBuffer::default();
                 let mut commits = None;
                 for &id in chain.iter().rev() {
@@ -595,7 +602,8 @@ impl Plan {
                                 .unwrap_or_default(),
                             waker: waker.clone(),
                         };
-                        let reader = source.open(&ctx)?;
+                        let place = Place::new(Role::Source, &node.name, subtask);
+                        let reader = source.open(&place, &ctx)?;
                         let (barriers, epochs) = crossbeam_channel::unbounded();
                         let env = ActorEnv {
                             source_metrics: Some(metrics.operator(
@@ -610,7 +618,7 @@ impl Plan {
                             ..env
                         };
                         (
-                            source.actor(reader, emit, env),
+                            source.actor(place, reader, emit, env),
                             Some((node.uid.clone(), barriers)),
                         )
                     }
@@ -640,6 +648,7 @@ impl Plan {
     fn outputs(
         &self,
         tail: NodeId,
+        subtask: usize,
         lanes: Option<Vec<EdgeLanes>>,
         config: &QueryConfig,
         env: &ActorEnv,
@@ -650,9 +659,11 @@ impl Plan {
             .into_iter()
             .zip(&self.consumers[tail])
             .map(|(lanes, &(to, edge))| {
+                let consumer = &self.graph.nodes[to];
                 port.output(
                     lanes,
-                    &self.graph.nodes[to].inputs[edge].partitioning,
+                    &consumer.inputs[edge].partitioning,
+                    Place::new(Role::Operator, &consumer.name, subtask),
                     config.max_key_groups,
                     config.max_records_per_message,
                     env.cancel.clone(),

@@ -30,17 +30,45 @@ pub struct StreamingQuery {
     coordinator_thread: Mutex<Option<JoinHandle<()>>>,
     /// The slots (long-running actor threads) the query occupies.
     task_slots: usize,
+    /// While a held start waits for [`release`](Self::release): the gate that
+    /// lets its actors run (dropping it abandons the start), and where the
+    /// coordinator says whether they did.
+    held: Mutex<Option<Held>>,
     /// Keeps the query on its `/metrics` endpoint while the handle lives.
     _endpoint: Option<Registration>,
 }
 
-impl StreamingQuery {
-    pub(crate) fn launch(graph: Graph, config: QueryConfig) -> Result<Self> {
+/// A held start's gate, and where its coordinator answers once it opened.
+type Held = (mpsc::Sender<()>, mpsc::Receiver<Result<()>>);
+
+/// How a prepared query starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// Its actors run as soon as they are wired.
+    Now,
+    /// Its actors are wired (factories, readers and writers made), then wait
+    /// for [`StreamingQuery::release`]; nothing is read or written before.
+    Held,
+}
+
+/// A query whose start-time checks passed: validated, planned within its
+/// slots, its checkpoint location opened (a new one is created only once
+/// it runs). Nothing of it runs yet.
+pub(crate) struct Prepared {
+    plan: Plan,
+    config: QueryConfig,
+    batch_duration: Duration,
+    location: Location,
+    recovery: Recovery,
+    id: Uuid,
+}
+
+impl Prepared {
+    pub(crate) fn new(graph: Graph, config: QueryConfig) -> Result<Self> {
         let clustered = graph.cluster.is_some();
         let batch_duration = config.check(!clustered)?;
         validate(&graph, &config)?;
         let plan = Plan::new(graph, &config)?;
-        let task_slots = plan.actor_count();
         let (location, recovery, id) = match &plan.graph().cluster {
             Some(link) => {
                 let id = Uuid::new_v4();
@@ -51,6 +79,33 @@ impl StreamingQuery {
             }
             None => open_location(&config)?,
         };
+        Ok(Self {
+            plan,
+            config,
+            batch_duration,
+            location,
+            recovery,
+            id,
+        })
+    }
+
+    /// The task slots the query will occupy.
+    pub(crate) fn task_slots(&self) -> usize {
+        self.plan.actor_count()
+    }
+}
+
+impl StreamingQuery {
+    pub(crate) fn launch(prepared: Prepared, start: Start) -> Result<Self> {
+        let Prepared {
+            plan,
+            config,
+            batch_duration,
+            location,
+            recovery,
+            id,
+        } = prepared;
+        let task_slots = plan.actor_count();
         let mut shared = QueryShared::new(id, config.name.clone(), config.listeners.0.clone());
         shared.cluster = plan.graph().cluster.as_ref().map(|link| ClusterProgress {
             member: link.member(),
@@ -62,6 +117,8 @@ impl StreamingQuery {
             .map(|address| register(address, shared.clone()))
             .transpose()?;
         let (started_tx, started_rx) = mpsc::channel();
+        let (gate_tx, gate_rx) = mpsc::channel();
+        let gate = (start == Start::Held).then_some(gate_rx);
         let (address_tx, address_rx) = mpsc::channel();
         let coordinator_shared = shared.clone();
         let thread = std::thread::Builder::new()
@@ -76,6 +133,7 @@ impl StreamingQuery {
                         location,
                         recovery,
                         started: started_tx,
+                        gate,
                     };
                     let address = Coordinator::new(coordinator_shared, startup).start();
                     let _ = address_tx.send(address);
@@ -96,6 +154,7 @@ impl StreamingQuery {
             coordinator,
             coordinator_thread: Mutex::new(Some(thread)),
             task_slots,
+            held: Mutex::new((start == Start::Held).then_some((gate_tx, started_rx))),
             _endpoint: endpoint,
         };
         match started {
@@ -105,6 +164,29 @@ impl StreamingQuery {
                 Err(error)
             }
         }
+    }
+
+    /// Lets the actors of a held start run; returns once they do, or with
+    /// the error that kept them from it.
+    pub(crate) fn release(&self) -> Result<()> {
+        let Some((gate, started)) = self.take_held() else {
+            return Ok(());
+        };
+        let _ = gate.send(());
+        match started.recv().unwrap_or(Err(RtflowError::Cancelled)) {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                self.join_coordinator();
+                Err(error)
+            }
+        }
+    }
+
+    fn take_held(&self) -> Option<Held> {
+        self.held
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
     }
 
     /// The query's id.
@@ -182,6 +264,8 @@ impl StreamingQuery {
     /// Stops the query: sources end their streams, every record already read is
     /// processed by the sinks, and every thread is joined before this returns.
     pub fn stop(&self) -> Result<()> {
+        // A held start that is stopped is abandoned: its actors never run.
+        drop(self.take_held());
         if self.is_active() {
             self.coordinator.do_send(StopQuery);
         }

@@ -3,6 +3,7 @@
 //! reports.
 
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -76,11 +77,25 @@ impl QueryShared {
         }
     }
 
+    /// Hands an event to every listener. A listener that panics is logged and
+    /// skipped, as Spark's listener bus does: the query goes on.
+    pub(crate) fn tell_listeners(&self, event: &str, tell: impl Fn(&dyn StreamingQueryListener)) {
+        for listener in &self.listeners {
+            let told = catch_unwind(AssertUnwindSafe(|| tell(listener.as_ref())));
+            if let Err(panic) = told {
+                tracing::error!(
+                    query = %self.name,
+                    event,
+                    panic = crate::guard::message(&*panic),
+                    "a query listener panicked"
+                );
+            }
+        }
+    }
+
     /// Keeps a progress report and hands it to the listeners.
     pub(crate) fn publish(&self, progress: StreamingQueryProgress) {
-        for listener in &self.listeners {
-            listener.on_query_progress(&progress);
-        }
+        self.tell_listeners("progress", |listener| listener.on_query_progress(&progress));
         let mut recent = self.progress();
         if recent.len() == RECENT_PROGRESS {
             recent.pop_front();

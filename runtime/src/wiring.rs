@@ -14,12 +14,15 @@ use crossbeam_channel::{Receiver, Sender};
 use crate::actor::{run_inbox, run_source, ActorEnv};
 use crate::cancel::Cancel;
 use crate::cluster::ClusterLink;
-use crate::connector::{Sink, SinkContext, SinkEmit, Source, SourceContext, SourceReader};
+use crate::connector::{
+    Sink, SinkContext, SinkEmit, SinkWiring, Source, SourceContext, SourceReader,
+};
 use crate::dispatch::{Fanout, Output, Partitioning};
 use crate::error::Result;
+use crate::guard::Place;
 use crate::metrics::{MailboxMetrics, QueryMetrics, Role};
 use crate::operator::{Chained, Emit, Operator, OperatorContext, SnapshotBuffer};
-use crate::record::{Data, Epoch, Message};
+use crate::record::{Data, Message};
 
 /// A typed value on its way between two typed closures.
 pub(crate) type AnyBox = Box<dyn Any + Send>;
@@ -55,8 +58,9 @@ pub(crate) trait ErasedSource: Send {
     fn partitions(&self) -> Result<usize>;
     fn readers(&self, partitions: usize) -> usize;
     fn cluster_partitions(&self, link: &dyn ClusterLink) -> Option<Vec<usize>>;
-    fn open(&self, ctx: &SourceContext) -> Result<AnyBox>;
-    fn actor(&self, reader: AnyBox, emit: AnyBox, env: ActorEnv) -> ActorMain;
+    /// The reader of `ctx`'s partitions, for the source at `place`.
+    fn open(&self, place: &Place, ctx: &SourceContext) -> Result<AnyBox>;
+    fn actor(&self, place: Place, reader: AnyBox, emit: AnyBox, env: ActorEnv) -> ActorMain;
 }
 
 pub(crate) struct SourceNode<T> {
@@ -92,14 +96,16 @@ impl<T: Data> ErasedSource for SourceNode<T> {
         self.source.cluster_partitions(link)
     }
 
-    fn open(&self, ctx: &SourceContext) -> Result<AnyBox> {
-        Ok(Box::new(self.source.reader(ctx)?))
+    fn open(&self, place: &Place, ctx: &SourceContext) -> Result<AnyBox> {
+        Ok(Box::new(
+            place.run("Source::reader", || self.source.reader(ctx))?,
+        ))
     }
 
-    fn actor(&self, reader: AnyBox, emit: AnyBox, env: ActorEnv) -> ActorMain {
+    fn actor(&self, place: Place, reader: AnyBox, emit: AnyBox, env: ActorEnv) -> ActorMain {
         let reader: Box<dyn SourceReader<T>> = unbox(reader);
         let emit: Box<dyn Emit<T>> = unbox(emit);
-        Box::new(move || run_source(reader, emit, env))
+        Box::new(move || run_source(&place, reader, emit, env))
     }
 }
 
@@ -152,7 +158,8 @@ where
         snapshots: SnapshotBuffer,
     ) -> Result<AnyBox> {
         let next: Box<dyn Emit<Out>> = unbox(next);
-        let operator = (self.factory)(ctx)?;
+        let place = Place::new(Role::Operator, &ctx.operator, ctx.subtask);
+        let operator = place.run("its factory", || (self.factory)(ctx))?;
         let chained = Chained::start(
             operator,
             ctx,
@@ -163,13 +170,6 @@ where
         let emit: Box<dyn Emit<In>> = Box::new(chained);
         Ok(Box::new(emit))
     }
-}
-
-/// What a sink actor needs from the runtime besides its context.
-pub(crate) struct SinkWiring {
-    pub(crate) snapshots: SnapshotBuffer,
-    pub(crate) commits: Receiver<Epoch>,
-    pub(crate) cancel: Cancel,
 }
 
 pub(crate) trait ErasedSink: Send {
@@ -217,13 +217,14 @@ impl<T: Data> ErasedSink for SinkNode<T> {
         metrics: &QueryMetrics,
         wiring: SinkWiring,
     ) -> Result<AnyBox> {
+        let place = Place::new(Role::Sink, name, ctx.subtask);
+        let writer = place.run("Sink::writer", || self.sink.writer(ctx))?;
         let emit: Box<dyn Emit<T>> = Box::new(SinkEmit::new(
-            self.sink.writer(ctx)?,
+            place,
+            writer,
             metrics.latency_recorder(),
             metrics.operator(name, ctx.subtask, Role::Sink),
-            wiring.snapshots,
-            wiring.commits,
-            wiring.cancel,
+            wiring,
             ctx.state.restored_watermark(),
         ));
         Ok(Box::new(emit))
@@ -239,6 +240,7 @@ pub(crate) trait ErasedPort: Send + Sync {
         &self,
         lanes: Vec<(AnyBox, Arc<MailboxMetrics>)>,
         partitioning: &Partitioning,
+        consumer: Place,
         max_key_groups: usize,
         max_records: usize,
         cancel: Cancel,
@@ -265,6 +267,7 @@ impl<T: Data> ErasedPort for PortOf<T> {
         &self,
         lanes: Vec<(AnyBox, Arc<MailboxMetrics>)>,
         partitioning: &Partitioning,
+        consumer: Place,
         max_key_groups: usize,
         max_records: usize,
         cancel: Cancel,
@@ -276,6 +279,7 @@ impl<T: Data> ErasedPort for PortOf<T> {
         let emit: Box<dyn Emit<T>> = Box::new(Output::new(
             lanes,
             partitioning,
+            consumer,
             max_key_groups,
             max_records,
             cancel,

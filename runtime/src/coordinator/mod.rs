@@ -15,8 +15,6 @@
 
 mod epochs;
 
-use std::any::Any;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
@@ -34,7 +32,8 @@ use crate::cancel::Cancel;
 use crate::cluster::ClusterLink;
 use crate::config::QueryConfig;
 use crate::error::{Result, RtflowError};
-use crate::metrics::CheckpointStats;
+use crate::guard::{self, Place};
+use crate::metrics::{CheckpointStats, Role};
 use crate::plan::{ActorSpec, Plan, Resume};
 use crate::progress::{
     timestamp, EpochOffsets, ProgressTracker, QueryStartedEvent, QueryTerminatedEvent,
@@ -82,6 +81,9 @@ pub(crate) struct Startup {
     /// The checkpoint the query resumes from (none for a new location).
     pub(crate) recovery: Recovery,
     pub(crate) started: mpsc::Sender<Result<()>>,
+    /// For a held start: once the actors are wired, `started` says so, and
+    /// they run only when this gate opens (a gate dropped abandons the start).
+    pub(crate) gate: Option<mpsc::Receiver<()>>,
 }
 
 /// The checkpoint location of a starting query.
@@ -180,6 +182,8 @@ impl Coordinator {
             config,
             location,
             recovery,
+            started,
+            gate,
             ..
         } = startup;
         let Recovery {
@@ -248,6 +252,10 @@ impl Coordinator {
                     meta.kind
                 ),
             });
+        }
+        if let Some(gate) = gate {
+            let _ = started.send(Ok(()));
+            gate.recv().map_err(|_| RtflowError::Cancelled)?;
         }
         self.checkpoints = Some(Checkpoints {
             store: location.into_store(&config, &query_id)?,
@@ -508,11 +516,38 @@ impl Coordinator {
             error_class: failure.as_ref().map(|e| e.error_class().to_owned()),
         };
         self.shared.terminate(failure);
-        for listener in &self.shared.listeners {
-            listener.on_query_terminated(&event);
+        self.shared.tell_listeners("terminated", |listener| {
+            listener.on_query_terminated(&event)
+        });
+    }
+
+    /// Runs a handler's `body`. A panic of the coordinator's own fails the
+    /// query with `INTERNAL_ERROR` naming this thread, and once no actor is
+    /// left to report its exit, terminates it: the coordinator never leaves a
+    /// query waiting for a thread that is gone.
+    fn guarded(
+        &mut self,
+        ctx: &mut Context<Self>,
+        body: impl FnOnce(&mut Self, &mut Context<Self>),
+    ) {
+        let outcome = guard::engine(COORDINATOR_THREAD, || {
+            body(self, ctx);
+            Ok(())
+        });
+        if let Err(error) = outcome {
+            self.fail(error);
+            if self.running == 0 {
+                self.join_threads();
+                let failure = self.failure.take();
+                self.terminate(failure);
+                ctx.stop();
+            }
         }
     }
 }
+
+/// The coordinator's thread, as errors name it.
+const COORDINATOR_THREAD: &str = "rtflow-coord";
 
 /// Checks that the dataflow can restore `manifest`: same key groups, and every
 /// source it has offsets for still present. States are checked as operators
@@ -544,7 +579,8 @@ fn check_compatible(manifest: &Manifest, plan: &Plan, config: &QueryConfig) -> R
     Ok(())
 }
 
-/// Runs one actor body; a panic becomes the actor's error, message included.
+/// Runs one actor body. User code runs under the guards of its places; a
+/// panic outside them is blamed on the actor's chain of operators.
 fn run_actor(actor: ActorSpec) -> Result<()> {
     let ActorSpec {
         label,
@@ -552,21 +588,7 @@ fn run_actor(actor: ActorSpec) -> Result<()> {
         main,
         ..
     } = actor;
-    catch_unwind(AssertUnwindSafe(main)).unwrap_or_else(|panic| {
-        Err(RtflowError::Operator {
-            operator: label,
-            subtask,
-            message: format!("panicked: {}", panic_message(&panic)),
-        })
-    })
-}
-
-fn panic_message(panic: &Box<dyn Any + Send>) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("(no message)")
+    Place::new(Role::Operator, label, subtask).run("the actor", main)
 }
 
 impl Actor for Coordinator {
@@ -577,7 +599,8 @@ impl Actor for Coordinator {
         let started = startup.started.clone();
         let (progress_interval, batch_duration) =
             (startup.config.progress_interval, startup.batch_duration);
-        match self.start_actors(startup, ctx) {
+        let outcome = guard::engine(COORDINATOR_THREAD, || self.start_actors(startup, ctx));
+        match outcome {
             Ok(()) => {
                 yield_to_actors();
                 self.shared.activate();
@@ -588,17 +611,19 @@ impl Actor for Coordinator {
                     name: self.shared.name.clone(),
                     timestamp: timestamp(SystemTime::now()),
                 };
-                for listener in &self.shared.listeners {
-                    listener.on_query_started(&event);
-                }
-                ctx.run_interval(progress_interval, |coordinator, _| {
-                    coordinator.publish_progress(None)
+                self.shared
+                    .tell_listeners("started", |listener| listener.on_query_started(&event));
+                ctx.run_interval(progress_interval, |coordinator, ctx| {
+                    coordinator.guarded(ctx, |coordinator, _| coordinator.publish_progress(None))
                 });
-                ctx.run_interval(batch_duration, |coordinator, _| {
-                    coordinator.trigger_checkpoint()
+                ctx.run_interval(batch_duration, |coordinator, ctx| {
+                    coordinator.guarded(ctx, |coordinator, _| coordinator.trigger_checkpoint())
                 });
             }
             Err(error) => {
+                // Whatever started before the failure stops again.
+                self.env.cancel.raise(Some(error.clone()));
+                self.join_threads();
                 self.shared.terminate(Some(error.clone()));
                 let _ = started.send(Err(error));
                 ctx.stop();
@@ -626,7 +651,13 @@ impl Handler<ActorExited> for Coordinator {
             self.join_threads();
             let _span = tracing::info_span!("stop", query = %self.shared.name).entered();
             tracing::info!(failed = self.failure.is_some(), "query terminated");
-            self.publish_progress(None);
+            let published = guard::engine(COORDINATOR_THREAD, || {
+                self.publish_progress(None);
+                Ok(())
+            });
+            if let Err(error) = published {
+                self.fail(error);
+            }
             let failure = self.failure.take();
             self.terminate(failure);
             ctx.stop();
@@ -637,24 +668,26 @@ impl Handler<ActorExited> for Coordinator {
 impl Handler<ActorReport> for Coordinator {
     type Result = ();
 
-    fn handle(&mut self, ActorReport(report): ActorReport, _ctx: &mut Context<Self>) {
+    fn handle(&mut self, ActorReport(report): ActorReport, ctx: &mut Context<Self>) {
         if self.failure.is_some() {
             return;
         }
-        if let Err(error) = self.on_report(report) {
-            self.fail(error);
-        }
+        self.guarded(ctx, |coordinator, _| {
+            if let Err(error) = coordinator.on_report(report) {
+                coordinator.fail(error);
+            }
+        });
     }
 }
 
 impl Handler<CheckpointNow> for Coordinator {
     type Result = ();
 
-    fn handle(&mut self, CheckpointNow(reply): CheckpointNow, _ctx: &mut Context<Self>) {
+    fn handle(&mut self, CheckpointNow(reply): CheckpointNow, ctx: &mut Context<Self>) {
         // A failing query drops the request: the caller learns of the failure.
         if let (None, Some(checkpoints)) = (&self.failure, &mut self.checkpoints) {
             checkpoints.requests.push(reply);
-            self.serve_requests();
+            self.guarded(ctx, |coordinator, _| coordinator.serve_requests());
         }
     }
 }

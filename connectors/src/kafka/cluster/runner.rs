@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::ClientContext;
 use rtflow_runtime::{
-    Dataflow, QueryConfig, Result, RtflowError, StreamingQuery, StreamingQueryProgress,
+    guard, Dataflow, QueryConfig, Result, RtflowError, StreamingQuery, StreamingQueryProgress,
 };
 
 use super::link::{KafkaLink, Mode, RestoreStats, TopicPartition, Transactions};
@@ -31,6 +31,10 @@ use super::ClusterSettings;
 /// a cooperative rebalance takes two rounds.
 const SETTLE: Duration = Duration::from_millis(500);
 
+/// The threads of a process's part, as errors name them.
+const RUNNER_THREAD: &str = "rtflow-cluster";
+const MEMBER_THREAD: &str = "rtflow-member";
+
 /// How many runs in a row may fail before the process gives up.
 const MAX_FAILED_RUNS: u32 = 3;
 
@@ -38,6 +42,8 @@ const MAX_FAILED_RUNS: u32 = 3;
 pub struct ClusteredQuery {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<Result<()>>>>,
+    /// How the process's part ended, once it did.
+    ended: Mutex<Option<Result<()>>>,
 }
 
 struct Shared {
@@ -56,6 +62,8 @@ struct Shared {
     stop: AtomicBool,
     /// Set once the last run committed its end: the members leave.
     leave: AtomicBool,
+    /// A member's thread failed: the process's part of the query ends with it.
+    member_failed: Mutex<Option<RtflowError>>,
 }
 
 struct Run {
@@ -141,15 +149,24 @@ impl ClusteredQuery {
         self.join()
     }
 
+    /// The error the process's part ended with, if it failed.
+    pub fn exception(&self) -> Option<RtflowError> {
+        lock(&self.ended).clone().and_then(Result::err)
+    }
+
+    /// Waits for the runner thread; its outcome, kept for every later call.
     fn join(&self) -> Result<()> {
-        match lock(&self.thread).take() {
-            Some(thread) => thread.join().unwrap_or_else(|_| {
-                Err(RtflowError::InvalidConfiguration(
-                    "the cluster runner panicked".into(),
-                ))
-            }),
-            None => Ok(()),
+        let mut ended = lock(&self.ended);
+        if let Some(thread) = lock(&self.thread).take() {
+            let outcome = thread.join().unwrap_or_else(|panic| {
+                Err(RtflowError::Internal {
+                    thread: RUNNER_THREAD.into(),
+                    message: format!("panicked: {}", guard::message(&*panic)),
+                })
+            });
+            *ended = Some(outcome);
         }
+        ended.clone().unwrap_or(Ok(()))
     }
 }
 
@@ -224,7 +241,8 @@ where
         mode: Mode::Probe(Mutex::default()),
     });
     let flow = Dataflow::clustered(config.name.clone(), probe.clone());
-    build(&flow)?;
+    let built_by = format!("clustered query '{}'", config.name);
+    guard::building(&built_by, || build(&flow))?;
     let shape = Shape::new(flow.shape(&config)?);
     let topics = probe.probed_topics();
     shape.check_members(&settings)?;
@@ -239,6 +257,7 @@ where
         runs: AtomicU64::new(0),
         stop: AtomicBool::new(false),
         leave: AtomicBool::new(false),
+        member_failed: Mutex::default(),
     });
     let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for topic in topics {
@@ -261,7 +280,12 @@ where
             let shared = shared.clone();
             std::thread::Builder::new()
                 .name("rtflow-member".into())
-                .spawn(move || hold_membership(&shared, member))
+                .spawn(move || {
+                    let held = guard::engine(MEMBER_THREAD, || hold_membership(&shared, member));
+                    if let Err(error) = held {
+                        lock(&shared.member_failed).get_or_insert(error);
+                    }
+                })
                 .map_err(spawn_failed)
         })
         .collect::<Result<Vec<_>>>()?;
@@ -269,7 +293,7 @@ where
     let thread = std::thread::Builder::new()
         .name("rtflow-cluster".into())
         .spawn(move || {
-            let result = run(&runner, &config, &build);
+            let result = guard::engine(RUNNER_THREAD, || run(&runner, &config, &build));
             // The run ends with a final commit while the process is still a
             // member; leaving the groups then revokes what is left.
             let stopped = runner.stop_run();
@@ -283,6 +307,7 @@ where
     Ok(ClusteredQuery {
         shared,
         thread: Mutex::new(Some(thread)),
+        ended: Mutex::default(),
     })
 }
 
@@ -319,7 +344,7 @@ fn join(
 }
 
 /// Polls one group's member until the process stops, then leaves the group.
-fn hold_membership(shared: &Shared, member: BaseConsumer<Member>) {
+fn hold_membership(shared: &Shared, member: BaseConsumer<Member>) -> Result<()> {
     while !shared.leave.load(Ordering::SeqCst) {
         // Records never arrive (the partitions are paused); the poll serves
         // the group's callbacks.
@@ -332,6 +357,7 @@ fn hold_membership(shared: &Shared, member: BaseConsumer<Member>) {
             .transactions
             .set_group(&member.context().group, member.group_metadata());
     }
+    Ok(())
 }
 
 /// Starts a run over the partitions the process owns each time the
@@ -348,6 +374,9 @@ where
         std::thread::sleep(Duration::from_millis(25));
         if shared.stop.load(Ordering::SeqCst) {
             return shared.stop_run();
+        }
+        if let Some(error) = lock(&shared.member_failed).take() {
+            return Err(error);
         }
         let failed = lock(&shared.run)
             .as_ref()
@@ -386,7 +415,8 @@ where
             },
         });
         let flow = Dataflow::clustered(config.name.clone(), link);
-        build(&flow)?;
+        let built_by = format!("clustered query '{}'", config.name);
+        guard::building(&built_by, || build(&flow))?;
         match flow.start(config.clone()) {
             Ok(query) => {
                 shared.runs.fetch_add(1, Ordering::SeqCst);

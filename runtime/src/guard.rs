@@ -1,0 +1,228 @@
+//! Guards around code that may panic, so that a panic fails the query or its
+//! start with a typed error instead of leaving a thread gone and a query
+//! waiting for it.
+//!
+//! Where user code runs on an actor or the coordinator, it runs under the
+//! guard of its place: a panic becomes the typed error of that operator,
+//! source or sink (with the hook and the panic's message), and an error the
+//! code returns is made to say where it came from. Catching costs nothing
+//! while nothing panics, so the guards sit on the per-record hooks too.
+//! [`engine`] guards a thread of the engine's own, [`building`] a closure that
+//! builds a dataflow.
+
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::error::{Result, RtflowError};
+use crate::metrics::Role;
+
+/// An operator, source or sink instance: where user code runs.
+#[derive(Debug, Clone)]
+pub(crate) struct Place {
+    pub(crate) role: Role,
+    pub(crate) name: String,
+    pub(crate) subtask: usize,
+}
+
+impl Place {
+    pub(crate) fn new(role: Role, name: impl Into<String>, subtask: usize) -> Self {
+        Self {
+            role,
+            name: name.into(),
+            subtask,
+        }
+    }
+
+    /// Runs `hook` of this place's user code. A panic becomes this place's
+    /// error; an error it returns is [`located`](Self::locate) here.
+    #[inline]
+    pub(crate) fn run<T>(&self, hook: &str, body: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.settle(hook, catch(body), false)
+    }
+
+    /// What `hook` of this place's user code came to, [caught](catch): a
+    /// panic becomes this place's error, an error it returned is
+    /// [`located`](Self::locate) here, unless it came from further
+    /// downstream (`from_downstream`: the hook pushed into the next operator,
+    /// which failed), which already says where and passes through.
+    #[inline]
+    pub(crate) fn settle<T>(
+        &self,
+        hook: &str,
+        caught: std::thread::Result<Result<T>>,
+        from_downstream: bool,
+    ) -> Result<T> {
+        match caught {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) if from_downstream => Err(error),
+            Ok(Err(error)) => Err(self.locate(error)),
+            Err(panic) => Err(self.failed(format!("panicked in {hook}: {}", message(&*panic)))),
+        }
+    }
+
+    /// This place's failure with `message`: `OPERATOR_FAILED`, `SOURCE_FAILED`
+    /// or `SINK_FAILED`.
+    pub(crate) fn failed(&self, message: String) -> RtflowError {
+        match self.role {
+            Role::Operator => RtflowError::Operator {
+                operator: self.name.clone(),
+                subtask: self.subtask,
+                message,
+            },
+            Role::Source => RtflowError::Source {
+                source_name: self.name.clone(),
+                message: format!("reader {}: {message}", self.subtask),
+            },
+            Role::Sink => RtflowError::Sink {
+                sink: self.name.clone(),
+                message: format!("writer {}: {message}", self.subtask),
+            },
+        }
+    }
+
+    /// `error` as returned here, made to say where (see [`locate`]).
+    pub(crate) fn locate(&self, error: RtflowError) -> RtflowError {
+        locate(error, self)
+    }
+}
+
+/// `error`, made to say that it happened in `place`: the classes whose
+/// message names no place keep their class and gain `place` in their message;
+/// the others (an operator, source or sink failure, a start-time check) say
+/// where already.
+fn locate(error: RtflowError, place: &dyn std::fmt::Display) -> RtflowError {
+    let at = |message: String| format!("{message} (in {place})");
+    match error {
+        RtflowError::InvalidConfiguration(message) => {
+            RtflowError::InvalidConfiguration(at(message))
+        }
+        RtflowError::InvalidDataflow(message) => RtflowError::InvalidDataflow(at(message)),
+        RtflowError::Checkpoint(message) => RtflowError::Checkpoint(at(message)),
+        other => other,
+    }
+}
+
+impl std::fmt::Display for Place {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let role = match self.role {
+            Role::Source => "source",
+            Role::Operator => "operator",
+            Role::Sink => "sink",
+        };
+        write!(f, "{role} '{}', subtask {}", self.name, self.subtask)
+    }
+}
+
+/// Runs `body`, catching a panic.
+#[inline]
+pub(crate) fn catch<T>(body: impl FnOnce() -> Result<T>) -> std::thread::Result<Result<T>> {
+    catch_unwind(AssertUnwindSafe(body))
+}
+
+/// Runs `body` on the engine's own thread `thread`: a panic becomes
+/// `INTERNAL_ERROR` naming the thread, with the panic's message.
+///
+/// ```
+/// use rtflow_runtime::guard::engine;
+/// let error = engine::<()>("rtflow-cluster", || panic!("lost the plot")).unwrap_err();
+/// assert_eq!(error.error_class(), "INTERNAL_ERROR");
+/// assert!(error.to_string().contains("'rtflow-cluster'"));
+/// ```
+pub fn engine<T>(thread: &str, body: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch(body).unwrap_or_else(|panic| {
+        Err(RtflowError::Internal {
+            thread: thread.to_owned(),
+            message: format!("panicked: {}", message(&*panic)),
+        })
+    })
+}
+
+/// Runs a user's closure that builds a dataflow (a pipeline flow's, a
+/// clustered query's), described by `what`: a panic in it becomes
+/// `INVALID_DATAFLOW` with the panic's message, and an error it returns says
+/// where it came from.
+///
+/// ```
+/// use rtflow_runtime::guard::building;
+/// let error = building::<()>("flow 'orders'", || panic!("no such topic")).unwrap_err();
+/// assert_eq!(error.error_class(), "INVALID_DATAFLOW");
+/// assert!(error.to_string().contains("flow 'orders'"));
+/// assert!(error.to_string().contains("no such topic"));
+/// ```
+pub fn building<T>(what: &str, build: impl FnOnce() -> Result<T>) -> Result<T> {
+    match catch(build) {
+        Ok(built) => built.map_err(|error| locate(error, &what)),
+        Err(panic) => Err(RtflowError::InvalidDataflow(format!(
+            "{what}: the closure that builds its dataflow panicked: {}",
+            message(&*panic)
+        ))),
+    }
+}
+
+/// The message a panic was raised with, from its payload.
+///
+/// ```
+/// let payload = std::panic::catch_unwind(|| panic!("at {}", 3)).unwrap_err();
+/// assert_eq!(rtflow_runtime::guard::message(&*payload), "at 3");
+/// ```
+pub fn message(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_becomes_the_failure_of_its_place() {
+        let place = Place::new(Role::Sink, "audit", 1);
+        let error = place
+            .run::<()>("write", || panic!("disk on fire"))
+            .unwrap_err();
+        assert_eq!(error.error_class(), "SINK_FAILED");
+        let message = error.to_string();
+        assert!(message.contains("'audit'"), "{message}");
+        assert!(
+            message.contains("panicked in write: disk on fire"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_returned_error_keeps_its_class_and_gains_its_place() {
+        let place = Place::new(Role::Operator, "enrich", 0);
+        let error = place
+            .run::<()>("process", || {
+                Err(RtflowError::InvalidConfiguration("no token".into()))
+            })
+            .unwrap_err();
+        assert_eq!(error.error_class(), "INVALID_CONFIGURATION");
+        assert!(error
+            .to_string()
+            .contains("no token (in operator 'enrich', subtask 0)"));
+        let sink = RtflowError::sink("elsewhere", "refused");
+        assert_eq!(place.locate(sink.clone()), sink, "already placed");
+    }
+
+    #[test]
+    fn an_error_from_downstream_passes_through_unchanged() {
+        let place = Place::new(Role::Operator, "map-1", 0);
+        let downstream = RtflowError::Checkpoint("cannot encode".into());
+        let error = place
+            .settle::<()>("process", catch(|| Err(downstream.clone())), true)
+            .unwrap_err();
+        assert_eq!(error, downstream);
+    }
+
+    #[test]
+    fn an_engine_panic_names_its_thread() {
+        let error = engine::<()>("rtflow-coord", || panic!("{} went wrong", 42)).unwrap_err();
+        assert_eq!(error.error_class(), "INTERNAL_ERROR");
+        assert!(error.to_string().contains("'rtflow-coord'"));
+        assert!(error.to_string().contains("42 went wrong"));
+    }
+}
