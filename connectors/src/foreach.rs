@@ -81,6 +81,7 @@ impl<T: Data> Sink<T> for ForeachSink<T> {
         let open = writer.open(ctx.subtask, ctx.first_epoch);
         Ok(Box::new(ForeachAdapter {
             writer,
+            sink: ctx.name.clone(),
             partition: ctx.subtask,
             open,
         }))
@@ -89,6 +90,8 @@ impl<T: Data> Sink<T> for ForeachSink<T> {
 
 struct ForeachAdapter<T> {
     writer: Box<dyn ForeachWriter<T>>,
+    /// The sink's name, for the writer's errors.
+    sink: String,
     partition: usize,
     /// Whether `open` accepted the current epoch.
     open: bool,
@@ -101,7 +104,7 @@ impl<T: Data> SinkWriter<T> for ForeachAdapter<T> {
         }
         self.writer
             .process(record.value)
-            .map_err(|error| RtflowError::sink("foreach", error))
+            .map_err(|error| RtflowError::sink(&self.sink, error))
     }
 
     fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {

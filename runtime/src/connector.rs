@@ -322,6 +322,8 @@ pub struct SinkContext {
     pub run_id: String,
     /// The sink's stable id in the dataflow.
     pub uid: String,
+    /// The sink's name in the dataflow, as metrics and errors give it.
+    pub name: String,
     /// This writer's index, `0..parallelism` (Spark's partition id).
     pub subtask: usize,
     /// How many writers the sink runs.

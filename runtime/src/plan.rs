@@ -544,6 +544,7 @@ impl Plan {
                                 query_id: resume.query_id.to_owned(),
                                 run_id: resume.run_id.to_owned(),
                                 uid: node.uid.clone(),
+                                name: node.name.clone(),
                                 subtask,
                                 parallelism,
                                 batch_duration: config.trigger.batch_duration()?,

@@ -579,8 +579,9 @@ fn check_compatible(manifest: &Manifest, plan: &Plan, config: &QueryConfig) -> R
     Ok(())
 }
 
-/// Runs one actor body. User code runs under the guards of its places; a
-/// panic outside them is blamed on the actor's chain of operators.
+/// Runs one actor body. User code runs under the guards of its places, so
+/// the errors it ends with say where already; a panic outside them is blamed
+/// on the actor's chain of operators.
 fn run_actor(actor: ActorSpec) -> Result<()> {
     let ActorSpec {
         label,
@@ -588,7 +589,8 @@ fn run_actor(actor: ActorSpec) -> Result<()> {
         main,
         ..
     } = actor;
-    Place::new(Role::Operator, label, subtask).run("the actor", main)
+    let ended = guard::catch(main);
+    Place::new(Role::Operator, label, subtask).settle("the actor", ended, true)
 }
 
 impl Actor for Coordinator {
