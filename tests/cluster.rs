@@ -799,3 +799,101 @@ fn a_clustered_sink_message_without_a_topic_fails_the_process_with_its_sink_erro
     assert_eq!(error.error_class(), "SINK_FAILED", "{error}");
     assert!(error.to_string().contains("names no topic"), "{error}");
 }
+
+/// The fault matrix's row for the build closure of a clustered query (see
+/// tests/faults.rs): it fails where it runs, at the start (a panic or an
+/// error) or in the runner that builds each run (a panic), with its class,
+/// the user's message and the query's name; the handle keeps the error; and
+/// a mended process counts every record waiting meanwhile exactly once.
+#[test]
+fn a_failing_build_closure_fails_the_process_and_a_mended_one_counts_exactly_once() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    let Some(bootstrap) = bootstrap() else { return };
+    let cluster = Cluster::new(&bootstrap);
+    produce(&bootstrap, &cluster.input, (0..600).map(record));
+    let count_per_key = |flow: &Dataflow, bootstrap: &str, input: &str, counts: &str| {
+        flow.source(
+            KafkaSource::new(bootstrap)
+                .subscribe([input])
+                .starting_offsets(StartingOffsets::Earliest),
+        )
+        .map(event)
+        .repartition_by(|e: &Event| e.key.clone())
+        .count()
+        .sink(KafkaSink::new(
+            bootstrap,
+            counts,
+            |(key, count): &(String, u64)| KafkaMessage::new(format!("{key}:{count}")),
+        ));
+    };
+    // Builds the dataflow, failing on call `fail_on` (the probe at the start
+    // is call 1, the first run's call 2) by `fail`.
+    let start = |fail_on: usize, fail: fn() -> rtflow::Result<()>| {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (b, i, c) = (
+            bootstrap.clone(),
+            cluster.input.clone(),
+            cluster.counts.clone(),
+        );
+        KafkaCluster::new(&bootstrap)
+            .instance("a")
+            .repartition_partitions(PARTITIONS as usize)
+            .start(config(&cluster.query), move |flow| {
+                if calls.fetch_add(1, Ordering::SeqCst) + 1 == fail_on {
+                    fail()?;
+                }
+                count_per_key(flow, &b, &i, &c);
+                Ok(())
+            })
+    };
+    let panics = || panic!("injected fault in the build closure");
+    let errs = || {
+        Err(RtflowError::InvalidConfiguration(
+            "injected fault in the build closure".into(),
+        ))
+    };
+    let place = format!("clustered query '{}'", cluster.query);
+    let assert_names = |error: &RtflowError, class: &str| {
+        assert_eq!(error.error_class(), class, "{error}");
+        let text = error.to_string();
+        assert!(
+            text.contains("injected fault in the build closure"),
+            "{text}"
+        );
+        assert!(text.contains(&place), "{text}");
+    };
+    for (fail, class) in [
+        (panics as fn() -> _, "INVALID_DATAFLOW"),
+        (errs, "INVALID_CONFIGURATION"),
+    ] {
+        let error = start(1, fail).map(|_| ()).unwrap_err();
+        assert_names(&error, class);
+    }
+    let running = start(2, panics).unwrap();
+    let error = running
+        .await_termination(Duration::from_secs(60))
+        .unwrap_err();
+    assert_names(&error, "INVALID_DATAFLOW");
+    assert_eq!(running.exception(), Some(error.clone()));
+    assert_eq!(running.await_termination(Duration::ZERO), Err(error));
+    assert!(!running.is_active());
+    drop(running);
+
+    let mended = start(0, errs).unwrap();
+    let read = |n: usize, timeout: Duration| cluster.read(&cluster.counts, n, timeout);
+    assert_eq!(read(600, Duration::from_secs(60)).len(), 600);
+    mended.stop().unwrap();
+    let (expected, _) = reference(600);
+    let expected = expected
+        .into_iter()
+        .filter(|(record, _)| !record.starts_with("flush"))
+        .collect();
+    check(
+        "count per key",
+        &read(601, Duration::from_secs(3)),
+        &expected,
+        "",
+    );
+}

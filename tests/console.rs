@@ -4,7 +4,8 @@
 //! each test runs the query in a child process (this test binary, running its
 //! ignored `console_child` test) and checks the child's stdout: one
 //! `[partition] row` line per row, in order within each partition, every row
-//! exactly once and nothing else.
+//! exactly once and nothing else; and that its logs, in a pipe, carry no
+//! colour.
 
 mod common;
 
@@ -62,6 +63,10 @@ fn console_child() {
     let rows = flow.source(input).name("rows");
     match mode.as_str() {
         "debug" => rows.sink(ConsoleSink::new()),
+        "logs" => {
+            rtflow::logging::init("rtflow_runtime=info");
+            rows.sink(ConsoleSink::new())
+        }
         "format" => rows.sink(ConsoleSink::with_format(|(p, i, text): &Row| {
             format!("p{p} #{i}: {text}")
         })),
@@ -77,8 +82,9 @@ fn console_child() {
     );
 }
 
-/// Runs the child in `mode` and returns the lines it printed between the markers.
-fn run_child(mode: &str) -> Vec<String> {
+/// Runs the child in `mode` and returns the lines it printed between the
+/// markers, and its stderr.
+fn run_child(mode: &str) -> (Vec<String>, String) {
     let output = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "console_child", "--nocapture"])
         .env(CHILD_MODE, mode)
@@ -87,7 +93,7 @@ fn run_child(mode: &str) -> Vec<String> {
         .output()
         .expect("the child runs");
     let stdout = String::from_utf8(output.stdout).expect("UTF-8 output");
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert!(
         output.status.success(),
         "the child failed: {}\n--- stdout:\n{stdout}\n--- stderr:\n{stderr}",
@@ -103,10 +109,11 @@ fn run_child(mode: &str) -> Vec<String> {
     };
     let (begin, end) = (position(BEGIN), position(END));
     assert!(begin < end, "{stdout}");
-    lines[begin + 1..end]
+    let printed = lines[begin + 1..end]
         .iter()
         .map(|&l| l.to_owned())
-        .collect()
+        .collect();
+    (printed, stderr)
 }
 
 /// Checks that `lines` are exactly `expected(partition, index)` for every row,
@@ -140,7 +147,7 @@ fn check(lines: &[String], expected: impl Fn(usize, usize) -> String) {
 
 #[test]
 fn prints_each_row_in_its_debug_form_prefixed_by_its_partition() {
-    let lines = run_child("debug");
+    let (lines, _) = run_child("debug");
     check(&lines, |partition, index| {
         format!("{:?}", row(partition, index))
     });
@@ -157,7 +164,7 @@ fn prints_each_row_in_its_debug_form_prefixed_by_its_partition() {
 
 #[test]
 fn prints_each_row_as_its_format_renders_it() {
-    let lines = run_child("format");
+    let (lines, _) = run_child("format");
     check(&lines, |partition, index| {
         let (_, _, text) = row(partition, index);
         format!("p{partition} #{index}: {text}")
@@ -170,4 +177,14 @@ fn prints_each_row_as_its_format_renders_it() {
         lines.contains(&"[0] p0 #7: say \"hi\"\t7".to_owned()),
         "{lines:?}"
     );
+}
+
+#[test]
+fn logs_written_to_a_pipe_carry_no_colour_escapes() {
+    let (lines, logs) = run_child("logs");
+    check(&lines, |partition, index| {
+        format!("{:?}", row(partition, index))
+    });
+    assert!(logs.contains("starting actors"), "the child logs: {logs}");
+    assert!(!logs.contains('\x1b'), "escape codes in a pipe: {logs:?}");
 }
