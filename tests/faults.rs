@@ -7,7 +7,9 @@
 //! location continues exactly once. A new hook is one more row in [`rows`].
 //!
 //! A test binary of its own: the thread check counts every rtflow thread of
-//! the process.
+//! the process, and the fail points that make rtflow's own threads panic
+//! are the process's.
+#![cfg(feature = "failpoints")]
 
 mod common;
 
@@ -51,7 +53,28 @@ static ARMED: Mutex<Option<(&'static str, Fault)>> = Mutex::new(None);
 
 fn arm(armed: Option<(&'static str, Fault)>) {
     *ARMED.lock().unwrap_or_else(|p| p.into_inner()) = armed;
+    // rtflow's own code fails through its fail points.
+    if let Some(point) = ENGINE_POINTS
+        .iter()
+        .find(|p| p.hook == armed.map_or("", |a| a.0))
+    {
+        fail::cfg(point.point, &format!("panic({})", message(point.hook))).unwrap();
+    } else {
+        ENGINE_POINTS.iter().for_each(|p| fail::remove(p.point));
+    }
 }
+
+/// A hook of rtflow's own, and the fail point that makes it panic.
+struct EnginePoint {
+    hook: &'static str,
+    point: &'static str,
+}
+
+/// The coordinator panics while it commits a checkpoint.
+const ENGINE_POINTS: [EnginePoint; 1] = [EnginePoint {
+    hook: "the coordinator's commit",
+    point: "after-manifest",
+}];
 
 /// What the user's code says when it fails at `hook`.
 fn message(hook: &str) -> String {
@@ -625,6 +648,16 @@ fn rows() -> Vec<Row> {
         });
     }
     rows.push(Row {
+        hook: ENGINE_POINTS[0].hook,
+        armed: Armed::Running,
+        panic: "INTERNAL_ERROR",
+        error: None,
+        place: "'rtflow-coord'",
+        build: plain,
+        sink: collect,
+        runner: Runner::Query,
+    });
+    rows.push(Row {
         hook: "the flow's build closure",
         armed: Armed::AtStart,
         panic: "INVALID_DATAFLOW",
@@ -840,12 +873,56 @@ fn run(row: &Row, fault: Fault, class: &str) {
     assert_no_threads_left(&what);
 }
 
+/// A scrape of `/metrics` on `address`: the status line and the body.
+fn scrape(address: std::net::SocketAddr) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    (
+        head.lines().next().unwrap_or("").to_owned(),
+        body.to_owned(),
+    )
+}
+
+/// The metrics endpoint's thread panicking in a scrape answers it with a 500
+/// carrying the message; the query runs on and the next scrape is served.
+fn a_scrape_that_panics_is_answered_with_its_error() {
+    let address = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let setup = Setup::new("scrape", Fault::Panic);
+    let flow = Dataflow::new("scraped");
+    count(&flow.source(setup.input.clone())).sink(collect(&setup));
+    let config = quick(QueryConfig::new("scraped"))
+        .checkpoint_location(&setup.location)
+        .metrics_address(address);
+    let query = flow.start(config).unwrap();
+    fail::cfg("metrics-scrape", "panic(injected fault in a scrape)").unwrap();
+    let (status, body) = scrape(address);
+    fail::remove("metrics-scrape");
+    assert!(status.contains(" 500"), "{status}");
+    assert!(body.contains("'metrics-http'"), "{body}");
+    assert!(body.contains("injected fault in a scrape"), "{body}");
+    assert!(query.is_active());
+    let (status, body) = scrape(address);
+    assert!(status.contains(" 200"), "{status}");
+    assert!(body.contains("rtflow_"), "{body}");
+    query.stop().unwrap();
+    drop(query);
+    assert_no_threads_left("the scraped query");
+}
+
 #[test]
-fn user_code_that_fails_anywhere_fails_its_query_and_a_mended_restart_counts_once() {
+fn a_fault_anywhere_fails_the_query_and_a_mended_restart_counts_once() {
     for row in rows() {
         run(&row, Fault::Panic, row.panic);
         if let Some(class) = row.error {
             run(&row, Fault::Error, class);
         }
     }
+    a_scrape_that_panics_is_answered_with_its_error();
 }

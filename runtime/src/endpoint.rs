@@ -133,6 +133,7 @@ fn respond(
         return tiny_http::Response::from_data(b"rtflow serves /metrics\n".to_vec())
             .with_status_code(404);
     }
+    fail::fail_point!("metrics-scrape");
     let families = gather(&lock(queries));
     let mut body = Vec::new();
     let encoder = TextEncoder::new();

@@ -28,6 +28,8 @@
 //!   the query's threads may run on.
 //! - `actor`: the two loops an actor runs; `inputs`: watermark minimum and barrier
 //!   alignment over an actor's lanes, as pure logic.
+//! - [`guard`]: user code and rtflow's own threads run under guards, so a
+//!   panic fails the query with a typed error instead of hanging it.
 //! - [`query`]: the [`StreamingQuery`] handle; [`metrics`]: counters and latency;
 //!   [`progress`]: progress reports and listeners; `endpoint`: Prometheus
 //!   `/metrics`.

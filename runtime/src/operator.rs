@@ -158,6 +158,12 @@ impl<'a, T> Collector<'a, T> {
 ///
 /// Only `process` is required; the other hooks default to doing nothing.
 ///
+/// A hook that returns an error or panics fails the query (or its start, for
+/// the factory and `on_start`): a panic as `OPERATOR_FAILED` naming the
+/// operator, the hook and the panic's message; an error keeps its class and
+/// says in which operator it arose. The query restarts from its last
+/// checkpoint.
+///
 /// ```
 /// use rtflow_runtime::{Collector, Operator, Record, Result};
 ///

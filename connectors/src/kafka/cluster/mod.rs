@@ -127,6 +127,10 @@ impl KafkaCluster {
     /// called for every run: at the start, and again whenever the group moves
     /// partitions to or from the process.
     ///
+    /// A `build` that panics or fails fails the start (the first call, on
+    /// this thread) or the process's part of the query (a later call, on its
+    /// runner), naming the query; [`ClusteredQuery::exception`] keeps it.
+    ///
     /// Checkpoints commit into Kafka, so `config` needs no checkpoint
     /// location. Given one (of this process alone), the process keeps there a
     /// copy of each changelog partition it restored, and a later restore of
