@@ -104,13 +104,13 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
             self.evict(EVICT_PER_RECORD);
         }
         let time = record.meta.event_time;
-        if self.lateness.is_late(time) {
+        let key = (self.key)(&record.value);
+        let watermark = self.lateness.watermark_of(&key);
+        if time < watermark {
             out.drop_late();
             return Ok(());
         }
-        let watermark = self.lateness.watermark();
         let seen = &mut self.seen;
-        let key = (self.key)(&record.value);
         // An expired key not evicted yet is as good as gone.
         if seen.get(&key).is_some_and(|until| *until >= watermark) {
             return Ok(());
@@ -146,7 +146,7 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
 
     fn tables(&mut self, table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
         table(&mut self.seen)?;
-        table(&mut self.lateness)
+        self.lateness.tables(table)
     }
 }
 

@@ -532,11 +532,11 @@ where
             self.evict(EVICT_PER_RECORD, out)?;
         }
         let (meta, time) = (record.meta, record.meta.event_time);
-        if self.lateness.is_late(time) {
+        let key = (self.key)(&record.value);
+        if self.lateness.is_late(&key, time) {
             out.drop_late();
             return Ok(());
         }
-        let key = (self.key)(&record.value);
         let (left_rows, right_rows) = self
             .rows
             .get_or_insert_with(key.clone(), B::default)
@@ -612,7 +612,7 @@ where
 
     fn tables(&mut self, table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
         table(&mut self.rows)?;
-        table(&mut self.lateness)
+        self.lateness.tables(table)
     }
 }
 

@@ -1,5 +1,6 @@
-//! The input watermark a stateful operator instance judges late records by
-//! (windows, deduplication, stream joins), checkpointed with the state it bounds.
+//! The watermark a stateful operator instance judges late records by
+//! (windows, deduplication, stream joins), checkpointed with the state it
+//! bounds.
 //!
 //! After a restore, lateness must be judged as it was at the barrier: a key the
 //! checkpoint no longer holds was evicted because the watermark had passed it,
@@ -7,24 +8,48 @@
 //! as new. The query's restored watermark cannot serve: it is the sinks' lowest
 //! at the barrier, which can trail the operator's own input watermark.
 //!
-//! So each instance checkpoints the watermark it received. Watermarks travel in
-//! band and every instance after a shuffle reads every upstream lane, so at an
-//! aligned barrier all instances hold the same one. After a parallelism change
-//! an instance restores the least of the old instances' watermarks (all of
-//! them, not only those of the old instances it replaces: its keys may come
-//! from any); the least never drops a record the old instances would have
-//! taken.
+//! So lateness is judged per key group, and each key group's watermark is
+//! checkpointed with its keyed state: wherever the group's keys go next (an
+//! instance after a parallelism change, another process of a cluster), the
+//! group's records are judged by the watermark its windows were closed at,
+//! even before the new owner's input has delivered a watermark (a clustered
+//! run's operators start from none: its lanes report only as records flow).
+//! The instance's own input watermark, the least over its lanes, is
+//! checkpointed too; after a parallelism change an instance takes the least
+//! of the old instances' (its keys may come from any), which only bounds what
+//! it evicts: a group's own watermark decides what is late.
 
-use rtflow_runtime::state::{StateSnapshot, SubtaskState, Table};
+use std::hash::Hash;
+
+use rtflow_runtime::key_groups::{key_group, stable_hash};
+use rtflow_runtime::state::{KeyedState, StateSnapshot, SubtaskState, Table};
 use rtflow_runtime::{EventTime, OperatorContext, Result};
 
-/// The name of an operator instance's watermark within its operator.
+/// The name of an operator instance's input watermark within its operator.
 const WATERMARK: &str = "watermark";
+/// The name of the watermark per key group within an operator.
+const GROUP_WATERMARKS: &str = "group-watermarks";
 
 pub(crate) struct Lateness {
-    /// The watermark received so far; `EventTime::MIN` before the first.
+    /// The input watermark received so far; `EventTime::MIN` before the first.
     current: EventTime,
     state: SubtaskState<EventTime>,
+    groups: GroupWatermarks,
+}
+
+/// The watermark of each key group an instance owns, as its records were
+/// judged at the last barrier.
+struct GroupWatermarks {
+    watermarks: KeyedState<u32, EventTime>,
+    /// The key groups the instance owns.
+    owned: Vec<u32>,
+    key_groups: usize,
+    /// The highest watermark of a group restored: until the input watermark
+    /// passes it, a record's lateness depends on its group.
+    highest_restored: EventTime,
+    /// The input watermark now, and when the groups were last brought up to it.
+    input: EventTime,
+    written: EventTime,
 }
 
 impl Lateness {
@@ -37,22 +62,47 @@ impl Lateness {
         if let Some(watermark) = current {
             state.set(watermark);
         }
+        let current = current.unwrap_or(EventTime::MIN);
+        let watermarks: KeyedState<u32, EventTime> = ctx.state.per_key_group(GROUP_WATERMARKS)?;
+        let highest_restored = watermarks.iter().map(|(_, w)| *w).max();
         Ok(Self {
-            current: current.unwrap_or(EventTime::MIN),
+            current,
             state,
+            groups: GroupWatermarks {
+                watermarks,
+                owned: ctx.state.key_groups().collect(),
+                key_groups: ctx.state.key_group_count(),
+                highest_restored: highest_restored.unwrap_or(EventTime::MIN),
+                input: current,
+                written: current,
+            },
         })
     }
 
-    /// The watermark: records before it are late.
+    /// The input watermark: windows close and state is evicted by it.
     #[inline]
     pub(crate) fn watermark(&self) -> EventTime {
         self.current
     }
 
-    /// Whether a record at `time` is behind the watermark.
+    /// The watermark the records of `key` are judged by: the input
+    /// watermark, or the one its key group had at the restored barrier if
+    /// that is later.
     #[inline]
-    pub(crate) fn is_late(&self, time: EventTime) -> bool {
-        time < self.current
+    pub(crate) fn watermark_of<K: Hash>(&self, key: &K) -> EventTime {
+        let groups = &self.groups;
+        if groups.highest_restored <= self.current {
+            return self.current;
+        }
+        let group = key_group(stable_hash(key), groups.key_groups) as u32;
+        let restored = groups.watermarks.get(&group).copied();
+        restored.map_or(self.current, |w| w.max(self.current))
+    }
+
+    /// Whether a record of `key` at `time` is behind its watermark.
+    #[inline]
+    pub(crate) fn is_late<K: Hash>(&self, key: &K, time: EventTime) -> bool {
+        time < self.watermark_of(key)
     }
 
     /// Takes `watermark` if it is ahead; returns whether it was.
@@ -61,19 +111,45 @@ impl Lateness {
             return false;
         }
         self.current = watermark;
+        self.groups.input = watermark;
         self.state.set(watermark);
         true
     }
+
+    /// Declares the checkpointed states to `table` (see
+    /// [`Operator::tables`](rtflow_runtime::Operator::tables)).
+    pub(crate) fn tables(
+        &mut self,
+        table: &mut dyn FnMut(&mut dyn Table) -> Result<()>,
+    ) -> Result<()> {
+        table(&mut self.state)?;
+        table(&mut self.groups)
+    }
 }
 
-impl Table for Lateness {
+impl Table for GroupWatermarks {
     fn begin_snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
-        self.state.snapshot(out)
+        if self.input > self.written {
+            // Every group owned was judged by the input watermark at least.
+            for group in &self.owned {
+                let watermark = self
+                    .watermarks
+                    .get_or_insert_with(*group, || EventTime::MIN);
+                *watermark = (*watermark).max(self.input);
+            }
+            self.written = self.input;
+        }
+        self.watermarks.begin_snapshot(out)
+    }
+
+    fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
+        self.watermarks.continue_snapshot(budget, out)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use rtflow_runtime::key_groups::{key_group, stable_hash};
     use rtflow_runtime::tester::{run, Emitted, OperatorTester, Step};
     use rtflow_runtime::{Collector, Operator, Record};
 
@@ -84,7 +160,7 @@ mod tests {
 
     impl Operator<char, char> for Gate {
         fn process(&mut self, record: Record<char>, out: &mut Collector<'_, char>) -> Result<()> {
-            if self.0.is_late(record.meta.event_time) {
+            if self.0.is_late(&record.value, record.meta.event_time) {
                 out.drop_late();
                 return Ok(());
             }
@@ -101,7 +177,7 @@ mod tests {
         }
 
         fn tables(&mut self, table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
-            table(&mut self.0)
+            self.0.tables(table)
         }
     }
 
@@ -147,18 +223,52 @@ mod tests {
         assert_eq!(run("gate", gate, steps), expected);
     }
 
+    /// A key of each half of the key groups: the halves two instances own.
+    fn keys_of_each_half() -> (char, char) {
+        let half = |c: &char| key_group(stable_hash(c), 128) < 64;
+        let first = ('a'..='z').find(half).unwrap();
+        let second = ('a'..='z').find(|c| !half(c)).unwrap();
+        (first, second)
+    }
+
     #[test]
-    fn after_a_rescale_an_instance_takes_the_least_watermark_of_the_old_ones() {
+    fn after_a_rescale_each_key_group_keeps_the_watermark_it_was_judged_by() {
         let mut checkpoint = Vec::new();
         for (subtask, watermark) in [(0, 10), (1, 20)] {
             let mut old = OperatorTester::restored("gate", (subtask, 2), &[], gate).unwrap();
             old.watermark(watermark).unwrap();
             checkpoint.extend(old.barrier(1).unwrap());
         }
+        let (first, second) = keys_of_each_half();
         let mut new = OperatorTester::restored("gate", (0, 1), &[checkpoint], gate).unwrap();
-        new.record('a', 9).unwrap();
-        // Late for the old instance 1, but instance 0 would have taken it.
-        new.record('b', 15).unwrap();
-        assert_eq!(new.take(), [Emitted::Record('b', 15)]);
+        new.record(first, 9).unwrap();
+        // On time for the old instance 0, which owned the first half.
+        new.record(first, 15).unwrap();
+        // Late for the old instance 1, which owned the second half.
+        new.record(second, 15).unwrap();
+        new.record(second, 20).unwrap();
+        assert_eq!(
+            new.take(),
+            [Emitted::Record(first, 15), Emitted::Record(second, 20)]
+        );
+    }
+
+    #[test]
+    fn a_new_owner_judges_a_group_by_its_watermark_before_its_input_has_one() {
+        // As a clustered run's operator restores: keyed state only, no
+        // watermark of its own until its lanes deliver one.
+        let mut old = OperatorTester::restored("gate", (0, 1), &[], gate).unwrap();
+        old.watermark(30).unwrap();
+        let keyed_only = old
+            .barrier(1)
+            .unwrap()
+            .into_iter()
+            .filter(|delta| delta.keyed)
+            .collect();
+        let mut new = OperatorTester::restored("gate", (0, 1), &[keyed_only], gate).unwrap();
+        let (first, second) = keys_of_each_half();
+        new.record(first, 29).unwrap();
+        new.record(second, 30).unwrap();
+        assert_eq!(new.take(), [Emitted::Record(second, 30)]);
     }
 }

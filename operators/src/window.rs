@@ -542,12 +542,6 @@ where
         Ok(operator)
     }
 
-    /// The watermark windows close at.
-    #[inline]
-    fn watermark(&self) -> EventTime {
-        self.lateness.watermark()
-    }
-
     /// Adds `record` to its open sliding windows and emits their aggregates.
     fn add_sliding(
         &mut self,
@@ -561,7 +555,7 @@ where
         // Windows containing `time` start at `last`, `last - slide`, ... down to
         // the first start after `time - size`. Only the open ones take the record.
         let count = (size - (time - last) + slide - 1) / slide;
-        let watermark = self.watermark();
+        let watermark = self.lateness.watermark_of(&key);
         let mut starts = (0..count)
             .rev()
             .map(|i| last - i * slide)
@@ -599,7 +593,7 @@ where
         out: &mut Collector<'_, (K, Window, A::Out)>,
     ) -> Result<()> {
         let time = record.meta.event_time;
-        if time < self.watermark() {
+        if self.lateness.is_late(&key, time) {
             out.drop_late();
             return Ok(());
         }
@@ -640,7 +634,7 @@ where
     /// watermark that closed a window of many keys (q5 at 100,000 events/s:
     /// 2-6 ms at every slide), so the rest are left for the next records.
     fn evict(&mut self, budget: usize) {
-        let watermark = self.watermark();
+        let watermark = self.lateness.watermark();
         let state = &mut self.windows;
         self.expiry
             .expire(watermark.saturating_add(1), budget, |key| {
@@ -723,7 +717,7 @@ where
 
     fn tables(&mut self, table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
         table(&mut self.windows)?;
-        table(&mut self.lateness)
+        self.lateness.tables(table)
     }
 }
 

@@ -104,6 +104,10 @@ pub trait ClusterLink: Send + Sync + 'static {
     /// reports and metrics.
     fn partitions(&self) -> Vec<String>;
 
+    /// Whether this process owns key group `group`: its keyed state is
+    /// restored here, and only here may it be written.
+    fn owns_key_group(&self, group: u32) -> bool;
+
     /// Of the `(topic, partition)`s a source reads, the indexes of those this
     /// process owns now.
     fn owned(&self, partitions: &[(String, i32)]) -> Vec<usize>;

@@ -223,13 +223,17 @@ impl Coordinator {
         if let Some(manifest) = &resume {
             check_compatible(manifest, &plan, &config)?;
         }
-        let restored = Arc::new(Restored::new(
+        let mut restored = Restored::new(
             state,
             resume.as_ref().map(|m| m.epoch),
             resume.as_ref().and_then(|m| m.watermark),
             resume.as_ref().map(|m| m.run_id.clone()),
             config.max_key_groups,
-        ));
+        );
+        if let Location::Cluster(link) = &location {
+            restored.cluster = Some(link.clone());
+        }
+        let restored = Arc::new(restored);
         let mut tracker = CheckpointTracker::new(plan.actor_count(), resume.map(|m| m.epoch));
         if let Some(damaged) = skipped.iter().map(|corrupt| corrupt.epoch).max() {
             tracker.number_after(damaged);

@@ -39,6 +39,8 @@ pub struct KeyedState<K, V> {
     meta: StateMeta,
     part: u32,
     key_groups: usize,
+    /// The key group of a key, out of `key_groups`.
+    group_of: fn(&K, usize) -> u32,
     entries: HashMap<K, Slot<V>, FastState>,
     /// The tag of the running epoch's changes.
     tag: u64,
@@ -75,15 +77,8 @@ impl<K: Hash + Serialize> Capture<K> {
         }
     }
 
-    /// Encodes `key` with `value` (`None`: deleted).
-    fn record<V: Serialize>(
-        &mut self,
-        id: &StateId,
-        key_groups: usize,
-        key: &K,
-        value: Option<&V>,
-    ) {
-        let group = key_group(stable_hash(key), key_groups) as u32;
+    /// Encodes `key` of key group `group` with `value` (`None`: deleted).
+    fn record<V: Serialize>(&mut self, id: &StateId, group: u32, key: &K, value: Option<&V>) {
         let encoded = encode_into(id, key, &mut self.buffer).and_then(|()| {
             let key_end = self.buffer.len();
             let value_end = match value {
@@ -139,18 +134,28 @@ impl<K: Hash + Serialize> Capture<K> {
     }
 }
 
+/// The key group of `key` in a state keyed by user keys: by its stable hash.
+pub(super) fn hashed_group<K: Hash>(key: &K, key_groups: usize) -> u32 {
+    key_group(stable_hash(key), key_groups) as u32
+}
+
+/// The key group of `key` in a state keyed by key group: the key itself.
+pub(super) fn itself(group: &u32, _key_groups: usize) -> u32 {
+    *group
+}
+
 impl<K, V> KeyedState<K, V>
 where
     K: Hash + Eq + Clone + Serialize + DeserializeOwned + Send,
     V: Serialize + DeserializeOwned + Send,
 {
     /// State `id` of instance `part`, holding the entries of `blobs` (oldest
-    /// first) whose key groups `mine` picks.
+    /// first) whose key groups `mine` picks; `group_of` tells a key's group.
     pub(super) fn restore(
         id: StateId,
         meta: StateMeta,
         part: u32,
-        key_groups: usize,
+        (key_groups, group_of): (usize, fn(&K, usize) -> u32),
         blobs: Option<&[Blob]>,
         mine: impl Fn(usize) -> bool + Sync,
     ) -> Result<Self> {
@@ -163,6 +168,7 @@ where
             meta,
             part,
             key_groups,
+            group_of,
             live: entries.len(),
             entries,
             tag: CAPTURED + 1,
@@ -280,7 +286,8 @@ where
                 continue;
             }
             slot.changed_in = CAPTURED;
-            capture.record(&self.id, self.key_groups, &key, slot.value.as_ref());
+            let group = (self.group_of)(&key, self.key_groups);
+            capture.record(&self.id, group, &key, slot.value.as_ref());
             if slot.value.is_none() {
                 self.entries.remove(&key);
             }
@@ -304,7 +311,8 @@ where
                     let (key, slot) = (occupied.key(), occupied.get());
                     if let Some(capture) = &mut self.capture {
                         if slot.changed_in == capture.tag {
-                            capture.record(&self.id, self.key_groups, key, slot.value.as_ref());
+                            let group = (self.group_of)(key, self.key_groups);
+                            capture.record(&self.id, group, key, slot.value.as_ref());
                         }
                     }
                     self.changed.push(key.clone());

@@ -174,10 +174,56 @@ impl StateContext {
             id,
             meta,
             self.subtask as u32,
-            key_groups,
+            (key_groups, keyed::hashed_group::<K>),
             restored.map(|restored| restored.blobs.as_slice()),
             mine,
         )
+    }
+
+    /// A value per key group, keyed by the key group itself, restored with
+    /// the key groups this instance owns ([`key_groups`](Self::key_groups)):
+    /// for what holds for all of a group's keys, such as the watermark its
+    /// records were judged late by. Write only the groups the instance owns.
+    pub fn per_key_group<V>(&self, name: &str) -> Result<KeyedState<u32, V>>
+    where
+        V: Serialize + DeserializeOwned + Send,
+    {
+        let key_groups = self.restored.key_groups;
+        let (id, meta, restored) = self.claim(name, type_name::<(u32, V)>())?;
+        self.claims.fetch_add(1, Ordering::Relaxed);
+        KeyedState::restore(
+            id,
+            meta,
+            self.subtask as u32,
+            (key_groups, keyed::itself),
+            restored.map(|restored| restored.blobs.as_slice()),
+            |group| self.owns_key_group(group as u32),
+        )
+    }
+
+    /// The key groups this instance owns: their keys reach it, and it
+    /// restores and writes their keyed state. In a clustered query, only
+    /// those of the partitions the process runs.
+    ///
+    /// ```
+    /// use rtflow_runtime::StateContext;
+    /// let first_of_two = StateContext::detached("count", 0, 2, 128);
+    /// assert_eq!(first_of_two.key_groups().collect::<Vec<_>>(), (0..64).collect::<Vec<_>>());
+    /// ```
+    pub fn key_groups(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.restored.key_groups as u32).filter(|group| self.owns_key_group(*group))
+    }
+
+    /// How many key groups the query's keys hash into
+    /// ([`QueryConfig::max_key_groups`](crate::QueryConfig::max_key_groups)).
+    pub fn key_group_count(&self) -> usize {
+        self.restored.key_groups
+    }
+
+    fn owns_key_group(&self, group: u32) -> bool {
+        let key_groups = self.restored.key_groups;
+        subtask_for_key_group(group as usize, key_groups, self.parallelism) == self.subtask
+            && (self.restored.cluster.as_ref()).is_none_or(|link| link.owns_key_group(group))
     }
 
     /// What the checkpoint held for per-subtask state `name` in every old

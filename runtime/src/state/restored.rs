@@ -2,11 +2,12 @@
 //! which states the dataflow claimed.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use rtflow_checkpoint::snapshot::{merge, Blob};
 use rtflow_checkpoint::{RestoredState, StateId, StateMeta};
 
+use crate::cluster::ClusterLink;
 use crate::record::{Epoch, EventTime};
 
 /// What every stateful instance of a query restores from: the recovered
@@ -21,6 +22,9 @@ pub(crate) struct Restored {
     /// The run that committed the checkpoint.
     pub(crate) run_id: Option<String>,
     pub(crate) key_groups: usize,
+    /// In a clustered query, the process's link: the key groups whose state
+    /// this process restores and writes are those of its partitions.
+    pub(crate) cluster: Option<Arc<dyn ClusterLink>>,
     pub(super) claimed: Mutex<BTreeSet<StateId>>,
 }
 
@@ -72,6 +76,7 @@ impl Restored {
             watermark,
             run_id,
             key_groups,
+            cluster: None,
             claimed: Mutex::default(),
         }
     }

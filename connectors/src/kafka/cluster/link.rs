@@ -111,6 +111,20 @@ impl ClusterLink for KafkaLink {
             .collect()
     }
 
+    fn owns_key_group(&self, group: u32) -> bool {
+        // Key group `g`'s state lives in changelog partition `g % partitions`,
+        // which goes with repartition partition `g % partitions`.
+        let partitions = self.settings.repartition_partitions as u32;
+        let partition = (
+            self.settings.repartition_topic(0),
+            (group % partitions) as i32,
+        );
+        match &self.mode {
+            Mode::Live { owned, .. } => owned.contains(&partition),
+            Mode::Probe(_) => false,
+        }
+    }
+
     fn owned(&self, partitions: &[(String, i32)]) -> Vec<usize> {
         match &self.mode {
             Mode::Probe(topics) => {
