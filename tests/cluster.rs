@@ -54,11 +54,40 @@ fn flush_records() -> Vec<(i32, String, Vec<u8>)> {
         .collect()
 }
 
+/// Late record `i`: in window [0, 1000) of key `k{i % KEYS}`, which every
+/// partition's watermark passed long before (produce it once the query read
+/// records 0..100).
+fn late_record(i: usize) -> (i32, String, Vec<u8>) {
+    let (partition, key, _) = record(i);
+    (partition, key, b"500".to_vec())
+}
+
 /// The batch reference: every `key:count` of the count per key, and every
 /// `key@start:count` of the window count (update mode: one per record), once
 /// each.
 fn reference(n: usize) -> (BTreeMap<String, usize>, BTreeMap<String, usize>) {
-    let input = (0..n).map(|i| (record(i).1, i as i64 * STEP_MS)).chain(
+    reference_with_late(n, 0)
+}
+
+/// [`reference`] with late records `0..late` too: the count per key counts
+/// them; the window count drops them, as one process that never restarts
+/// does.
+fn reference_with_late(
+    n: usize,
+    late: usize,
+) -> (BTreeMap<String, usize>, BTreeMap<String, usize>) {
+    let on_time = (0..n).map(|i| (record(i).1, i as i64 * STEP_MS));
+    let late = (0..late).map(|i| (late_record(i).1, 500));
+    let (counts, _) = reference_of(on_time.clone().chain(late));
+    let (_, windows) = reference_of(on_time);
+    (counts, windows)
+}
+
+/// The outputs of `records` (and the flush records after them).
+fn reference_of(
+    records: impl Iterator<Item = (String, i64)>,
+) -> (BTreeMap<String, usize>, BTreeMap<String, usize>) {
+    let input = records.chain(
         flush_records()
             .into_iter()
             .map(|(_, key, _)| (key, FLUSH_TIME)),
@@ -359,13 +388,25 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
         "no progress:\n{}",
         cluster.logs()
     );
+    // Records late for windows that closed arrive after the start-up
+    // rebalances, right after the kill, and right after the restart: a
+    // restarted or rebalanced run drops them as one process does.
+    let input = cluster.input.clone();
+    let mut late = 0;
+    let mut produce_late = |n: usize| {
+        produce(&bootstrap, &input, (late..late + n).map(late_record));
+        late += n;
+    };
+    produce_late(6);
     produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
     std::thread::sleep(Duration::from_millis(700));
     cluster.kill("p1");
+    produce_late(6);
     produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
     std::thread::sleep(Duration::from_secs(3));
     let survivors = [cluster.status("p0"), cluster.status("p2")];
     cluster.spawn("p1");
+    produce_late(6);
     produce(&bootstrap, &cluster.input, flush_records());
     // The one added back takes partitions over from the others, whose runs
     // restart on what they keep.
@@ -379,7 +420,7 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     }
     eprintln!("partitions before the kill {shares:?}, after one was added back {reshared:?}");
 
-    let (expected_counts, expected_windows) = reference(total);
+    let (expected_counts, expected_windows) = reference_with_late(total, late);
     let (counts, windows) = cluster.outputs(
         expected_counts.len(),
         expected_windows.len(),
@@ -767,6 +808,33 @@ fn a_second_repartition_is_rejected_in_a_clustered_query() {
     assert_eq!(error.error_class(), "INVALID_DATAFLOW", "{error}");
     assert!(
         error.to_string().contains("repartitions 2 times"),
+        "{error}"
+    );
+}
+
+#[test]
+fn an_operator_that_keys_the_repartitioned_stream_again_is_rejected() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let cluster = Cluster::new(&bootstrap);
+    let distinct = |flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str| {
+        flow.source(KafkaSource::new(bootstrap).subscribe([input]))
+            .map(event)
+            .with_watermark(|e: &Event| e.time, Duration::ZERO)
+            .repartition_by(|e: &Event| e.key.clone())
+            .drop_duplicates(|e: &Event| (e.key.clone(), e.time / 1000))
+            .name("distinct")
+            .sink(KafkaSink::new(bootstrap, counts, |e: &Event| {
+                KafkaMessage::new(e.key.clone())
+            }));
+    };
+    let error = start_here(&bootstrap, &cluster, "a", free_address(), distinct)
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(error.error_class(), "INVALID_DATAFLOW", "{error}");
+    assert!(
+        error
+            .to_string()
+            .contains("keys the repartitioned stream again"),
         "{error}"
     );
 }

@@ -301,12 +301,14 @@ impl<T: Data> Stream<T> {
         let decoded = flow
             .source(source)
             .transform(cluster::DECODE, |_| Decode::<T>(PhantomData));
-        decoded
+        let keyed = decoded.key_by(move |value: &T| key(value));
+        keyed
+            .stream
             .graph
             .borrow_mut()
             .exchanges
-            .extend(decoded.ports.iter().map(|(id, _)| *id));
-        decoded.key_by(move |value: &T| key(value))
+            .extend(keyed.stream.ports.iter().cloned());
+        keyed
     }
 
     /// Deals records to the next operator's instances in turn.

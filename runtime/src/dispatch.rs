@@ -42,6 +42,15 @@ impl Partitioning {
     pub(crate) fn is_shuffle(&self) -> bool {
         !matches!(self, Self::Forward)
     }
+
+    /// Whether both are the same partitioning: the same hash key, or the same
+    /// kind of spreading.
+    pub(crate) fn same_as(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Hash(a), Self::Hash(b)) => Arc::ptr_eq(a, b),
+            (a, b) => std::mem::discriminant(a) == std::mem::discriminant(b),
+        }
+    }
 }
 
 enum Route<T> {

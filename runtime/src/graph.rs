@@ -54,9 +54,10 @@ pub(crate) struct Graph {
     pub(crate) cluster: Option<Arc<dyn ClusterLink>>,
     /// How many repartitions the builder cut the dataflow at.
     pub(crate) repartitions: usize,
-    /// The nodes that decode what a repartition read back: the only ones a
-    /// clustered query may shuffle after.
-    pub(crate) exchanges: Vec<NodeId>,
+    /// The nodes that decode what a repartition read back, and the key
+    /// partitioning each shuffles by: a clustered query may shuffle only
+    /// there, and only by the repartition's own key.
+    pub(crate) exchanges: Vec<(NodeId, Partitioning)>,
 }
 
 impl Graph {

@@ -118,15 +118,23 @@ fn check_clustered(graph: &Graph) -> Result<()> {
         )));
     }
     for node in &graph.nodes {
-        let local = node
-            .inputs
-            .iter()
-            .any(|e| e.partitioning.is_shuffle() && !graph.exchanges.contains(&e.from));
-        if local {
+        for edge in node.inputs.iter().filter(|e| e.partitioning.is_shuffle()) {
+            let exchange = graph.exchanges.iter().find(|(id, _)| *id == edge.from);
+            let message = match exchange {
+                None => {
+                    "reads a key_by, which shuffles within one process; in a clustered \
+                         query shuffle with repartition_by, which reaches every process"
+                }
+                Some((_, key)) if key.same_as(&edge.partitioning) => continue,
+                Some(_) => {
+                    "keys the repartitioned stream again, by a key of its own \
+                            (drop_duplicates and stream joins do): its state would not \
+                            follow the repartition's partitions from process to process; \
+                            in a clustered query such operators are not supported yet"
+                }
+            };
             return Err(RtflowError::InvalidDataflow(format!(
-                "'{}' reads a key_by, which shuffles within one process; in a \
-                 clustered query shuffle with repartition_by, which reaches every \
-                 process",
+                "'{}' {message}",
                 node.name
             )));
         }
