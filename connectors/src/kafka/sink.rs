@@ -90,6 +90,12 @@ impl<T: Data> KafkaSink<T> {
     /// the flush timeout (`transaction.timeout.ms`, unless set with
     /// [`option`](Self::option)); brokers cap that (`transaction.max.timeout.ms`,
     /// 15 minutes by default), so a longer batch duration fails at start.
+    ///
+    /// In a clustered query ([`KafkaCluster`](crate::kafka::KafkaCluster))
+    /// the setting has no effect: every sink there writes in its process's
+    /// transaction of the epoch, with the epoch's state changes and input
+    /// offsets, so the output is exactly once whatever is set here, and
+    /// visible to `read_committed` consumers once per batch duration.
     pub fn delivery(mut self, guarantee: DeliveryGuarantee) -> Self {
         self.guarantee = guarantee;
         self
