@@ -133,9 +133,7 @@ fn a_panicking_map_fails_the_query_with_its_message() {
             .expect_err("the query fails");
         assert_eq!(error.error_class(), "OPERATOR_FAILED");
         assert!(
-            error
-                .to_string()
-                .contains("panicked in process: boom on 13"),
+            error.to_string().contains("panicked: boom on 13"),
             "{error}"
         );
         assert!(error.to_string().contains("map-1"), "{error}");

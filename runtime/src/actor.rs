@@ -12,7 +12,7 @@ use rtflow_checkpoint::{ActorId, Offsets};
 use crate::cancel::Cancel;
 use crate::connector::{Progress, SourceOutput, SourceReader, SourceStatus, SourceWaker};
 use crate::error::{Result, RtflowError};
-use crate::guard::Place;
+use crate::guard::{self, Place};
 use crate::inputs::{Alignment, IdleStep, Inputs};
 use crate::metrics::OperatorMetrics;
 use crate::operator::{Emit, SnapshotBuffer};
@@ -84,9 +84,19 @@ pub(crate) struct ActorEnv {
     pub(crate) source_metrics: Option<Arc<OperatorMetrics>>,
     /// Where this actor's stateful operators and sinks put their snapshots.
     pub(crate) snapshots: SnapshotBuffer,
+    /// The actor's chain of operators: blamed for a panic that no place of
+    /// it claims.
+    pub(crate) chain: Place,
 }
 
 impl ActorEnv {
+    /// Runs the actor's loop; a panic in it becomes the error of the place
+    /// it came from (see [`guard`](crate::guard)), so that the actor aborts
+    /// its chain and fails like any other.
+    fn caught(&self, actor_loop: impl FnOnce() -> Result<()>) -> Result<()> {
+        guard::catch(actor_loop).unwrap_or_else(|panic| Err(guard::blamed(&*panic, &self.chain)))
+    }
+
     fn check_cancel(&self) -> Result<()> {
         if self.cancel.is_raised() {
             Err(RtflowError::Cancelled)
@@ -172,7 +182,7 @@ pub(crate) fn run_source<T: Data>(
     mut emit: Box<dyn Emit<T>>,
     env: ActorEnv,
 ) -> Result<()> {
-    let result = source_loop(place, reader, &mut *emit, &env);
+    let result = env.caught(|| source_loop(place, reader, &mut *emit, &env));
     if let Err(error) = &result {
         emit.abort(error);
     }
@@ -202,7 +212,7 @@ fn source_loop<T: Data>(
             env.barrier(epoch, reader.offsets(), &mut unacked, emit)?;
         }
         env.continue_snapshot(&mut unacked, SNAPSHOT_SLICE, emit)?;
-        let status = place.run("SourceReader::poll", || reader.poll(&mut out, IDLE_WAIT))?;
+        let status = place.watch(|| reader.poll(&mut out, IDLE_WAIT))?;
         if !out.is_empty() {
             let read = out.drain_into(emit)?;
             if let Some(metrics) = &env.source_metrics {
@@ -228,7 +238,7 @@ pub(crate) fn run_inbox<T: Data>(
     mut emit: Box<dyn Emit<T>>,
     env: ActorEnv,
 ) -> Result<()> {
-    let result = inbox_loop(&lanes, &mut *emit, &env);
+    let result = env.caught(|| inbox_loop(&lanes, &mut *emit, &env));
     if let Err(error) = &result {
         emit.abort(error);
     }

@@ -503,8 +503,7 @@ impl<T> SinkEmit<T> {
     /// Tells the writer of the epochs committed since it last looked.
     fn take_commits(&mut self) -> Result<()> {
         while let Ok(epoch) = self.commits.try_recv() {
-            self.place
-                .run("on_commit", || self.writer.on_commit(epoch))?;
+            self.place.watch(|| self.writer.on_commit(epoch))?;
         }
         Ok(())
     }
@@ -514,8 +513,7 @@ impl<T> SinkEmit<T> {
     fn snapshot(&mut self) -> Result<()> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
         snapshot.sink_watermark = Some(self.watermark);
-        self.place
-            .run("snapshot", || self.writer.snapshot(&mut snapshot))
+        self.place.watch(|| self.writer.snapshot(&mut snapshot))
     }
 
     /// The unflushed records are now fully processed.
@@ -541,34 +539,35 @@ impl<T> SinkEmit<T> {
 impl<T: Send> Emit<T> for SinkEmit<T> {
     #[inline]
     fn record(&mut self, record: Record<T>) -> Result<()> {
-        let meta = record.meta;
-        self.place.run("write", || self.writer.write(record))?;
-        self.unflushed.push(meta);
-        Ok(())
+        // Its timestamps are taken before the write, which then receives the
+        // record where it lies, uncopied (a failed write fails the actor).
+        self.unflushed.push(record.meta);
+        let watch = self.place.enter();
+        let written = self.writer.write(record);
+        watch.end();
+        written.map_err(|error| self.place.locate(error))
     }
 
     fn watermark(&mut self, watermark: EventTime) -> Result<()> {
         self.watermark = Some(watermark);
         self.metrics.set_watermark(watermark);
-        self.place
-            .run("on_watermark", || self.writer.on_watermark(watermark))
+        self.place.watch(|| self.writer.on_watermark(watermark))
     }
 
     fn idle(&mut self) -> Result<()> {
         self.metrics.set_idle();
-        self.place.run("on_idle", || self.writer.on_idle())
+        self.place.watch(|| self.writer.on_idle())
     }
 
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {
         // Commits always precede the next barrier in time: take them first.
         self.take_commits()?;
-        self.place
-            .run("on_barrier", || self.writer.on_barrier(epoch))?;
+        self.place.watch(|| self.writer.on_barrier(epoch))?;
         self.snapshot()
     }
 
     fn flush(&mut self) -> Result<()> {
-        self.place.run("flush", || self.writer.flush())?;
+        self.place.watch(|| self.writer.flush())?;
         self.settle();
         self.take_commits()?;
         self.latency.publish_if_due();
@@ -577,7 +576,7 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
 
     fn end(&mut self) -> Result<()> {
         self.take_commits()?;
-        self.place.run("flush", || self.writer.flush())?;
+        self.place.watch(|| self.writer.flush())?;
         self.settle();
         self.snapshot()?;
         self.latency.publish();
@@ -590,14 +589,12 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
                 return Err(RtflowError::Cancelled);
             }
             match self.commits.recv_timeout(COMMIT_WAIT) {
-                Ok(epoch) => self
-                    .place
-                    .run("on_commit", || self.writer.on_commit(epoch))?,
+                Ok(epoch) => self.place.watch(|| self.writer.on_commit(epoch))?,
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
             }
         }
-        self.place.run("close", || self.writer.close(None))
+        self.place.watch(|| self.writer.close(None))
     }
 
     fn abort(&mut self, error: &RtflowError) {

@@ -15,9 +15,6 @@ use crate::metrics::MailboxMetrics;
 use crate::operator::Emit;
 use crate::record::{Data, Epoch, EventTime, Message, Record};
 
-/// The hook a key panicking before a shuffle is blamed on.
-const KEY_EXTRACTOR: &str = "its key extractor (run by the sending subtask)";
-
 /// Hashes a record's key for a shuffle.
 pub(crate) type KeyHash<T> = Arc<dyn Fn(&T) -> u64 + Send + Sync>;
 
@@ -224,7 +221,9 @@ impl<T: Data> Emit<T> for Output<T> {
                 key_groups,
                 consumer,
             } => {
-                let hash = consumer.run(KEY_EXTRACTOR, || Ok(key_hash(&record.value)))?;
+                let watch = consumer.enter();
+                let hash = key_hash(&record.value);
+                watch.end();
                 key_groups.lane(hash)
             }
             Route::RoundRobin { next } => {

@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Result, RtflowError};
-use crate::guard::{self, Place};
+use crate::guard::Place;
 use crate::metrics::{OperatorMetrics, Role};
 use crate::record::{now_nanos, Epoch, EventTime, Record, RecordMeta};
 use crate::state::{StateContext, StateSnapshot, Table};
@@ -92,19 +92,6 @@ pub struct Collector<'a, T> {
 pub(crate) struct Counts {
     out: u64,
     late: u64,
-    /// What the operator emitted into failed: the error its hook returns came
-    /// from downstream, and already says where.
-    failed_downstream: bool,
-}
-
-impl Counts {
-    #[inline]
-    fn passed(&mut self, pushed: Result<()>) -> Result<()> {
-        if pushed.is_err() {
-            self.failed_downstream = true;
-        }
-        pushed
-    }
 }
 
 impl<'a, T> Collector<'a, T> {
@@ -112,19 +99,17 @@ impl<'a, T> Collector<'a, T> {
     #[inline]
     pub fn emit(&mut self, value: T) -> Result<()> {
         self.counts.out += 1;
-        let pushed = self.next.record(Record {
+        self.next.record(Record {
             value,
             meta: self.meta,
-        });
-        self.counts.passed(pushed)
+        })
     }
 
     /// Emits a record with timestamps of its own.
     #[inline]
     pub fn emit_record(&mut self, record: Record<T>) -> Result<()> {
         self.counts.out += 1;
-        let pushed = self.next.record(record);
-        self.counts.passed(pushed)
+        self.next.record(record)
     }
 
     /// The timestamps emitted records inherit.
@@ -142,15 +127,13 @@ impl<'a, T> Collector<'a, T> {
     /// Emits a watermark: no record with an earlier event time follows. For
     /// operators that generate watermarks, as `with_watermark` does.
     pub fn watermark(&mut self, watermark: EventTime) -> Result<()> {
-        let pushed = self.next.watermark(watermark);
-        self.counts.passed(pushed)
+        self.next.watermark(watermark)
     }
 
     /// Declares the stream idle: downstream watermarks stop waiting for it until
     /// it emits a watermark again. For operators that generate watermarks.
     pub fn idle(&mut self) -> Result<()> {
-        let pushed = self.next.idle();
-        self.counts.passed(pushed)
+        self.next.idle()
     }
 }
 
@@ -160,7 +143,7 @@ impl<'a, T> Collector<'a, T> {
 ///
 /// A hook that returns an error or panics fails the query (or its start, for
 /// the factory and `on_start`): a panic as `OPERATOR_FAILED` naming the
-/// operator, the hook and the panic's message; an error keeps its class and
+/// operator and the panic's message; an error keeps its class and
 /// says in which operator it arose. The query restarts from its last
 /// checkpoint.
 ///
@@ -306,28 +289,28 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
         })
     }
 
-    /// Runs the operator's `hook` named `name` under its [`Place`] with
+    /// Runs the operator's `hook` watched as its [`Place`], with
     /// `meta` for what it emits.
     #[inline]
     fn run_hook(
         &mut self,
-        name: &str,
         meta: RecordMeta,
         hook: impl FnOnce(&mut O, &mut Collector<'_, Out>) -> Result<()>,
     ) -> Result<()> {
-        let (operator, next, counts) = (&mut self.operator, &mut *self.next, &mut self.counts);
-        let caught = guard::catch(|| {
-            let mut out = Collector { next, meta, counts };
-            hook(operator, &mut out)
-        });
-        let from_downstream = std::mem::take(&mut self.counts.failed_downstream);
-        self.place.settle(name, caught, from_downstream)
+        let watch = self.place.enter();
+        let mut out = Collector {
+            next: &mut *self.next,
+            meta,
+            counts: &mut self.counts,
+        };
+        let result = hook(&mut self.operator, &mut out);
+        watch.end();
+        result.map_err(|error| self.place.locate(error))
     }
 
     /// Runs a hook that is not about one record; what it emits is stamped now.
     fn out_of_band(
         &mut self,
-        name: &str,
         event_time: EventTime,
         hook: impl FnOnce(&mut O, &mut Collector<'_, Out>) -> Result<()>,
     ) -> Result<()> {
@@ -338,7 +321,7 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
             ingest_time: now,
             partition: 0,
         };
-        self.run_hook(name, meta, hook)
+        self.run_hook(meta, hook)
     }
 
     /// Passes on the received watermark, or the operator's hold if that is
@@ -369,9 +352,8 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
         let rows_before = snapshot.rows;
         let operator = &mut self.operator;
-        self.place.run("snapshot", || {
-            operator.tables(&mut |table| table.begin_snapshot(&mut snapshot))
-        })?;
+        self.place
+            .watch(|| operator.tables(&mut |table| table.begin_snapshot(&mut snapshot)))?;
         if O::stateful() {
             self.metrics.set_state(snapshot.rows.since(rows_before));
         }
@@ -390,14 +372,12 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
     #[inline]
     fn record(&mut self, record: Record<In>) -> Result<()> {
         self.records_in += 1;
-        self.run_hook("process", record.meta, |op, out| op.process(record, out))?;
+        self.run_hook(record.meta, |op, out| op.process(record, out))?;
         self.release_held_watermark()
     }
 
     fn watermark(&mut self, watermark: EventTime) -> Result<()> {
-        self.out_of_band("on_watermark", watermark, |op, out| {
-            op.on_watermark(watermark, out)
-        })?;
+        self.out_of_band(watermark, |op, out| op.on_watermark(watermark, out))?;
         self.watermark_in = watermark;
         self.pass_watermark()
     }
@@ -415,7 +395,7 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
         let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
         let mut done = true;
         let operator = &mut self.operator;
-        self.place.run("snapshot", || {
+        self.place.watch(|| {
             operator.tables(&mut |table| {
                 done &= table.continue_snapshot(budget, &mut snapshot)?;
                 Ok(())
@@ -426,14 +406,14 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
     }
 
     fn flush(&mut self) -> Result<()> {
-        self.out_of_band("on_flush", EventTime::MIN, |op, out| op.on_flush(out))?;
+        self.out_of_band(EventTime::MIN, |op, out| op.on_flush(out))?;
         self.release_held_watermark()?;
         self.publish_counts();
         self.next.flush()
     }
 
     fn end(&mut self) -> Result<()> {
-        self.out_of_band("on_close", EventTime::MAX, |op, out| op.on_close(out))?;
+        self.out_of_band(EventTime::MAX, |op, out| op.on_close(out))?;
         self.release_held_watermark()?;
         self.snapshot()?;
         self.publish_counts();

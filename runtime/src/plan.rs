@@ -594,6 +594,7 @@ impl Plan {
                 let env = ActorEnv {
                     actor: actors.len(),
                     snapshots,
+                    chain: Place::new(Role::Operator, &label, subtask),
                     ..env.clone()
                 };
                 let (main, source) = match &node.body {

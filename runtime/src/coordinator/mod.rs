@@ -162,6 +162,7 @@ impl Coordinator {
             first_partition: 0,
             source_metrics: None,
             snapshots: Default::default(),
+            chain: Place::new(Role::Operator, String::new(), 0),
         };
         Self {
             shared,
