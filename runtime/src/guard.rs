@@ -7,14 +7,14 @@
 //! source or sink (with the hook and the panic's message), and an error the
 //! code returns is made to say where it came from.
 //!
-//! Start-time hooks run under [`Place::run`], which catches. The per-record
-//! hooks run under [`Place::watch`] instead: catching there would cost a call
+//! Start-time hooks run under `Place::run`, which catches. The per-record
+//! hooks run under `Place::watch` instead: catching there would cost a call
 //! the compiler cannot inline per record (half the chained throughput), and
 //! a guard with a `Drop` a landing pad per call (a tenth of a window's). A
 //! watched hook only marks its place as running on the thread, and restores
 //! the outer one when it returns; a panic leaves the innermost marked. The
 //! actor's loop catches the panic once, outside the records, and fails with
-//! that place's error ([`blamed`]).
+//! that place's error (`blamed`).
 //!
 //! [`engine`] guards a thread of the engine's own, [`building`] a closure that
 //! builds a dataflow.
