@@ -142,6 +142,23 @@ fn build(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, windows: &
         ));
 }
 
+/// A count per key only, through the repartition.
+fn count_per_key(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str) {
+    flow.source(
+        KafkaSource::new(bootstrap)
+            .subscribe([input])
+            .starting_offsets(StartingOffsets::Earliest),
+    )
+    .map(event)
+    .repartition_by(|e: &Event| e.key.clone())
+    .count()
+    .sink(KafkaSink::new(
+        bootstrap,
+        counts,
+        |(key, count): &(String, u64)| KafkaMessage::new(format!("{key}:{count}")),
+    ));
+}
+
 fn config(query: &str) -> QueryConfig {
     QueryConfig::new(query)
         .trigger(Trigger::real_time("300 milliseconds"))
@@ -726,19 +743,7 @@ fn a_process_restores_the_partitions_it_had_from_its_local_copy_and_the_changelo
             .start(
                 config(&cluster.query).checkpoint_location(&location),
                 move |flow| {
-                    flow.source(
-                        KafkaSource::new(&b)
-                            .subscribe([&i])
-                            .starting_offsets(StartingOffsets::Earliest),
-                    )
-                    .map(event)
-                    .repartition_by(|e: &Event| e.key.clone())
-                    .count()
-                    .sink(KafkaSink::new(
-                        &b,
-                        &c,
-                        |(key, count): &(String, u64)| KafkaMessage::new(format!("{key}:{count}")),
-                    ));
+                    count_per_key(flow, &b, &i, &c);
                     Ok(())
                 },
             )
@@ -881,21 +886,6 @@ fn a_failing_build_closure_fails_the_process_and_a_mended_one_counts_exactly_onc
     let Some(bootstrap) = bootstrap() else { return };
     let cluster = Cluster::new(&bootstrap);
     produce(&bootstrap, &cluster.input, (0..600).map(record));
-    let count_per_key = |flow: &Dataflow, bootstrap: &str, input: &str, counts: &str| {
-        flow.source(
-            KafkaSource::new(bootstrap)
-                .subscribe([input])
-                .starting_offsets(StartingOffsets::Earliest),
-        )
-        .map(event)
-        .repartition_by(|e: &Event| e.key.clone())
-        .count()
-        .sink(KafkaSink::new(
-            bootstrap,
-            counts,
-            |(key, count): &(String, u64)| KafkaMessage::new(format!("{key}:{count}")),
-        ));
-    };
     // Builds the dataflow, failing on call `fail_on` (the probe at the start
     // is call 1, the first run's call 2) by `fail`.
     let start = |fail_on: usize, fail: fn() -> rtflow::Result<()>| {

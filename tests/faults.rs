@@ -200,6 +200,23 @@ impl Operator<u64, u64> for Faulty {
     }
 }
 
+/// The usual count of what a [`FaultySource`] reads.
+fn from_faulty_source(flow: &Dataflow, setup: &Setup) -> Stream<(u64, u64)> {
+    count(
+        &flow
+            .source(FaultySource(setup.input.clone()))
+            .name("clicks"),
+    )
+}
+
+/// A [`Counter`] per key.
+fn counted(flow: &Dataflow, setup: &Setup) -> Stream<(u64, u64)> {
+    flow.source(setup.input.clone())
+        .key_by(key)
+        .process(|| Counter)
+        .name("counter")
+}
+
 fn through_faulty(flow: &Dataflow, setup: &Setup) -> Stream<(u64, u64)> {
     let faulty = flow
         .source(setup.input.clone())
@@ -439,24 +456,8 @@ fn rows() -> Vec<Row> {
         row("on_watermark", Running, operator, "faulty", through_faulty),
         row("on_flush", Running, operator, "faulty", through_faulty),
         row("on_close", AtEnd, operator, "faulty", through_faulty),
-        row(
-            "handle_input",
-            Running,
-            operator,
-            "counter",
-            |flow, setup| {
-                flow.source(setup.input.clone())
-                    .key_by(key)
-                    .process(|| Counter)
-                    .name("counter")
-            },
-        ),
-        row("on_timer", Running, operator, "counter", |flow, setup| {
-            flow.source(setup.input.clone())
-                .key_by(key)
-                .process(|| Counter)
-                .name("counter")
-        }),
+        row("handle_input", Running, operator, "counter", counted),
+        row("on_timer", Running, operator, "counter", counted),
         row(
             "AggregateFunction::add",
             Running,
@@ -575,26 +576,14 @@ fn rows() -> Vec<Row> {
             AtStart,
             (SOURCE, Some(CONFIGURATION)),
             "clicks",
-            |flow, setup| {
-                count(
-                    &flow
-                        .source(FaultySource(setup.input.clone()))
-                        .name("clicks"),
-                )
-            },
+            from_faulty_source,
         ),
         row(
             "SourceReader::poll",
             Running,
             (SOURCE, Some(CONFIGURATION)),
             "clicks",
-            |flow, setup| {
-                count(
-                    &flow
-                        .source(FaultySource(setup.input.clone()))
-                        .name("clicks"),
-                )
-            },
+            from_faulty_source,
         ),
         row(
             "encode",
