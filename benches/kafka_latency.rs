@@ -11,12 +11,20 @@
 //! records, for every record produced after a 2 s warm-up, the read time minus
 //! `produced-us`: the latency a downstream application sees.
 //!
-//! It runs twice: first `kafka`, the same producer and consumer on one topic with
-//! no query in between (the floor the broker and the machine set), then `rtflow`,
-//! the pipeline above. Each run prints one JSON line to stdout (latency in ms; for
+//! At each rate of `--rates` (default 1,000, 10,000, 30,000 and 50,000
+//! records/s; `--rate N` for one) it measures three pipelines, one after the
+//! other: `kafka`, the same producer and consumer on one topic with nothing in
+//! between (one hop: the floor the broker and the machine set); `relay`, a
+//! hand-written rdkafka relay that consumes the input and produces each record
+//! to the same partition of the output, key, value and headers as read (two
+//! hops: the floor for any consume -> produce engine); and `rtflow`, the
+//! pipeline above. Each run prints one JSON line to stdout (latency in ms; for
 //! `rtflow` also its processing latency, read -> handed to the producer, and its
 //! source queuing latency, Kafka timestamp -> read, from `query.metrics()`); the
-//! command and a summary table go to stderr.
+//! command, a summary table, rtflow/relay ratios at p50, p99 and p99.9 per rate,
+//! and the highest rate each pipeline sustained (every record out within the
+//! drain, p99 under 1 s, the last quarter's median latency within twice the
+//! first's) go to stderr.
 //!
 //! The bench's producer uses `linger.ms=0` with one request in flight per
 //! connection: it sends at once when the broker has answered, and batches what
@@ -24,15 +32,19 @@
 //! request per partition every millisecond at 10,000 records/s, which on a
 //! 2-core machine queued requests at the broker for hundreds of milliseconds
 //! before rtflow read anything. The consumer uses `fetch.wait.max.ms=5`.
-//! `--source-option`, `--sink-option`, `--producer-option` and `--consumer-option
-//! KEY=VALUE` (repeatable) set librdkafka settings of the KafkaSource, the
-//! KafkaSink, the bench's producer and its consumer.
+//! `--source-option`, `--sink-option`, `--producer-option`, `--consumer-option`
+//! and `--relay-option KEY=VALUE` (repeatable) set librdkafka settings of the
+//! KafkaSource, the KafkaSink, the bench's producer, its consumer, and the
+//! relay's consumer and producer (both). The relay reads as rtflow's source
+//! does (`fetch.wait.max.ms=5`) and produces with the settings that measured
+//! best for it (`linger.ms=1`, 5 requests in flight: lower p99 than rtflow's
+//! sink defaults of `linger.ms=0` and one request; docs/performance.md).
 //!
 //! ```text
 //! scripts/kafka.sh start
 //! cargo bench --bench kafka_latency
-//! cargo bench --bench kafka_latency -- --bootstrap 127.0.0.1:9092 --rate 10000 \
-//!     --partitions 4 --seconds 30 --record-bytes 1200
+//! cargo bench --bench kafka_latency -- --bootstrap 127.0.0.1:9092 --rates 1000,10000 \
+//!     --partitions 4 --seconds 20 --record-bytes 1200
 //! cargo bench --bench kafka_latency -- --rate 1000 --partitions 1 \
 //!     --sink-option statistics.interval.ms=1000
 //! ```
@@ -40,12 +52,15 @@
 //! The broker is `--bootstrap`, else `$RTFLOW_KAFKA_BOOTSTRAP`, else 127.0.0.1:9092.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::producer::{
+    BaseProducer, BaseRecord, DefaultProducerContext, Producer, ThreadedProducer,
+};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use rtflow::prelude::*;
 use rtflow::LatencyReport;
@@ -64,8 +79,8 @@ type BenchResult<T> = std::result::Result<T, BoxError>;
 
 struct Args {
     bootstrap: String,
-    /// Records per second over all partitions.
-    rate: u64,
+    /// Records per second over all partitions, one measurement each.
+    rates: Vec<u64>,
     partitions: u64,
     seconds: u64,
     record_bytes: u64,
@@ -75,24 +90,27 @@ struct Args {
     sink_options: Vec<(String, String)>,
     producer_options: Vec<(String, String)>,
     consumer_options: Vec<(String, String)>,
+    relay_options: Vec<(String, String)>,
 }
 
 impl Args {
-    /// Reads `--bootstrap HOST:PORT`, `--rate N`, `--partitions N`, `--seconds N`,
-    /// `--record-bytes N` and the `--*-option KEY=VALUE`s; ignores anything else,
-    /// such as the `--bench` that `cargo bench` passes.
+    /// Reads `--bootstrap HOST:PORT`, `--rates N,N,...` (or `--rate N`),
+    /// `--partitions N`, `--seconds N`, `--record-bytes N` and the `--*-option
+    /// KEY=VALUE`s; ignores anything else, such as the `--bench` that `cargo
+    /// bench` passes.
     fn parse() -> Self {
         let mut args = Self {
             bootstrap: std::env::var("RTFLOW_KAFKA_BOOTSTRAP")
                 .unwrap_or_else(|_| "127.0.0.1:9092".to_owned()),
-            rate: 10_000,
+            rates: vec![1_000, 10_000, 30_000, 50_000],
             partitions: 4,
-            seconds: 30,
+            seconds: 20,
             record_bytes: 1_200,
             source_options: Vec::new(),
             sink_options: Vec::new(),
             producer_options: Vec::new(),
             consumer_options: Vec::new(),
+            relay_options: Vec::new(),
         };
         let mut words = std::env::args().skip(1);
         while let Some(flag) = words.next() {
@@ -101,6 +119,7 @@ impl Args {
                 "--sink-option" => Some(&mut args.sink_options),
                 "--producer-option" => Some(&mut args.producer_options),
                 "--consumer-option" => Some(&mut args.consumer_options),
+                "--relay-option" => Some(&mut args.relay_options),
                 _ => None,
             };
             if let Some(options) = options {
@@ -119,7 +138,14 @@ impl Args {
                     args.bootstrap = words.next().unwrap_or_else(|| usage(&flag, "an address"));
                     continue;
                 }
-                "--rate" => &mut args.rate,
+                "--rate" | "--rates" => {
+                    args.rates = words
+                        .next()
+                        .and_then(|w| w.split(',').map(|r| r.parse().ok()).collect())
+                        .filter(|rates: &Vec<u64>| !rates.is_empty() && !rates.contains(&0))
+                        .unwrap_or_else(|| usage(&flag, "positive integers, comma separated"));
+                    continue;
+                }
                 "--partitions" => &mut args.partitions,
                 "--seconds" => &mut args.seconds,
                 "--record-bytes" => &mut args.record_bytes,
@@ -147,9 +173,9 @@ fn now_us() -> u64 {
         .as_micros() as u64
 }
 
-/// Writes `args.rate` records/s round-robin over the partitions until `until`;
+/// Writes `rate` records/s round-robin over the partitions until `until`;
 /// returns how many it wrote.
-fn produce(args: &Args, topic: &str, until: Instant) -> BenchResult<u64> {
+fn produce(args: &Args, rate: u64, topic: &str, until: Instant) -> BenchResult<u64> {
     // Threaded: its own thread serves the delivery reports.
     let mut config = ClientConfig::new();
     config
@@ -177,7 +203,7 @@ fn produce(args: &Args, topic: &str, until: Instant) -> BenchResult<u64> {
         // Every tick sends the records due by now, stamped with one clock read: a
         // sleep and clock reads per record (system calls on this VM) would cost more
         // CPU at 10,000 records/s than the rest of the producer.
-        let due = ((now - started).as_secs_f64() * args.rate as f64) as u64 + 1;
+        let due = ((now - started).as_secs_f64() * rate as f64) as u64 + 1;
         let stamp = now_us().to_string();
         while sent < due {
             let headers = OwnedHeaders::new().insert(Header {
@@ -204,6 +230,7 @@ fn produce(args: &Args, topic: &str, until: Instant) -> BenchResult<u64> {
 /// those produced at or after `measure_from_us`.
 fn consume(
     args: &Args,
+    rate: u64,
     topic: &str,
     expected: &AtomicU64,
     deadline: Instant,
@@ -227,7 +254,7 @@ fn consume(
     }
     consumer.assign(&assignment)?;
     let mut received = 0;
-    let mut latencies = Vec::with_capacity((args.rate * args.seconds) as usize);
+    let mut latencies = Vec::with_capacity((rate * args.seconds) as usize);
     while received < expected.load(Ordering::Acquire) && Instant::now() < deadline {
         let Some(message) = consumer.poll(Duration::from_millis(100)) else {
             continue;
@@ -283,11 +310,73 @@ fn start(args: &Args, input: &str, output: &str, checkpoints: &Path) -> Result<S
     )
 }
 
+/// Relays `input` to `output` until `stop`: each record to the same partition,
+/// with the key, value and headers it was read with. One thread polls the
+/// consumer and serves the producer, as a minimal hand-written relay does.
+fn relay(args: &Args, input: &str, output: &str, stop: &AtomicBool) -> BenchResult<()> {
+    let settings = |config: &mut ClientConfig| {
+        config
+            .set("bootstrap.servers", &args.bootstrap)
+            .set("socket.nagle.disable", "true");
+        for (key, value) in &args.relay_options {
+            config.set(key, value);
+        }
+    };
+    let mut config = ClientConfig::new();
+    config
+        .set("group.id", "rtflow-bench-relay")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .set("fetch.wait.max.ms", "5");
+    settings(&mut config);
+    let consumer: BaseConsumer = config.create()?;
+    let mut assignment = TopicPartitionList::new();
+    for partition in 0..args.partitions as i32 {
+        assignment.add_partition_offset(input, partition, Offset::Beginning)?;
+    }
+    consumer.assign(&assignment)?;
+    let mut config = ClientConfig::new();
+    config
+        .set("linger.ms", "1")
+        .set("max.in.flight.requests.per.connection", "5");
+    settings(&mut config);
+    let producer: BaseProducer = config.create()?;
+    while !stop.load(Ordering::Acquire) {
+        producer.poll(Duration::ZERO);
+        let Some(message) = consumer.poll(Duration::from_millis(1)) else {
+            continue;
+        };
+        let message = message?;
+        let mut record = BaseRecord::<[u8], [u8]>::to(output).partition(message.partition());
+        if let Some(key) = message.key() {
+            record = record.key(key);
+        }
+        if let Some(payload) = message.payload() {
+            record = record.payload(payload);
+        }
+        if let Some(headers) = message.headers() {
+            record = record.headers(headers.detach());
+        }
+        // A full local queue waits for the broker, as backpressure.
+        while let Err((error, back)) = producer.send(record) {
+            if error.rdkafka_error_code() != Some(RDKafkaErrorCode::QueueFull) {
+                return Err(format!("the relay could not produce: {error}").into());
+            }
+            producer.poll(Duration::from_millis(1));
+            record = back;
+        }
+    }
+    producer.flush(Duration::from_secs(30))?;
+    Ok(())
+}
+
 /// What a run measures.
 #[derive(Clone, Copy, PartialEq)]
 enum Pipeline {
     /// Producer -> topic -> consumer: Kafka alone.
     Kafka,
+    /// Producer -> input -> hand-written rdkafka relay -> output -> consumer.
+    Relay,
     /// Producer -> input -> rtflow (uppercase) -> output -> consumer.
     Rtflow,
 }
@@ -296,6 +385,7 @@ impl Pipeline {
     fn name(self) -> &'static str {
         match self {
             Pipeline::Kafka => "kafka",
+            Pipeline::Relay => "relay",
             Pipeline::Rtflow => "rtflow",
         }
     }
@@ -303,10 +393,15 @@ impl Pipeline {
 
 struct Run {
     pipeline: Pipeline,
+    rate: u64,
     produced: u64,
     received: u64,
     /// Sorted, microseconds; never empty.
     latencies: Vec<u64>,
+    /// The median latency (ms) of the first and of the last quarter of the
+    /// records measured, in the order they arrived: a pipeline falling behind
+    /// shows a last quarter far slower than the first.
+    quarters: (f64, f64),
     /// rtflow's own figures (`Rtflow` runs only).
     rtflow: Option<LatencyReport>,
 }
@@ -318,26 +413,40 @@ impl Run {
         self.latencies[rank.clamp(1, self.latencies.len()) - 1] as f64 / 1000.0
     }
 
-    fn percentiles(&self) -> [f64; 5] {
-        [0.50, 0.90, 0.95, 0.99, 1.0].map(|q| self.ms(q))
+    fn percentiles(&self) -> [f64; 6] {
+        [0.50, 0.90, 0.95, 0.99, 0.999, 1.0].map(|q| self.ms(q))
+    }
+
+    /// Whether the pipeline kept up: every record out within the drain, p99
+    /// under a second, and its lag not growing (the last quarter's median
+    /// within twice the first's, or 50 ms of it).
+    fn sustained(&self) -> bool {
+        let (first, last) = self.quarters;
+        let growing = last > (2.0 * first).max(first + 50.0);
+        self.received >= self.produced && self.ms(0.99) < 1_000.0 && !growing
     }
 }
 
 /// One run on fresh topics, deleted afterwards.
-fn run(args: &Args, pipeline: Pipeline) -> BenchResult<Run> {
+fn run(args: &Args, rate: u64, pipeline: Pipeline) -> BenchResult<Run> {
     let admin = KafkaAdmin::new(&args.bootstrap)?;
     let id = format!("{}-{}", std::process::id(), now_us());
     let input = format!("rtflow-latency-in-{id}");
     let checkpoints = std::env::temp_dir().join(format!("rtflow-bench-kafka-latency-{id}"));
     admin.create_topic(&input, args.partitions as i32)?;
-    let (output, query) = match pipeline {
-        Pipeline::Kafka => (input.clone(), None),
-        Pipeline::Rtflow => {
+    let output = match pipeline {
+        Pipeline::Kafka => input.clone(),
+        Pipeline::Relay | Pipeline::Rtflow => {
             let output = format!("rtflow-latency-out-{id}");
             admin.create_topic(&output, args.partitions as i32)?;
+            output
+        }
+    };
+    let query = match pipeline {
+        Pipeline::Rtflow => {
             // A topic just created can take a moment to show in the metadata.
             let mut attempts = 0;
-            let query = loop {
+            Some(loop {
                 match start(args, &input, &output, &checkpoints) {
                     Err(error) if attempts < 20 && error.to_string().contains("does not exist") => {
                         attempts += 1;
@@ -345,31 +454,48 @@ fn run(args: &Args, pipeline: Pipeline) -> BenchResult<Run> {
                     }
                     started => break started?,
                 }
-            };
-            (output, Some(query))
+            })
         }
+        Pipeline::Kafka | Pipeline::Relay => None,
     };
     let measure_from_us = now_us() + WARM_UP.as_micros() as u64;
     let until = Instant::now() + Duration::from_secs(args.seconds);
     let expected = AtomicU64::new(u64::MAX);
+    let stop_relay = AtomicBool::new(false);
     let (produced, (received, mut latencies)) = std::thread::scope(|scope| {
-        let consumer =
-            scope.spawn(|| consume(args, &output, &expected, until + DRAIN, measure_from_us));
-        let produced = produce(args, &input, until);
+        let relay = (pipeline == Pipeline::Relay)
+            .then(|| scope.spawn(|| relay(args, &input, &output, &stop_relay)));
+        let consumer = scope.spawn(|| {
+            consume(
+                args,
+                rate,
+                &output,
+                &expected,
+                until + DRAIN,
+                measure_from_us,
+            )
+        });
+        let produced = produce(args, rate, &input, until);
         expected.store(*produced.as_ref().unwrap_or(&0), Ordering::Release);
         let consumed = consumer.join().expect("the consumer thread does not panic");
+        stop_relay.store(true, Ordering::Release);
+        if let Some(relay) = relay {
+            relay.join().expect("the relay thread does not panic")?;
+        }
         Ok::<_, BoxError>((produced?, consumed?))
     })?;
     let rtflow = match query {
         Some(query) => {
             query.stop()?;
-            admin.delete_topic(&output)?;
             // Best effort: a leftover directory in the temp dir harms nothing.
             let _ = std::fs::remove_dir_all(&checkpoints);
             Some(query.metrics().latency)
         }
         None => None,
     };
+    if output != input {
+        admin.delete_topic(&output)?;
+    }
     admin.delete_topic(&input)?;
     if latencies.is_empty() {
         return Err(format!(
@@ -377,12 +503,18 @@ fn run(args: &Args, pipeline: Pipeline) -> BenchResult<Run> {
         )
         .into());
     }
+    let quarters = (
+        median_ms(&latencies[..latencies.len().div_ceil(4)]),
+        median_ms(&latencies[latencies.len() * 3 / 4..]),
+    );
     latencies.sort_unstable();
     Ok(Run {
         pipeline,
+        rate,
         produced,
         received,
         latencies,
+        quarters,
         rtflow,
     })
 }
@@ -394,65 +526,95 @@ fn main() -> BenchResult<()> {
         ("--sink-option", &args.sink_options),
         ("--producer-option", &args.producer_options),
         ("--consumer-option", &args.consumer_options),
+        ("--relay-option", &args.relay_options),
     ]
     .iter()
     .flat_map(|(flag, options)| options.iter().map(move |(k, v)| format!(" {flag} {k}={v}")))
     .collect();
+    let rates: Vec<String> = args.rates.iter().map(u64::to_string).collect();
     eprintln!(
-        "command: cargo bench --bench kafka_latency -- --bootstrap {} --rate {} --partitions {} \
+        "command: cargo bench --bench kafka_latency -- --bootstrap {} --rates {} --partitions {} \
          --seconds {} --record-bytes {}{options}",
-        args.bootstrap, args.rate, args.partitions, args.seconds, args.record_bytes
+        args.bootstrap,
+        rates.join(","),
+        args.partitions,
+        args.seconds,
+        args.record_bytes
     );
     let mut runs = Vec::new();
-    for pipeline in [Pipeline::Kafka, Pipeline::Rtflow] {
-        let run = run(&args, pipeline)?;
-        let [p50, p90, p95, p99, max] = run.percentiles();
-        let rtflow = run.rtflow.map_or(String::new(), |latency| {
-            format!(
-                ",\"rtflow_processing_p50_ms\":{:.3},\"rtflow_processing_p99_ms\":{:.3},\
-                 \"rtflow_source_queuing_p50_ms\":{:.3},\"rtflow_source_queuing_p99_ms\":{:.3}",
-                latency.processing.p50,
-                latency.processing.p99,
-                latency.source_queuing.p50,
-                latency.source_queuing.p99
-            )
-        });
-        println!(
-            "{{\"bench\":\"kafka_latency\",\"pipeline\":\"{}\",\"records\":{},\"produced\":{},\
-             \"received\":{},\"rate\":{},\"partitions\":{},\"record_bytes\":{},\"seconds\":{},\
-             \"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\"p95_ms\":{p95:.3},\"p99_ms\":{p99:.3},\
-             \"max_ms\":{max:.3}{rtflow}}}",
-            pipeline.name(),
-            run.latencies.len(),
-            run.produced,
-            run.received,
-            args.rate,
-            args.partitions,
-            args.record_bytes,
-            args.seconds,
-        );
-        runs.push(run);
+    for &rate in &args.rates {
+        for pipeline in [Pipeline::Kafka, Pipeline::Relay, Pipeline::Rtflow] {
+            let run = run(&args, rate, pipeline)?;
+            print_json(&args, &run);
+            runs.push(run);
+        }
     }
+    print_summary(&args, &runs);
+    Ok(())
+}
 
+/// The median of `latencies` (µs, any order, not empty) in milliseconds.
+fn median_ms(latencies: &[u64]) -> f64 {
+    let mut sorted = latencies.to_vec();
+    sorted.sort_unstable();
+    sorted[sorted.len() / 2] as f64 / 1000.0
+}
+
+/// One JSON line per run, to stdout.
+fn print_json(args: &Args, run: &Run) {
+    let [p50, p90, p95, p99, p999, max] = run.percentiles();
+    let rtflow = run.rtflow.map_or(String::new(), |latency| {
+        format!(
+            ",\"rtflow_processing_p50_ms\":{:.3},\"rtflow_processing_p99_ms\":{:.3},\
+             \"rtflow_source_queuing_p50_ms\":{:.3},\"rtflow_source_queuing_p99_ms\":{:.3}",
+            latency.processing.p50,
+            latency.processing.p99,
+            latency.source_queuing.p50,
+            latency.source_queuing.p99
+        )
+    });
+    println!(
+        "{{\"bench\":\"kafka_latency\",\"pipeline\":\"{}\",\"records\":{},\"produced\":{},\
+         \"received\":{},\"rate\":{},\"partitions\":{},\"record_bytes\":{},\"seconds\":{},\
+         \"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\"p95_ms\":{p95:.3},\"p99_ms\":{p99:.3},\
+         \"p999_ms\":{p999:.3},\"max_ms\":{max:.3},\"first_quarter_p50_ms\":{:.3},\
+         \"last_quarter_p50_ms\":{:.3},\"sustained\":{}{rtflow}}}",
+        run.pipeline.name(),
+        run.latencies.len(),
+        run.produced,
+        run.received,
+        run.rate,
+        args.partitions,
+        args.record_bytes,
+        args.seconds,
+        run.quarters.0,
+        run.quarters.1,
+        run.sustained(),
+    );
+}
+
+/// The table of every run, rtflow against the relay at each rate, and the
+/// highest rate each pipeline sustained, to stderr.
+fn print_summary(args: &Args, runs: &[Run]) {
     eprintln!(
-        "\nKafka({} partitions) -> [uppercase -> Kafka]; {} records/s of {} bytes for {} s, \
+        "\nKafka({} partitions) -> [uppercase -> Kafka]; {} bytes per record for {} s, \
          the first {} s not measured; latency in ms",
         args.partitions,
-        args.rate,
         args.record_bytes,
         args.seconds,
         WARM_UP.as_secs()
     );
     eprintln!(
-        "{:<10}{:>9}{:>9}  {:>40}  {:>16}  {:>16}",
+        "{:>7} {:<8}{:>9}{:>9}  {:>48}  {:>16}  {:>16}",
+        "rate",
         "pipeline",
         "measured",
         "missing",
-        "end-to-end p50/p90/p95/p99/max",
+        "end-to-end p50/p90/p95/p99/p99.9/max",
         "processing p50/p99",
         "queuing p50/p99"
     );
-    for run in &runs {
+    for run in runs {
         let row = run.percentiles().map(|ms| format!("{ms:.2}")).join(" / ");
         let (processing, queuing) = run.rtflow.map_or_else(
             || ("-".to_owned(), "-".to_owned()),
@@ -470,7 +632,8 @@ fn main() -> BenchResult<()> {
             },
         );
         eprintln!(
-            "{:<10}{:>9}{:>9}  {:>40}  {:>16}  {:>16}",
+            "{:>7} {:<8}{:>9}{:>9}  {:>48}  {:>16}  {:>16}",
+            run.rate,
             run.pipeline.name(),
             run.latencies.len(),
             run.produced.saturating_sub(run.received),
@@ -479,5 +642,36 @@ fn main() -> BenchResult<()> {
             queuing
         );
     }
-    Ok(())
+    eprintln!("\nrtflow / relay (target <= 1.2 at p50 and p99 up to the relay's saturation)");
+    eprintln!("{:>7} {:>7} {:>7} {:>7}", "rate", "p50", "p99", "p99.9");
+    let of = |pipeline: Pipeline, rate: u64| {
+        runs.iter()
+            .find(|run| run.pipeline == pipeline && run.rate == rate)
+    };
+    for &rate in &args.rates {
+        let (Some(relay), Some(rtflow)) = (of(Pipeline::Relay, rate), of(Pipeline::Rtflow, rate))
+        else {
+            continue;
+        };
+        let ratio = |q: f64| rtflow.ms(q) / relay.ms(q).max(0.001);
+        eprintln!(
+            "{rate:>7} {:>7.2} {:>7.2} {:>7.2}",
+            ratio(0.50),
+            ratio(0.99),
+            ratio(0.999)
+        );
+    }
+    eprintln!(
+        "\nhighest rate sustained (every record out, p99 under 1 s, lag not growing), of \
+         those measured:"
+    );
+    for pipeline in [Pipeline::Kafka, Pipeline::Relay, Pipeline::Rtflow] {
+        let highest = runs
+            .iter()
+            .filter(|run| run.pipeline == pipeline && run.sustained())
+            .map(|run| run.rate)
+            .max();
+        let highest = highest.map_or_else(|| "none".to_owned(), |rate| rate.to_string());
+        eprintln!("  {:<8}{highest}", pipeline.name());
+    }
 }
