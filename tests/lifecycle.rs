@@ -412,3 +412,50 @@ fn backpressure_throttles_the_source_and_loses_nothing() {
         *expected += 1;
     }
 }
+
+#[test]
+fn a_factory_that_does_not_return_fails_the_start_with_start_timeout() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let released = Arc::new((Mutex::new(false), Condvar::new()));
+    let returned = Arc::new(AtomicBool::new(false));
+    let input = MemorySource::new(1);
+    input.push_all(0, [1u32, 2, 3]).unwrap();
+    let out = MemorySink::new();
+    let flow = Dataflow::new("stuck");
+    let (factory_released, factory_returned) = (released.clone(), returned.clone());
+    flow.source(input.clone())
+        .try_transform("stuck", move |_| {
+            let (lock, wake) = &*factory_released;
+            let mut go = lock.lock().unwrap();
+            while !*go {
+                go = wake.wait(go).unwrap();
+            }
+            factory_returned.store(true, Ordering::SeqCst);
+            Ok(rtflow::operators::Map(|x: u32| x))
+        })
+        .sink(out.clone());
+    let config = config("stuck")
+        .start_timeout(Duration::from_millis(200))
+        .allowlist_check(false);
+    let location = config.checkpoint_location.clone().unwrap();
+    let error = flow.start(config).unwrap_err();
+    assert_eq!(error.error_class(), "START_TIMEOUT", "{error}");
+    assert!(
+        error.to_string().contains("QueryConfig::start_timeout"),
+        "{error}"
+    );
+    assert!(
+        !returned.load(Ordering::SeqCst),
+        "start returned while the factory still ran"
+    );
+    // Once the factory returns, nothing of the abandoned start runs.
+    let (lock, wake) = &*released;
+    *lock.lock().unwrap() = true;
+    wake.notify_all();
+    while !returned.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(out.len(), 0, "the records waiting were not read");
+    assert!(!location.exists(), "nothing was checkpointed");
+}

@@ -234,6 +234,10 @@ pub struct QueryConfig {
     pub metrics_address: Option<SocketAddr>,
     /// The longest time between two progress reports. Default 5 s.
     pub progress_interval: Duration,
+    /// How long `start()` waits for the query's operators to be made and
+    /// started (factories, `on_start`, state restored, readers and writers
+    /// opened) before it gives up with `START_TIMEOUT`. Default 10 minutes.
+    pub start_timeout: Duration,
     /// The CPUs the query's coordinator and actors, and the threads they start,
     /// may run on. Default `None`: the OS places them.
     pub cpu_affinity: Option<Vec<usize>>,
@@ -274,6 +278,7 @@ impl QueryConfig {
             operator_chaining: true,
             metrics_address: None,
             progress_interval: Duration::from_secs(5),
+            start_timeout: Duration::from_secs(600),
             cpu_affinity: None,
             listeners: Listeners::default(),
         }
@@ -360,6 +365,21 @@ impl QueryConfig {
     /// Sets the longest time between two progress reports.
     pub fn progress_interval(mut self, interval: Duration) -> Self {
         self.progress_interval = interval;
+        self
+    }
+
+    /// Sets how long `start()` waits for the operators to be made and
+    /// started: user code that never returns from a factory or `on_start`
+    /// then fails the start with `START_TIMEOUT` instead of holding it.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use rtflow_runtime::QueryConfig;
+    /// let config = QueryConfig::new("orders").start_timeout(Duration::from_secs(30));
+    /// assert_eq!(config.start_timeout, Duration::from_secs(30));
+    /// ```
+    pub fn start_timeout(mut self, timeout: Duration) -> Self {
+        self.start_timeout = timeout;
         self
     }
 

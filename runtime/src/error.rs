@@ -153,6 +153,17 @@ pub enum RtflowError {
     )]
     ClusterShapeMismatch { member: String, difference: String },
 
+    /// The operators were not made and started within
+    /// [`QueryConfig::start_timeout`](crate::QueryConfig::start_timeout):
+    /// user code in a factory, `on_start`, or a source's or sink's opening
+    /// has not returned. The start is abandoned: nothing runs once it returns.
+    #[error(
+        "the query did not start within {waited}: an operator's factory or on_start, or a \
+         source's or sink's opening, has not returned; nothing of the query runs once it \
+         does. Make it return, or allow it longer with QueryConfig::start_timeout"
+    )]
+    StartTimeout { waited: String },
+
     /// A thread of the engine itself (the coordinator, the `/metrics`
     /// endpoint, a cluster's runner) panicked: a defect of rtflow, not of the
     /// dataflow. The query fails rather than hang without it.
@@ -203,6 +214,7 @@ impl RtflowError {
                 "STREAMING_STATEFUL_OPERATOR_NOT_MATCH_IN_STATE_METADATA"
             }
             Self::ClusterShapeMismatch { .. } => "CLUSTER_SHAPE_MISMATCH",
+            Self::StartTimeout { .. } => "START_TIMEOUT",
             Self::Internal { .. } => "INTERNAL_ERROR",
             Self::Cancelled => "CANCELLED",
         }

@@ -2,6 +2,7 @@
 
 use std::io::Write;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -117,10 +118,13 @@ impl StreamingQuery {
             .map(|address| register(address, shared.clone()))
             .transpose()?;
         let (started_tx, started_rx) = mpsc::channel();
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let start_timeout = config.start_timeout;
         let (gate_tx, gate_rx) = mpsc::channel();
         let gate = (start == Start::Held).then_some(gate_rx);
         let (address_tx, address_rx) = mpsc::channel();
         let coordinator_shared = shared.clone();
+        let coordinator_abandoned = abandoned.clone();
         let thread = std::thread::Builder::new()
             .name("rtflow-coord".into())
             .spawn(move || {
@@ -134,6 +138,7 @@ impl StreamingQuery {
                         recovery,
                         started: started_tx,
                         gate,
+                        abandoned: coordinator_abandoned,
                     };
                     let address = Coordinator::new(coordinator_shared, startup).start();
                     let _ = address_tx.send(address);
@@ -148,7 +153,18 @@ impl StreamingQuery {
         let coordinator = address_rx
             .recv()
             .expect("the coordinator thread sends its address");
-        let started = started_rx.recv().unwrap_or(Err(RtflowError::Cancelled));
+        let started = match started_rx.recv_timeout(start_timeout) {
+            Ok(started) => started,
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(RtflowError::Cancelled),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                // The coordinator is stuck in user code: leave its thread to
+                // finish and drop what it made, as the flag tells it.
+                abandoned.store(true, Ordering::SeqCst);
+                return Err(RtflowError::StartTimeout {
+                    waited: format!("{start_timeout:?}"),
+                });
+            }
+        };
         let query = Self {
             shared,
             coordinator,

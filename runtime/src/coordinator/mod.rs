@@ -16,7 +16,7 @@
 mod epochs;
 
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -84,6 +84,9 @@ pub(crate) struct Startup {
     /// For a held start: once the actors are wired, `started` says so, and
     /// they run only when this gate opens (a gate dropped abandons the start).
     pub(crate) gate: Option<mpsc::Receiver<()>>,
+    /// Raised when `start()` stopped waiting ([`QueryConfig::start_timeout`]):
+    /// whatever the wiring made is dropped, nothing runs.
+    pub(crate) abandoned: Arc<AtomicBool>,
 }
 
 /// The checkpoint location of a starting query.
@@ -185,6 +188,7 @@ impl Coordinator {
             recovery,
             started,
             gate,
+            abandoned,
             ..
         } = startup;
         let Recovery {
@@ -261,6 +265,9 @@ impl Coordinator {
         if let Some(gate) = gate {
             let _ = started.send(Ok(()));
             gate.recv().map_err(|_| RtflowError::Cancelled)?;
+        }
+        if abandoned.load(Ordering::SeqCst) {
+            return Err(RtflowError::Cancelled);
         }
         self.checkpoints = Some(Checkpoints {
             store: location.into_store(&config, &query_id)?,
