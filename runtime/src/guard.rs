@@ -4,13 +4,14 @@
 //!
 //! Where user code runs on an actor or the coordinator, it runs under the
 //! guard of its place: a panic becomes the typed error of that operator,
-//! source or sink (with the hook and the panic's message), and an error the
-//! code returns is made to say where it came from.
+//! source or sink (with the panic's message, and for start-time code the
+//! hook), and an error the code returns is made to say where it came from.
 //!
 //! Start-time hooks run under `Place::run`, which catches. The per-record
 //! hooks run under `Place::watch` instead: catching there would cost a call
 //! the compiler cannot inline per record (half the chained throughput), and
-//! a guard with a `Drop` a landing pad per call (a tenth of a window's). A
+//! a guard with a `Drop` would add a landing pad per call (a tenth of a
+//! window benchmark's throughput). A
 //! watched hook only marks its place as running on the thread, and restores
 //! the outer one when it returns; a panic leaves the innermost marked. The
 //! actor's loop catches the panic once, outside the records, and fails with
