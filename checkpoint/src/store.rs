@@ -550,9 +550,10 @@ impl CheckpointStore {
                         .map_err(|e| e.to_string())
                 })
                 .unwrap_or_else(|panic| {
-                    let message = (panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .or_else(|| panic.downcast_ref::<String>().cloned());
-                    Err(format!("thread 'rtflow-compact' panicked: {message:?}"))
+                    let message = (panic.downcast_ref::<&str>().copied())
+                        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                        .unwrap_or("(no message)");
+                    Err(format!("thread 'rtflow-compact' panicked: {message}"))
                 });
                 let _ = sender.send(folded);
             })
