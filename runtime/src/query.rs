@@ -2,7 +2,6 @@
 
 use std::io::Write;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -12,7 +11,9 @@ use rtflow_checkpoint::{CheckpointStore, Recovery};
 use uuid::Uuid;
 
 use crate::config::QueryConfig;
-use crate::coordinator::{CheckpointNow, Coordinator, Crash, Location, Startup, StopQuery};
+use crate::coordinator::{
+    CheckpointNow, Coordinator, Crash, Location, StartClaim, Startup, StopQuery,
+};
 use crate::endpoint::{register, Registration};
 use crate::error::{Result, RtflowError};
 use crate::graph::Graph;
@@ -118,13 +119,13 @@ impl StreamingQuery {
             .map(|address| register(address, shared.clone()))
             .transpose()?;
         let (started_tx, started_rx) = mpsc::channel();
-        let abandoned = Arc::new(AtomicBool::new(false));
+        let claim = Arc::new(StartClaim::default());
         let start_timeout = config.start_timeout;
         let (gate_tx, gate_rx) = mpsc::channel();
         let gate = (start == Start::Held).then_some(gate_rx);
         let (address_tx, address_rx) = mpsc::channel();
         let coordinator_shared = shared.clone();
-        let coordinator_abandoned = abandoned.clone();
+        let coordinator_claim = claim.clone();
         let thread = std::thread::Builder::new()
             .name("rtflow-coord".into())
             .spawn(move || {
@@ -138,7 +139,7 @@ impl StreamingQuery {
                         recovery,
                         started: started_tx,
                         gate,
-                        abandoned: coordinator_abandoned,
+                        claim: coordinator_claim,
                     };
                     let address = Coordinator::new(coordinator_shared, startup).start();
                     let _ = address_tx.send(address);
@@ -156,13 +157,17 @@ impl StreamingQuery {
         let started = match started_rx.recv_timeout(start_timeout) {
             Ok(started) => started,
             Err(mpsc::RecvTimeoutError::Disconnected) => Err(RtflowError::Cancelled),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                // The coordinator is stuck in user code: leave its thread to
-                // finish and drop what it made, as the flag tells it.
-                abandoned.store(true, Ordering::SeqCst);
+            // The coordinator is stuck in user code: leave its thread to
+            // finish and drop what it made, as the claim tells it.
+            Err(mpsc::RecvTimeoutError::Timeout) if claim.abandon() => {
                 return Err(RtflowError::StartTimeout {
                     waited: format!("{start_timeout:?}"),
                 });
+            }
+            // It has just claimed the start and runs the actors: its answer
+            // follows at once.
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                started_rx.recv().unwrap_or(Err(RtflowError::Cancelled))
             }
         };
         let query = Self {

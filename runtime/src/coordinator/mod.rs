@@ -16,7 +16,7 @@
 mod epochs;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -84,9 +84,40 @@ pub(crate) struct Startup {
     /// For a held start: once the actors are wired, `started` says so, and
     /// they run only when this gate opens (a gate dropped abandons the start).
     pub(crate) gate: Option<mpsc::Receiver<()>>,
-    /// Raised when `start()` stopped waiting ([`QueryConfig::start_timeout`]):
-    /// whatever the wiring made is dropped, nothing runs.
-    pub(crate) abandoned: Arc<AtomicBool>,
+    /// Whether the actors may run, or `start()` stopped waiting for them
+    /// ([`QueryConfig::start_timeout`]): then whatever the wiring made is
+    /// dropped, and nothing runs.
+    pub(crate) claim: Arc<StartClaim>,
+}
+
+/// Who settles a start: the coordinator, by running the actors once they are
+/// wired, or `start()`, by giving up waiting for them; whichever claims it
+/// first. The other follows: an abandoned start never runs, and a start
+/// whose actors run is waited for.
+#[derive(Default)]
+pub(crate) struct StartClaim(AtomicU8);
+
+impl StartClaim {
+    const WAITING: u8 = 0;
+    const RUNNING: u8 = 1;
+    const ABANDONED: u8 = 2;
+
+    /// The coordinator claims the start to run its actors.
+    pub(crate) fn run(&self) -> bool {
+        self.claim(Self::RUNNING)
+    }
+
+    /// `start()` claims the start to give it up.
+    pub(crate) fn abandon(&self) -> bool {
+        self.claim(Self::ABANDONED)
+    }
+
+    fn claim(&self, outcome: u8) -> bool {
+        let claimed =
+            self.0
+                .compare_exchange(Self::WAITING, outcome, Ordering::SeqCst, Ordering::SeqCst);
+        claimed.is_ok()
+    }
 }
 
 /// The checkpoint location of a starting query.
@@ -188,7 +219,7 @@ impl Coordinator {
             recovery,
             started,
             gate,
-            abandoned,
+            claim,
             ..
         } = startup;
         let Recovery {
@@ -266,7 +297,7 @@ impl Coordinator {
             let _ = started.send(Ok(()));
             gate.recv().map_err(|_| RtflowError::Cancelled)?;
         }
-        if abandoned.load(Ordering::SeqCst) {
+        if !claim.run() {
             return Err(RtflowError::Cancelled);
         }
         self.checkpoints = Some(Checkpoints {
@@ -741,5 +772,20 @@ fn yield_to_actors() {
     unsafe {
         let param = libc::sched_param { sched_priority: 0 };
         libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StartClaim;
+
+    #[test]
+    fn a_start_is_claimed_once_by_whichever_comes_first() {
+        let run_first = StartClaim::default();
+        assert!(run_first.run());
+        assert!(!run_first.abandon(), "running actors are waited for");
+        let abandoned_first = StartClaim::default();
+        assert!(abandoned_first.abandon());
+        assert!(!abandoned_first.run(), "an abandoned start never runs");
     }
 }
