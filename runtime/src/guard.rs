@@ -48,24 +48,8 @@ impl Place {
     /// error; an error it returns is [`located`](Self::locate) here.
     #[inline]
     pub(crate) fn run<T>(&self, hook: &str, body: impl FnOnce() -> Result<T>) -> Result<T> {
-        self.settle(hook, catch(body), false)
-    }
-
-    /// What `hook` of this place's user code came to, [caught](catch): a
-    /// panic becomes this place's error, an error it returned is
-    /// [`located`](Self::locate) here, unless it came from further
-    /// downstream (`from_downstream`: the hook pushed into the next operator,
-    /// which failed), which already says where and passes through.
-    #[inline]
-    pub(crate) fn settle<T>(
-        &self,
-        hook: &str,
-        caught: std::thread::Result<Result<T>>,
-        from_downstream: bool,
-    ) -> Result<T> {
-        match caught {
+        match catch(body) {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) if from_downstream => Err(error),
             Ok(Err(error)) => Err(locate(error, self)),
             Err(panic) => Err(self.failed(format!("panicked in {hook}: {}", message(&*panic)))),
         }
@@ -206,12 +190,22 @@ pub(crate) fn catch<T>(body: impl FnOnce() -> Result<T>) -> std::thread::Result<
 /// assert!(error.to_string().contains("'rtflow-cluster'"));
 /// ```
 pub fn engine<T>(thread: &str, body: impl FnOnce() -> Result<T>) -> Result<T> {
-    catch(body).unwrap_or_else(|panic| {
-        Err(RtflowError::Internal {
-            thread: thread.to_owned(),
-            message: format!("panicked: {}", message(&*panic)),
-        })
-    })
+    catch(body).unwrap_or_else(|panic| Err(internal(thread, &*panic)))
+}
+
+/// The `INTERNAL_ERROR` of the engine's thread `thread` that panicked with
+/// `panic` (see [`engine`]).
+///
+/// ```
+/// let payload = std::panic::catch_unwind(|| panic!("lost")).unwrap_err();
+/// let error = rtflow_runtime::guard::internal("rtflow-cluster", &*payload);
+/// assert!(error.to_string().contains("'rtflow-cluster': panicked: lost"));
+/// ```
+pub fn internal(thread: &str, panic: &(dyn Any + Send)) -> RtflowError {
+    RtflowError::Internal {
+        thread: thread.to_owned(),
+        message: format!("panicked: {}", message(panic)),
+    }
 }
 
 /// Runs a user's closure that builds a dataflow (a pipeline flow's, a
@@ -315,12 +309,17 @@ mod tests {
 
     #[test]
     fn an_error_from_downstream_passes_through_unchanged() {
-        let place = Place::new(Role::Operator, "map-1", 0);
-        let downstream = RtflowError::Checkpoint("cannot encode".into());
-        let error = place
-            .settle::<()>("process", catch(|| Err(downstream.clone())), true)
+        let (upstream, downstream) = (
+            Place::new(Role::Operator, "map-1", 0),
+            Place::new(Role::Operator, "window-2", 0),
+        );
+        let error = upstream
+            .watch(|| {
+                downstream.watch::<()>(|| Err(RtflowError::Checkpoint("cannot encode".into())))
+            })
             .unwrap_err();
-        assert_eq!(error, downstream);
+        let located = "cannot encode (in operator 'window-2', subtask 0)";
+        assert_eq!(error, RtflowError::Checkpoint(located.into()));
     }
 
     #[test]

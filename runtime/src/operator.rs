@@ -246,14 +246,17 @@ pub(crate) struct Chained<O, In, Out> {
 }
 
 impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
+    /// The operator `make` makes in `ctx`, started: its factory and
+    /// `on_start` run under its place.
     pub(crate) fn start(
-        mut operator: O,
+        make: impl FnOnce(&OperatorContext) -> Result<O>,
         ctx: &OperatorContext,
         next: Box<dyn Emit<Out>>,
         metrics: Arc<OperatorMetrics>,
         snapshots: SnapshotBuffer,
     ) -> Result<Self> {
         let place = Place::new(Role::Operator, &ctx.operator, ctx.subtask);
+        let mut operator = place.run("its factory", || make(ctx))?;
         place.run("on_start", || operator.on_start(ctx))?;
         let mut declared = 0;
         place.run("tables", || {

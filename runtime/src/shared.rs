@@ -3,7 +3,6 @@
 //! reports.
 
 use std::collections::VecDeque;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -81,7 +80,10 @@ impl QueryShared {
     /// skipped, as Spark's listener bus does: the query goes on.
     pub(crate) fn tell_listeners(&self, event: &str, tell: impl Fn(&dyn StreamingQueryListener)) {
         for listener in &self.listeners {
-            let told = catch_unwind(AssertUnwindSafe(|| tell(listener.as_ref())));
+            let told = crate::guard::catch(|| {
+                tell(listener.as_ref());
+                Ok(())
+            });
             if let Err(panic) = told {
                 tracing::error!(
                     query = %self.name,

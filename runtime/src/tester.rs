@@ -105,7 +105,7 @@ impl<In: Send + 'static, Out: Send + 'static> OperatorTester<In, Out> {
         let emitted = Arc::new(Mutex::new(Vec::new()));
         let snapshots = SnapshotBuffer::default();
         let chain = Chained::start(
-            make(&ctx)?,
+            make,
             &ctx,
             Box::new(Recorder(emitted.clone())),
             Arc::new(OperatorMetrics::default()),

@@ -158,10 +158,8 @@ where
         snapshots: SnapshotBuffer,
     ) -> Result<AnyBox> {
         let next: Box<dyn Emit<Out>> = unbox(next);
-        let place = Place::new(Role::Operator, &ctx.operator, ctx.subtask);
-        let operator = place.run("its factory", || (self.factory)(ctx))?;
         let chained = Chained::start(
-            operator,
+            &self.factory,
             ctx,
             next,
             metrics.operator(&ctx.operator, ctx.subtask, Role::Operator),

@@ -622,9 +622,9 @@ fn check_compatible(manifest: &Manifest, plan: &Plan, config: &QueryConfig) -> R
     Ok(())
 }
 
-/// Runs one actor body. User code runs under the guards of its places, so
-/// the errors it ends with say where already; a panic outside them is blamed
-/// on the actor's chain of operators.
+/// Runs one actor body. Its loop catches what its user code raises, so the
+/// errors it ends with say where already; a panic outside the loop is
+/// blamed on the actor's chain of operators.
 fn run_actor(actor: ActorSpec) -> Result<()> {
     let ActorSpec {
         label,
@@ -632,8 +632,12 @@ fn run_actor(actor: ActorSpec) -> Result<()> {
         main,
         ..
     } = actor;
-    let ended = guard::catch(main);
-    Place::new(Role::Operator, label, subtask).settle("the actor", ended, true)
+    guard::catch(main).unwrap_or_else(|panic| {
+        Err(guard::blamed(
+            &*panic,
+            &Place::new(Role::Operator, label, subtask),
+        ))
+    })
 }
 
 impl Actor for Coordinator {

@@ -158,12 +158,9 @@ impl ClusteredQuery {
     fn join(&self) -> Result<()> {
         let mut ended = lock(&self.ended);
         if let Some(thread) = lock(&self.thread).take() {
-            let outcome = thread.join().unwrap_or_else(|panic| {
-                Err(RtflowError::Internal {
-                    thread: RUNNER_THREAD.into(),
-                    message: format!("panicked: {}", guard::message(&*panic)),
-                })
-            });
+            let outcome = thread
+                .join()
+                .unwrap_or_else(|panic| Err(guard::internal(RUNNER_THREAD, &*panic)));
             *ended = Some(outcome);
         }
         ended.clone().unwrap_or(Ok(()))
