@@ -51,6 +51,62 @@ pub struct UpstreamProgress {
     pub watermark: Option<EventTime>,
 }
 
+/// What a writer of a repartition has yet to tell its partitions of its
+/// input's event time, told once per epoch after the epoch's records.
+///
+/// A watermark reached and an idleness begun within one epoch are both told,
+/// in that order: told only the idleness, readers would never learn the
+/// watermark the writer's records were judged by before it went quiet.
+///
+/// ```
+/// use rtflow_runtime::cluster::WriterProgress;
+/// let mut progress = WriterProgress::default();
+/// progress.watermark(10);
+/// progress.idle();
+/// assert_eq!(progress.to_tell(), [Some(10), None]);
+/// assert_eq!(progress.to_tell(), [], "nothing changed since");
+/// progress.watermark(10);
+/// assert_eq!(progress.to_tell(), [Some(10)], "active again, at the same watermark");
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WriterProgress {
+    watermark: Option<EventTime>,
+    idle: bool,
+    told_watermark: Option<EventTime>,
+    told_idle: bool,
+}
+
+impl WriterProgress {
+    /// The input's watermark is `watermark`: it is active.
+    pub fn watermark(&mut self, watermark: EventTime) {
+        self.watermark = Some(watermark);
+        self.idle = false;
+    }
+
+    /// The input went idle.
+    pub fn idle(&mut self) {
+        self.idle = true;
+    }
+
+    /// What to tell since the last call, in order: a watermark (`Some`),
+    /// then whether the input went idle (`None`).
+    pub fn to_tell(&mut self) -> Vec<Option<EventTime>> {
+        let mut tell = Vec::new();
+        let resumed = self.told_idle && !self.idle;
+        if let Some(watermark) = self.watermark {
+            if resumed || self.told_watermark != Some(watermark) {
+                tell.push(Some(watermark));
+            }
+        }
+        if self.idle && !self.told_idle {
+            tell.push(None);
+        }
+        self.told_watermark = self.watermark;
+        self.told_idle = self.idle;
+        tell
+    }
+}
+
 /// What a process of a clustered query resumes from.
 #[derive(Debug, Clone, Default)]
 pub struct ClusterRecovery {

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
-use rtflow_runtime::cluster::{EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks};
+use rtflow_runtime::cluster::{
+    EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks, WriterProgress,
+};
 use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::key_groups::key_group;
 use rtflow_runtime::{
@@ -141,8 +143,7 @@ impl Sink<Exchanged> for ExchangeSink {
             key_groups: self.settings.key_groups,
             upstream: ctx.upstream_partitions,
             source_partitions: ctx.source_partitions.clone(),
-            progress: None,
-            told: None,
+            progress: WriterProgress::default(),
         }))
     }
 }
@@ -153,37 +154,32 @@ struct ExchangeWriter {
     key_groups: usize,
     upstream: u32,
     source_partitions: Vec<u32>,
-    /// The input's event time now: a watermark, or `None` when idle.
-    progress: Option<Option<EventTime>>,
-    /// The event time last told to the partitions.
-    told: Option<Option<EventTime>>,
+    progress: WriterProgress,
 }
 
 impl ExchangeWriter {
     /// Tells every partition how far this writer's source partitions are, if
     /// that changed since it last did.
     fn tell_progress(&mut self) {
-        if self.progress == self.told || self.source_partitions.is_empty() {
+        if self.source_partitions.is_empty() {
             return;
         }
-        let Some(watermark) = self.progress else {
-            return;
-        };
-        let value = encode(&Wire::Progress(UpstreamProgress {
-            upstream: self.upstream,
-            partitions: self.source_partitions.clone(),
-            watermark,
-        }));
-        for partition in 0..self.partitions {
-            self.staging.push(KafkaMessage {
-                topic: None,
-                partition: Some(partition as i32),
-                key: None,
-                value: Some(value.clone().into()),
-                headers: Vec::new(),
-            });
+        for watermark in self.progress.to_tell() {
+            let value = encode(&Wire::Progress(UpstreamProgress {
+                upstream: self.upstream,
+                partitions: self.source_partitions.clone(),
+                watermark,
+            }));
+            for partition in 0..self.partitions {
+                self.staging.push(KafkaMessage {
+                    topic: None,
+                    partition: Some(partition as i32),
+                    key: None,
+                    value: Some(value.clone().into()),
+                    headers: Vec::new(),
+                });
+            }
         }
-        self.told = self.progress;
     }
 }
 
@@ -207,12 +203,12 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
     }
 
     fn on_watermark(&mut self, watermark: EventTime) -> Result<()> {
-        self.progress = Some(Some(watermark));
+        self.progress.watermark(watermark);
         Ok(())
     }
 
     fn on_idle(&mut self) -> Result<()> {
-        self.progress = Some(None);
+        self.progress.idle();
         Ok(())
     }
 
@@ -401,7 +397,6 @@ impl SourceReader<Exchanged> for ExchangeReader {
             self.tell(out);
         }
         let mut waited = max_wait.is_zero();
-        let mut progressed = false;
         while out.remaining() > 0 {
             match self.consumer.poll(Duration::ZERO) {
                 None if waited => break,
@@ -448,8 +443,12 @@ impl SourceReader<Exchanged> for ExchangeReader {
                             );
                         }
                         Wire::Progress(progress) => {
+                            // The poll ends here: what it tells travels after
+                            // its records, and must precede the records of the
+                            // epochs after it, as in one process.
                             partition.watermarks.update(&progress);
-                            progressed = true;
+                            self.tell(out);
+                            break;
                         }
                     }
                 }
@@ -459,9 +458,6 @@ impl SourceReader<Exchanged> for ExchangeReader {
                 }
             }
             waited = true;
-        }
-        if progressed {
-            self.tell(out);
         }
         Ok(SourceStatus::Active)
     }
