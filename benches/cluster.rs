@@ -33,6 +33,18 @@
 //!   which seconds per GB of changelog follow. The processes have no
 //!   checkpoint location, hence no local copies of the changelog: the
 //!   restore reads all of it from Kafka (`local_bytes` is 0).
+//! * **failover**: three processes count `--failover-keys` (default 40) keys,
+//!   each updated every 250 ms, and a read_committed consumer notes when each
+//!   key's updates arrive. Once the output flows from all three, process `p1`
+//!   is SIGKILLed; in the `restart` scenario a process of the same name starts
+//!   at once, in `gone` none ever does. Reported: the longest gap between a
+//!   key's consecutive updates from 2 s before the kill to 30 s after it,
+//!   p50 / p99 / max over the keys (the dead process's open transaction holds
+//!   back every partition it wrote to, so every key can stall, not only those
+//!   it owned), beside the longest gap before the kill and the session
+//!   timeout (6 s) that bounds how soon the group drops a dead process.
+//!
+//! `--sections` picks the measurements (default all three).
 //!
 //! Every figure is one JSON line on stdout; the command and a summary table go
 //! to stderr. The bench's consumers and producers share the machine's cores
@@ -45,14 +57,17 @@
 //! scripts/kafka.sh start
 //! cargo bench --bench cluster
 //! cargo bench --bench cluster -- --bootstrap 127.0.0.1:9092 --records 300000 --runs 3 \
-//!     --processes 1,2,3 --keys 1000 --restore-keys 200000
+//!     --processes 1,2,3 --keys 1000 --restore-keys 200000 --failover-keys 40 \
+//!     --sections throughput,restore,failover
 //! ```
 //!
 //! The broker is `--bootstrap`, else `$RTFLOW_KAFKA_BOOTSTRAP`, else 127.0.0.1:9092.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
@@ -76,6 +91,14 @@ const RESTORE_KEY_BYTES: usize = 100;
 const COMMIT_INTERVAL: Duration = Duration::from_millis(300);
 /// How long a measurement may take before the bench gives up on it.
 const RUN_TIMEOUT: Duration = Duration::from_secs(180);
+/// How often each key of the failover measurement is updated.
+const FAILOVER_TICK: Duration = Duration::from_millis(250);
+/// How long the failover measurement watches the output after the kill.
+const FAILOVER_WATCH: Duration = Duration::from_secs(30);
+/// How long no process may have started a run before the kill.
+const SETTLED: Duration = Duration::from_secs(8);
+/// The group's session timeout, KafkaCluster's default.
+const SESSION_TIMEOUT: Duration = Duration::from_secs(6);
 /// How long a Kafka client call may block.
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -103,9 +126,26 @@ struct Args {
     /// Distinct keys (one record each) of the restore measurement's state.
     #[arg(long, default_value_t = 200_000, value_parser = clap::value_parser!(u64).range(1..))]
     restore_keys: u64,
+    /// Keys of the failover measurement, each updated every 250 ms.
+    #[arg(long, default_value_t = 40, value_parser = clap::value_parser!(u64).range(1..))]
+    failover_keys: u64,
+    /// The measurements to run.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "throughput,restore,failover"
+    )]
+    sections: Vec<Section>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Section {
+    Throughput,
+    Restore,
+    Failover,
 }
 
 fn default_bootstrap() -> String {
@@ -364,6 +404,19 @@ impl Processes {
             .stderr(log)
             .spawn()?;
         self.children.push((instance.to_owned(), child));
+        Ok(())
+    }
+
+    /// SIGKILLs the process `instance`.
+    fn kill(&mut self, instance: &str) -> BenchResult<()> {
+        let index = self
+            .children
+            .iter()
+            .position(|(name, _)| name == instance)
+            .ok_or_else(|| format!("no process {instance}"))?;
+        let (_, mut child) = self.children.remove(index);
+        child.kill()?;
+        child.wait()?;
         Ok(())
     }
 
@@ -696,6 +749,146 @@ fn restore(args: &Args) -> BenchResult<Restore> {
     })
 }
 
+/// What a failover cost: per key, the longest gap between consecutive
+/// updates around the kill, in seconds.
+struct Failover {
+    stalls: Vec<f64>,
+    /// The longest gap of any key in the seconds before the kill.
+    steady: f64,
+}
+
+/// Three processes count keys updated every [`FAILOVER_TICK`]; `p1` is killed,
+/// and with `restart` started again at once under its name.
+fn failover(args: &Args, restart: bool) -> BenchResult<Failover> {
+    let scenario = if restart { "restart" } else { "gone" };
+    let topics = Topics::create(&args.bootstrap, &format!("failover-{scenario}"))?;
+    let mut processes = Processes::new(&args.bootstrap, &topics)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let pacer = {
+        let (bootstrap, input, stop) = (args.bootstrap.clone(), topics.input.clone(), stop.clone());
+        let keys = args.failover_keys;
+        std::thread::spawn(move || update_keys(&bootstrap, &input, keys, &stop))
+    };
+    let spawned = Instant::now();
+    for p in 0..3 {
+        processes.spawn(&format!("p{p}"))?;
+    }
+    let consumer = reader(&args.bootstrap, &topics.output)?;
+    let mut arrivals: HashMap<Vec<u8>, Vec<Instant>> = HashMap::new();
+    let mut read_until = |until: Instant, processes: &mut Processes| -> BenchResult<()> {
+        while Instant::now() < until {
+            if let Some(message) = consumer.poll(Duration::from_millis(20)) {
+                let message = message?;
+                let key = message.key().unwrap_or_default().to_vec();
+                arrivals.entry(key).or_default().push(Instant::now());
+            }
+            processes.check()?;
+        }
+        Ok(())
+    };
+    // Every process runs, and the rebalances of their joining have settled.
+    while (0..3).any(|p| processes.status(&format!("p{p}")).runs == 0) {
+        if spawned.elapsed() > RUN_TIMEOUT {
+            return Err(format!(
+                "the processes did not start:
+{}",
+                logs(&processes.dir)
+            )
+            .into());
+        }
+        read_until(Instant::now() + Duration::from_millis(100), &mut processes)?;
+    }
+    // Settled: no process started a run for a while.
+    let runs = |processes: &Processes| -> u64 {
+        (0..3)
+            .map(|p| processes.status(&format!("p{p}")).runs)
+            .sum()
+    };
+    let mut settled = (runs(&processes), Instant::now());
+    while settled.1.elapsed() < SETTLED {
+        if spawned.elapsed() > RUN_TIMEOUT {
+            return Err(format!("the processes did not settle:\n{}", logs(&processes.dir)).into());
+        }
+        read_until(Instant::now() + Duration::from_millis(100), &mut processes)?;
+        if runs(&processes) != settled.0 {
+            settled = (runs(&processes), Instant::now());
+        }
+    }
+    let killed = Instant::now();
+    processes.kill("p1")?;
+    if restart {
+        processes.spawn("p1")?;
+    }
+    read_until(killed + FAILOVER_WATCH, &mut processes)?;
+    stop.store(true, Ordering::SeqCst);
+    pacer.join().map_err(|_| "the pacer panicked")??;
+    processes.stop()?;
+    topics.delete(&args.bootstrap)?;
+
+    let from = killed - Duration::from_secs(2);
+    let end = killed + FAILOVER_WATCH;
+    let longest_gap = |times: &[Instant], from: Instant, to: Instant| {
+        let mut last = times
+            .iter()
+            .rev()
+            .find(|t| **t <= from)
+            .copied()
+            .unwrap_or(from);
+        let mut longest = Duration::ZERO;
+        for t in times.iter().filter(|t| **t > from && **t <= to) {
+            longest = longest.max(*t - last);
+            last = *t;
+        }
+        longest.max(to - last).as_secs_f64()
+    };
+    let stalls = (0..args.failover_keys)
+        .map(|k| {
+            let times = arrivals
+                .get(format!("k{k}").as_bytes())
+                .map_or(&[][..], Vec::as_slice);
+            longest_gap(times, from, end)
+        })
+        .collect();
+    let steady = arrivals
+        .values()
+        .map(|times| longest_gap(times, killed - SETTLED + Duration::from_secs(2), from))
+        .fold(0.0, f64::max);
+    Ok(Failover { stalls, steady })
+}
+
+/// Writes one update of each of `keys` keys every [`FAILOVER_TICK`] until
+/// `stop`, each key to its own partition.
+fn update_keys(bootstrap: &str, topic: &str, keys: u64, stop: &AtomicBool) -> BenchResult<()> {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("linger.ms", "1")
+        .create()?;
+    let mut next = Instant::now();
+    let started = SystemTime::now();
+    while !stop.load(Ordering::SeqCst) {
+        let time = started.elapsed()?.as_millis().to_string();
+        for k in 0..keys {
+            let key = format!("k{k}");
+            let record = BaseRecord::to(topic)
+                .partition((k % PARTITIONS as u64) as i32)
+                .key(&key)
+                .payload(&time);
+            producer.send(record).map_err(|(e, _)| e)?;
+        }
+        producer.poll(Duration::ZERO);
+        next += FAILOVER_TICK;
+        std::thread::sleep(next.saturating_duration_since(Instant::now()));
+    }
+    producer.flush(KAFKA_TIMEOUT)?;
+    Ok(())
+}
+
+/// Percentile `p` of sorted `values`.
+fn percentile(values: &[f64], p: f64) -> f64 {
+    let rank = ((p / 100.0) * values.len() as f64).ceil() as usize;
+    values[rank.clamp(1, values.len()) - 1]
+}
+
 /// Median and range.
 struct Spread {
     median: f64,
@@ -741,20 +934,44 @@ fn main() -> BenchResult<()> {
     }
     let args = Args::parse();
     let processes: Vec<String> = args.processes.iter().map(u64::to_string).collect();
+    let sections: Vec<String> = args
+        .sections
+        .iter()
+        .map(|s| format!("{s:?}").to_lowercase())
+        .collect();
     eprintln!(
         "command: cargo bench --bench cluster -- --bootstrap {} --records {} --runs {} \
-         --processes {} --keys {} --restore-keys {}",
+         --processes {} --keys {} --restore-keys {} --failover-keys {} --sections {}",
         args.bootstrap,
         args.records,
         args.runs,
         processes.join(","),
         args.keys,
-        args.restore_keys
+        args.restore_keys,
+        args.failover_keys,
+        sections.join(",")
     );
     let mut summary = Vec::new();
+    if args.sections.contains(&Section::Throughput) {
+        throughput(&args, &mut summary)?;
+    }
+    if args.sections.contains(&Section::Restore) {
+        summary.push(restored(&args)?);
+    }
+    if args.sections.contains(&Section::Failover) {
+        failovers(&args, &mut summary)?;
+    }
+    eprintln!();
+    for line in summary {
+        eprintln!("{line}");
+    }
+    Ok(())
+}
 
+/// The throughput section: Kafka's own figures, then the query's.
+fn throughput(args: &Args, summary: &mut Vec<String>) -> BenchResult<()> {
     let kafka = (0..args.runs)
-        .map(|_| kafka_run(&args))
+        .map(|_| kafka_run(args))
         .collect::<BenchResult<Vec<_>>>()?;
     let [produced, read, copied] = [
         |r: &KafkaRun| r.produce,
@@ -771,6 +988,14 @@ fn main() -> BenchResult<()> {
         read.json("read_records_per_s", 0),
         copied.json("transactional_copy_records_per_s", 0),
     );
+    summary.push(format!(
+        "{} records of {PARTITIONS} partitions, {} keys; median (range) of {} runs",
+        args.records, args.keys, args.runs
+    ));
+    summary.push(format!(
+        "{:<28}{:>30}{:>22}{:>22}{:>30}",
+        "pipeline", "records/s", "first run s", "first output s", "records/s from first run"
+    ));
     summary.push(format!("{:<28}{:>30}", "kafka produce", produced.text(0)));
     summary.push(format!("{:<28}{:>30}", "kafka read", read.text(0)));
     summary.push(format!(
@@ -783,7 +1008,7 @@ fn main() -> BenchResult<()> {
     let mut runs: Vec<Vec<ClusterRun>> = args.processes.iter().map(|_| Vec::new()).collect();
     for _ in 0..args.runs {
         for (n, runs) in args.processes.iter().zip(&mut runs) {
-            runs.push(cluster_run(&args, *n)?);
+            runs.push(cluster_run(args, *n)?);
         }
     }
     for (n, runs) in args.processes.iter().zip(&runs) {
@@ -820,8 +1045,12 @@ fn main() -> BenchResult<()> {
             running.text(0)
         ));
     }
+    Ok(())
+}
 
-    let restore = restore(&args)?;
+/// The restore section; its summary line.
+fn restored(args: &Args) -> BenchResult<String> {
+    let restore = restore(args)?;
     let status = &restore.status;
     let seconds = status.restore.as_secs_f64();
     let gb = status.changelog_bytes as f64 / 1e9;
@@ -839,25 +1068,65 @@ fn main() -> BenchResult<()> {
         rate(args.restore_keys, restore.counted.last),
         restore.counted.duplicates,
     );
-
-    eprintln!(
-        "\n{} records of {PARTITIONS} partitions, {} keys; median (range) of {} runs",
-        args.records, args.keys, args.runs
-    );
-    eprintln!(
-        "{:<28}{:>30}{:>22}{:>22}{:>30}",
-        "pipeline", "records/s", "first run s", "first output s", "records/s from first run"
-    );
-    for line in summary {
-        eprintln!("{line}");
-    }
-    eprintln!(
+    Ok(format!(
         "restore: {} keys of {RESTORE_KEY_BYTES} bytes, {:.1} MB of changelog over {} \
          partitions in {seconds:.3} s: {:.1} s/GB",
         args.restore_keys,
         status.changelog_bytes as f64 / 1e6,
         status.restored_partitions,
         seconds / gb
-    );
+    ))
+}
+
+/// The failover section: each scenario `--runs` times, interleaved.
+fn failovers(args: &Args, summary: &mut Vec<String>) -> BenchResult<()> {
+    let mut runs: [Vec<Failover>; 2] = Default::default();
+    for _ in 0..args.runs {
+        for (restart, runs) in [true, false].into_iter().zip(&mut runs) {
+            runs.push(failover(args, restart)?);
+        }
+    }
+    summary.push(format!(
+        "failover of 3 processes, {} keys updated every {} ms, session timeout {} s: \
+         a key's longest gap in s, median (range) of {} runs",
+        args.failover_keys,
+        FAILOVER_TICK.as_millis(),
+        SESSION_TIMEOUT.as_secs(),
+        args.runs
+    ));
+    summary.push(format!(
+        "{:<28}{:>22}{:>22}{:>22}{:>22}",
+        "scenario", "p50", "p99", "max", "before the kill"
+    ));
+    for (scenario, runs) in ["restart", "gone"].into_iter().zip(&runs) {
+        let of = |p: f64| {
+            Spread::of(runs.iter().map(|r| {
+                let mut stalls = r.stalls.clone();
+                stalls.sort_by(f64::total_cmp);
+                percentile(&stalls, p)
+            }))
+        };
+        let (p50, p99, max) = (of(50.0), of(99.0), of(100.0));
+        let steady = Spread::of(runs.iter().map(|r| r.steady));
+        println!(
+            "{{\"bench\":\"cluster\",\"pipeline\":\"failover\",\"scenario\":\"{scenario}\",\
+             \"keys\":{},\"runs\":{},\"session_timeout_s\":{},{},{},{},{}}}",
+            args.failover_keys,
+            args.runs,
+            SESSION_TIMEOUT.as_secs(),
+            p50.json("stall_p50_s", 2),
+            p99.json("stall_p99_s", 2),
+            max.json("stall_max_s", 2),
+            steady.json("steady_max_gap_s", 2),
+        );
+        summary.push(format!(
+            "{:<28}{:>22}{:>22}{:>22}{:>22}",
+            format!("SIGKILL, {scenario}"),
+            p50.text(2),
+            p99.text(2),
+            max.text(2),
+            steady.text(2)
+        ));
+    }
     Ok(())
 }

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Runs rtflow's whole test suite: unit, integration and doc tests of every crate,
-# and builds the examples. The Kafka tests run against a real Apache Kafka broker:
-# this script installs and starts one with scripts/kafka.sh (Java 17 and Maven
-# needed), or reuses one already started from this checkout, and stops what it
-# started when the tests end. CI runs it through .ci/run.
+# and builds the examples. The Kafka tests run against a real Apache Kafka broker,
+# and one test against a replicated cluster of three: this script installs and
+# starts them with scripts/kafka.sh (Java 17 and Maven needed), or reuses those
+# already started from this checkout, and stops what it started when the tests
+# end. CI runs it through .ci/run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# What this script started, stopped when it exits.
+stops=""
+stop_at_exit() { stops+="$*; "; trap "$stops" EXIT; }
 
 if status="$(scripts/kafka.sh status 2>&1)"; then
     port="${status##*127.0.0.1:}"
@@ -13,9 +18,21 @@ if status="$(scripts/kafka.sh status 2>&1)"; then
 else
     port="${RTFLOW_KAFKA_PORT:-9092}"
     RTFLOW_KAFKA_PORT="$port" scripts/kafka.sh start
-    trap 'scripts/kafka.sh stop' EXIT
+    stop_at_exit scripts/kafka.sh stop
 fi
 export RTFLOW_KAFKA_BOOTSTRAP="127.0.0.1:$port"
+
+# A replicated cluster of three brokers (RTFLOW_KAFKA_CLUSTER_PORT and the five
+# ports after it) for the test that crashes a broker under a clustered query.
+cluster=(env RTFLOW_KAFKA_NODES=3 RTFLOW_KAFKA_PORT="${RTFLOW_KAFKA_CLUSTER_PORT:-19092}")
+if "${cluster[@]}" scripts/kafka.sh status >/dev/null 2>&1; then
+    echo "test.sh: reusing the running replicated Kafka cluster"
+else
+    "${cluster[@]}" scripts/kafka.sh start
+    stop_at_exit "${cluster[@]}" scripts/kafka.sh stop
+fi
+RTFLOW_KAFKA_CLUSTER_BOOTSTRAP="$("${cluster[@]}" scripts/kafka.sh bootstrap)"
+export RTFLOW_KAFKA_CLUSTER_BOOTSTRAP
 
 # promtool (Debian package prometheus, ~20 MB) lints /metrics in
 # tests/observability.rs. Without apt, root or network the install fails with a

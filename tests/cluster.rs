@@ -5,6 +5,11 @@
 //! Three processes start; one is killed with SIGKILL while input flows, and one
 //! is started again under its name. The read_committed output of both counts
 //! must equal the batch reference, each output record exactly once.
+//!
+//! On a replicated three-broker Kafka (`RTFLOW_KAFKA_CLUSTER_BOOTSTRAP`, which
+//! scripts/test.sh starts), three processes count through the SIGKILL of the
+//! broker that leads partitions of every topic of the query and coordinates
+//! a process's transactions, and through its restart.
 
 mod common;
 
@@ -16,6 +21,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::kafka::{bootstrap, consume, produce, topic};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseProducer, Producer};
+use rdkafka::ClientConfig;
 use rtflow::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -172,6 +180,8 @@ fn cluster_child() {
     let Ok(spec) = std::env::var(CHILD_SPEC) else {
         return;
     };
+    // Its warnings go to its log, which a failing test shows.
+    rtflow::logging::init("warn");
     let [bootstrap, query, input, counts, windows, instance, stop]: [String; 7] = spec
         .split(' ')
         .map(str::to_owned)
@@ -445,6 +455,167 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     );
     cluster.stop_all();
     // Whatever the last commits added is read too.
+    let (counts, windows) =
+        cluster.outputs(counts.len() + 1, windows.len() + 1, Duration::from_secs(3));
+    let logs = cluster.logs();
+    check("count per key", &counts, &expected_counts, &logs);
+    check("window count per key", &windows, &expected_windows, &logs);
+}
+
+/// The bootstrap servers of the replicated three-broker cluster, if one runs.
+fn replicated_bootstrap() -> Option<String> {
+    let bootstrap = std::env::var("RTFLOW_KAFKA_CLUSTER_BOOTSTRAP").ok();
+    if bootstrap.is_none() {
+        eprintln!(
+            "skipped: no replicated Kafka cluster; scripts/test.sh starts one \
+             (RTFLOW_KAFKA_NODES=3 scripts/kafka.sh start)"
+        );
+    }
+    bootstrap
+}
+
+/// Runs `scripts/kafka.sh <args>` on the replicated cluster whose first
+/// broker listens at the first address of `bootstrap`.
+fn kafka_sh(bootstrap: &str, args: &[&str]) {
+    let port = bootstrap
+        .split(',')
+        .next()
+        .and_then(|address| address.rsplit(':').next())
+        .expect("a bootstrap address with a port");
+    let status = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kafka.sh"))
+        .args(args)
+        .env("RTFLOW_KAFKA_NODES", "3")
+        .env("RTFLOW_KAFKA_PORT", port)
+        .stdout(Stdio::null())
+        .status()
+        .expect("scripts/kafka.sh runs");
+    assert!(status.success(), "kafka.sh {args:?} failed");
+}
+
+/// Hands every partition back to its preferred leader, so that leadership
+/// is spread over the brokers again after an earlier crash moved it.
+fn elect_preferred_leaders(bootstrap: &str) {
+    kafka_sh(
+        bootstrap,
+        &[
+            "tool",
+            "org.apache.kafka.tools.LeaderElectionCommand",
+            "--bootstrap-server",
+            bootstrap,
+            "--election-type",
+            "PREFERRED",
+            "--all-topic-partitions",
+        ],
+    );
+}
+
+/// The leader of each partition of `topic`, by partition.
+fn leaders(client: &BaseConsumer, topic: &str) -> Vec<i32> {
+    let metadata = client
+        .fetch_metadata(Some(topic), Duration::from_secs(30))
+        .unwrap();
+    let mut partitions: Vec<(i32, i32)> = metadata.topics()[0]
+        .partitions()
+        .iter()
+        .map(|p| (p.id(), p.leader()))
+        .collect();
+    partitions.sort();
+    partitions.into_iter().map(|(_, leader)| leader).collect()
+}
+
+/// The partition of `__transaction_state` (4 partitions, scripts/kafka.sh)
+/// whose leader coordinates `transactional_id`'s transactions, as Kafka
+/// picks it: Java's `String.hashCode`, made positive, modulo the count.
+fn transaction_state_partition(transactional_id: &str) -> usize {
+    let hash = transactional_id
+        .encode_utf16()
+        .fold(0i32, |h, c| h.wrapping_mul(31).wrapping_add(i32::from(c)));
+    let positive = if hash == i32::MIN { 0 } else { hash.abs() };
+    positive as usize % 4
+}
+
+#[test]
+fn three_processes_on_a_replicated_kafka_count_exactly_once_through_a_broker_crash() {
+    let Some(bootstrap) = replicated_bootstrap() else {
+        return;
+    };
+    let mut cluster = Cluster::new(&bootstrap);
+    let client: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .create()
+        .unwrap();
+    // The transaction state topic exists once a transactional producer began.
+    let warm: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .set("transactional.id", format!("{}-warm", cluster.query))
+        .create()
+        .unwrap();
+    warm.init_transactions(Duration::from_secs(60)).unwrap();
+    drop(warm);
+    elect_preferred_leaders(&bootstrap);
+    // The broker to kill leads the output, and coordinates the transactions of
+    // the process named for it.
+    let victim = leaders(&client, &cluster.counts)[0];
+    let coordinators = leaders(&client, "__transaction_state");
+    let coordinated = |instance: &str| {
+        coordinators[transaction_state_partition(&format!("rtflow-{}-{instance}", cluster.query))]
+            == victim
+    };
+    let third_name = (0..1000)
+        .map(|i| format!("p2-{i}"))
+        .find(|name| coordinated(name))
+        .unwrap_or_else(|| {
+            panic!("broker {victim} coordinates no transactions: leaders {coordinators:?}")
+        });
+    let total = 6_000;
+    let third = total / 3;
+    produce(&bootstrap, &cluster.input, (0..third).map(record));
+    for instance in ["p0", "p1", &third_name] {
+        cluster.spawn(instance);
+    }
+    cluster.wait_for_shares(Duration::from_secs(120));
+    let (counts, _) = cluster.outputs(third / 2, 0, Duration::from_secs(120));
+    assert!(
+        counts.len() >= third / 2,
+        "no progress:\n{}",
+        cluster.logs()
+    );
+    for topic in [
+        cluster.input.clone(),
+        format!("rtflow-{}-0-repartition", cluster.query),
+        format!("rtflow-{}-changelog", cluster.query),
+    ] {
+        assert!(
+            leaders(&client, &topic).contains(&victim),
+            "broker {victim} leads no partition of {topic}"
+        );
+    }
+
+    produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
+    std::thread::sleep(Duration::from_millis(700));
+    kafka_sh(&bootstrap, &["node", &victim.to_string(), "kill"]);
+    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
+    std::thread::sleep(Duration::from_secs(5));
+    kafka_sh(&bootstrap, &["node", &victim.to_string(), "start"]);
+    produce(&bootstrap, &cluster.input, flush_records());
+
+    let (expected_counts, expected_windows) = reference(total);
+    let (counts, windows) = cluster.outputs(
+        expected_counts.len(),
+        expected_windows.len(),
+        Duration::from_secs(180),
+    );
+    let exited: Vec<String> = cluster
+        .children
+        .iter_mut()
+        .filter_map(|(instance, child)| child.try_wait().unwrap().map(|_| instance.clone()))
+        .collect();
+    assert!(
+        exited.is_empty(),
+        "{exited:?} exited through the broker's crash:\n{}",
+        cluster.logs()
+    );
+    cluster.stop_all();
     let (counts, windows) =
         cluster.outputs(counts.len() + 1, windows.len() + 1, Duration::from_secs(3));
     let logs = cluster.logs();

@@ -64,6 +64,8 @@ pub fn produce(
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("linger.ms", "5")
+        // Retries through a broker's crash write each record once.
+        .set("enable.idempotence", "true")
         .create()
         .unwrap();
     for (partition, key, value) in records {

@@ -505,14 +505,7 @@ impl Transactions {
     /// commit.
     pub(crate) fn open(settings: &ClusterSettings) -> Result<Self> {
         let name = format!("kafka cluster {}", settings.bootstrap_servers);
-        let mut config = settings.client_config();
-        config
-            .set("transactional.id", settings.transactional_id())
-            .set(
-                "transaction.timeout.ms",
-                settings.transaction_timeout.as_millis().to_string(),
-            )
-            .set("linger.ms", "5");
+        let config = producer_config(settings, &settings.transactional_id());
         let producer = initialised(&config, settings.operation_timeout, &name)?;
         Ok(Self {
             producer: Mutex::new(producer),
@@ -653,6 +646,33 @@ impl Transactions {
         *producer = initialised(&self.config, self.timeout, &self.name)?;
         Ok(())
     }
+}
+
+/// Fences the process named `instance`, which left the group without a word
+/// (it died, or lost its session): the transaction it left open is aborted at
+/// once, rather than when it times out, which frees every partition it wrote
+/// to for `read_committed` readers; and should it still live, it can no
+/// longer commit.
+pub(crate) fn fence(settings: &ClusterSettings, instance: &str) -> Result<()> {
+    let name = format!(
+        "kafka cluster {} fencing '{instance}'",
+        settings.bootstrap_servers
+    );
+    let config = producer_config(settings, &settings.transactional_id_of(instance));
+    initialised(&config, settings.operation_timeout, &name).map(drop)
+}
+
+/// The configuration of the transactional producer `transactional_id`.
+fn producer_config(settings: &ClusterSettings, transactional_id: &str) -> ClientConfig {
+    let mut config = settings.client_config();
+    config
+        .set("transactional.id", transactional_id)
+        .set(
+            "transaction.timeout.ms",
+            settings.transaction_timeout.as_millis().to_string(),
+        )
+        .set("linger.ms", "5");
+    config
 }
 
 /// A transactional producer of `config`, initialised.

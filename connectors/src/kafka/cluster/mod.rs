@@ -20,9 +20,13 @@
 //!   checkpoint before it lets them go (inside the rebalance), and starts a
 //!   new run for what it then owns, restoring offsets from the group and keyed
 //!   state from the changelog (`runner`);
+//! - a process that died is fenced by those that stay as soon as the group
+//!   drops it, so that the transaction it left open is aborted at once
+//!   (`departures`);
 //! - processes check that they run the same dataflow (`shape`).
 
 mod changelog;
+mod departures;
 mod exchange;
 mod link;
 mod local;
@@ -222,7 +226,12 @@ impl ClusterSettings {
     }
 
     pub(crate) fn transactional_id(&self) -> String {
-        format!("rtflow-{}-{}", self.query, self.instance)
+        self.transactional_id_of(&self.instance)
+    }
+
+    /// The transactional id of the process named `instance`.
+    pub(crate) fn transactional_id_of(&self, instance: &str) -> String {
+        format!("rtflow-{}-{instance}", self.query)
     }
 
     /// The configuration of a consumer of `group` that sees only committed

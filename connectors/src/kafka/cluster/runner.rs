@@ -23,7 +23,8 @@ use rtflow_runtime::{
     guard, Dataflow, QueryConfig, Result, RtflowError, StreamingQuery, StreamingQueryProgress,
 };
 
-use super::link::{KafkaLink, Mode, RestoreStats, TopicPartition, Transactions};
+use super::departures::{live_instances, Departures};
+use super::link::{fence, KafkaLink, Mode, RestoreStats, TopicPartition, Transactions};
 use super::shape::Shape;
 use super::ClusterSettings;
 
@@ -64,6 +65,11 @@ struct Shared {
     leave: AtomicBool,
     /// A member's thread failed: the process's part of the query ends with it.
     member_failed: Mutex<Option<RtflowError>>,
+    /// The groups the process is a member of, and a client that lists their
+    /// members, to learn who left without a word.
+    groups: Vec<String>,
+    lister: BaseConsumer,
+    departures: Mutex<Departures>,
 }
 
 struct Run {
@@ -91,6 +97,37 @@ impl Shared {
 
     fn changed(&self) {
         self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Fences the processes that left the groups since the last run started
+    /// without leaving cleanly. A failure only costs time (their open
+    /// transactions then time out), so it is logged, not raised.
+    fn fence_departed(&self) {
+        let settings = &self.settings;
+        let live = match live_instances(
+            settings,
+            &self.lister,
+            &self.groups,
+            settings.operation_timeout,
+        ) {
+            Ok(live) => live,
+            Err(error) => {
+                tracing::warn!(%error, "could not learn who left the cluster");
+                return;
+            }
+        };
+        let gone = lock(&self.departures).departed(live, &settings.instance);
+        for instance in gone {
+            let fencing = Instant::now();
+            match fence(settings, &instance) {
+                Ok(()) => {
+                    tracing::info!(%instance, took = ?fencing.elapsed(), "fenced a process that left the cluster")
+                }
+                Err(error) => {
+                    tracing::warn!(%instance, %error, "could not fence a process that left the cluster")
+                }
+            }
+        }
     }
 }
 
@@ -244,6 +281,16 @@ where
     let topics = probe.probed_topics();
     shape.check_members(&settings)?;
     shape.publish(&settings)?;
+    let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for topic in topics {
+        groups
+            .entry(settings.group_of(&topic))
+            .or_default()
+            .push(topic);
+    }
+    let lister: BaseConsumer = settings.client_config().create().map_err(|e| {
+        RtflowError::InvalidConfiguration(format!("could not create the group lister: {e}"))
+    })?;
     let shared = Arc::new(Shared {
         transactions: Arc::new(Transactions::open(&settings)?),
         settings: settings.clone(),
@@ -255,14 +302,10 @@ where
         stop: AtomicBool::new(false),
         leave: AtomicBool::new(false),
         member_failed: Mutex::default(),
+        groups: groups.keys().cloned().collect(),
+        lister,
+        departures: Mutex::default(),
     });
-    let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for topic in topics {
-        groups
-            .entry(settings.group_of(&topic))
-            .or_default()
-            .push(topic);
-    }
     let members = groups
         .into_iter()
         .map(|(group, topics)| join(&shared, &shape, group, &topics))
@@ -397,7 +440,12 @@ where
         if running == Some(seen) || changed_at.elapsed() < SETTLE {
             continue;
         }
-        shared.stop_run()?;
+        // The run stops with its final checkpoint while a process gone is
+        // fenced: the new run's restore must not wait on its transaction.
+        std::thread::scope(|scope| {
+            scope.spawn(|| shared.fence_departed());
+            shared.stop_run()
+        })?;
         let _transition = lock(&shared.transition);
         let owned = lock(&shared.assignment).clone();
         running = Some(seen);

@@ -87,6 +87,13 @@ impl Shape {
     }
 }
 
+/// The instance a member's client id names.
+pub(crate) fn instance_of(client_id: &str) -> Option<&str> {
+    client_id
+        .split_once(FINGERPRINT_MARK)
+        .map(|(instance, _)| instance)
+}
+
 fn shape_error(message: impl std::fmt::Display) -> RtflowError {
     RtflowError::InvalidConfiguration(format!("cluster shape check: {message}"))
 }
