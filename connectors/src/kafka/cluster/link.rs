@@ -288,6 +288,10 @@ impl KafkaLink {
             .committed_reader(&self.settings.group())
             .set("enable.partition.eof", "true")
             .set("auto.offset.reset", "earliest")
+            // The end of a partition is known only from a fetch that found
+            // nothing more, which the broker holds up to this long: with the
+            // default 500 ms every restore, a failover's included, waited it.
+            .set("fetch.wait.max.ms", "10")
             .create_with_context(EndsExpected)
             .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
         let mut list = TopicPartitionList::new();
