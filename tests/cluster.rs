@@ -850,6 +850,42 @@ fn a_silent_partition_goes_idle_and_lets_the_watermark_through_the_repartition()
 }
 
 #[test]
+fn a_restarted_process_reports_the_watermark_its_windows_run_on() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let cluster = Cluster::new(&bootstrap);
+    let watermark_of = |query: &ClusteredQuery| {
+        query
+            .last_progress()
+            .and_then(|p| p.event_time.get("watermark").cloned())
+    };
+    let await_watermark = |query: &ClusteredQuery, what: &str| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while watermark_of(query).as_deref() != Some("1970-01-01T00:00:05.000Z") {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: the progress watermark stayed at {:?}",
+                watermark_of(query)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let first = start_here(&bootstrap, &cluster, "a", free_address(), build).unwrap();
+    produce(
+        &bootstrap,
+        &cluster.input,
+        (0..PARTITIONS).map(|p| (p, "k1".to_owned(), b"5000".to_vec())),
+    );
+    await_watermark(&first, "the first run");
+    first.stop().unwrap();
+    drop(first);
+    // Its source partitions deliver nothing now: the windows run on the
+    // watermark the repartition restored, and the report says so.
+    let second = start_here(&bootstrap, &cluster, "a", free_address(), build).unwrap();
+    await_watermark(&second, "the restarted run");
+    second.stop().unwrap();
+}
+
+#[test]
 fn a_stateless_query_shared_by_two_processes_copies_each_record_once() {
     let Some(bootstrap) = bootstrap() else { return };
     let cluster = Cluster::new(&bootstrap);

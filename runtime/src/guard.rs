@@ -89,7 +89,7 @@ impl Place {
                 source_name: self.name.clone(),
                 message: format!("reader {}: {message}", self.subtask),
             },
-            Role::Sink => RtflowError::Sink {
+            Role::Sink | Role::Exchange => RtflowError::Sink {
                 sink: self.name.clone(),
                 message: format!("writer {}: {message}", self.subtask),
             },
@@ -129,7 +129,7 @@ impl std::fmt::Display for Place {
         let role = match self.role {
             Role::Source => "source",
             Role::Operator => "operator",
-            Role::Sink => "sink",
+            Role::Sink | Role::Exchange => "sink",
         };
         write!(f, "{role} '{}', subtask {}", self.name, self.subtask)
     }

@@ -16,6 +16,9 @@ pub enum Role {
     Source,
     Operator,
     Sink,
+    /// The writer of a clustered query's repartition: a sink to the engine,
+    /// whose watermark is its own source partitions', not the operators'.
+    Exchange,
 }
 
 /// Records in and out of one operator instance, for stateful operators their
@@ -478,9 +481,13 @@ impl MetricsSnapshot {
         self.with_role(Role::Source).map(|o| o.records_out).sum()
     }
 
-    /// Records written by every sink.
+    /// Records written by every sink, a repartition's writers included.
     pub fn records_written(&self) -> u64 {
-        self.with_role(Role::Sink).map(|o| o.records_in).sum()
+        self.operators
+            .iter()
+            .filter(|o| matches!(o.role, Role::Sink | Role::Exchange))
+            .map(|o| o.records_in)
+            .sum()
     }
 
     /// Records dropped as late, over every operator.
@@ -490,7 +497,9 @@ impl MetricsSnapshot {
 
     /// The query's watermark: the lowest that reached a sink, once every sink
     /// whose input is not idle has seen one; while all are idle, the lowest any
-    /// reached.
+    /// reached. A repartition's writers do not count: the operators after the
+    /// repartition run on the watermark of every process's source partitions,
+    /// which reaches the sinks after them.
     pub fn watermark(&self) -> Option<EventTime> {
         let active: Vec<_> = self.with_role(Role::Sink).filter(|o| !o.idle).collect();
         if active.is_empty() {

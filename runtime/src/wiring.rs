@@ -5,7 +5,7 @@
 //! `AnyBox` values that are downcast back to their one possible type at start-up,
 //! never per record.
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -13,7 +13,7 @@ use crossbeam_channel::{Receiver, Sender};
 
 use crate::actor::{run_inbox, run_source, ActorEnv};
 use crate::cancel::Cancel;
-use crate::cluster::ClusterLink;
+use crate::cluster::{ClusterLink, Exchanged};
 use crate::connector::{
     Sink, SinkContext, SinkEmit, SinkWiring, Source, SourceContext, SourceReader,
 };
@@ -217,11 +217,16 @@ impl<T: Data> ErasedSink for SinkNode<T> {
     ) -> Result<AnyBox> {
         let place = Place::new(Role::Sink, name, ctx.subtask);
         let writer = place.run("Sink::writer", || self.sink.writer(ctx))?;
+        let role = if TypeId::of::<T>() == TypeId::of::<Exchanged>() {
+            Role::Exchange
+        } else {
+            Role::Sink
+        };
         let emit: Box<dyn Emit<T>> = Box::new(SinkEmit::new(
             place,
             writer,
             metrics.latency_recorder(),
-            metrics.operator(name, ctx.subtask, Role::Sink),
+            metrics.operator(name, ctx.subtask, role),
             wiring,
             ctx.state.restored_watermark(),
         ));
