@@ -427,8 +427,16 @@ kill_node() {
 }
 
 cmd_stop() {
-    local clean=0 n
+    local clean=0 n pid
     [[ "${1:-}" == "--clean" ]] && clean=1
+    # A cluster's nodes are told at once: stopped one by one, the last ones
+    # would wait for a controller quorum that is already gone.
+    if ((NODES > 1)); then
+        for ((n = 1; n <= NODES; n++)); do
+            select_node "$n"
+            if pid="$(broker_pid)"; then kill -TERM "$pid" 2>/dev/null || true; fi
+        done
+    fi
     for ((n = 1; n <= NODES; n++)); do
         select_node "$n"
         stop_node

@@ -13,10 +13,10 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::BaseConsumer;
 use rtflow_runtime::{Result, RtflowError};
 
-use super::shape::instance_of;
+use super::shape::{instance_of, list_group};
 use super::ClusterSettings;
 
 /// The instances a process saw in its groups, and which of them are gone.
@@ -51,7 +51,7 @@ pub(crate) fn live_instances(
 ) -> Result<BTreeSet<String>> {
     let mut live = BTreeSet::new();
     for group in groups {
-        let list = client.fetch_group_list(Some(group), timeout).map_err(|e| {
+        let list = list_group(client, group, timeout).map_err(|e| {
             RtflowError::InvalidConfiguration(format!(
                 "KafkaCluster {}: could not list the members of group '{group}': {e}",
                 settings.bootstrap_servers

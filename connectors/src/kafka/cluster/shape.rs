@@ -7,11 +7,14 @@
 //! live members' and, on a difference, fails with `CLUSTER_SHAPE_MISMATCH`
 //! naming the first step that differs.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::groups::GroupList;
 use rdkafka::producer::DefaultProducerContext;
 use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::key_groups::stable_hash;
 use rtflow_runtime::{Result, RtflowError};
@@ -67,8 +70,7 @@ impl Shape {
             .set("group.id", format!("{}-shapes", settings.group()))
             .create()
             .map_err(|e| shape_error(format!("could not create a consumer: {e}")))?;
-        let groups = consumer
-            .fetch_group_list(Some(&settings.group()), settings.operation_timeout)
+        let groups = list_group(&consumer, &settings.group(), settings.operation_timeout)
             .map_err(|e| shape_error(format!("could not list the group's members: {e}")))?;
         let other = groups
             .groups()
@@ -84,6 +86,27 @@ impl Shape {
             member: member.to_owned(),
             difference: difference(&self.lines, theirs.as_deref()),
         })
+    }
+}
+
+/// The members of `group`, asked again while its coordinator is moving or
+/// loading (a broker restarted, a leader moved): a replicated cluster says so
+/// for a few seconds at a time.
+pub(crate) fn list_group<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    group: &str,
+    timeout: Duration,
+) -> KafkaResult<GroupList> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match consumer.fetch_group_list(Some(group), timeout) {
+            Err(KafkaError::GroupListFetch(
+                RDKafkaErrorCode::CoordinatorLoadInProgress
+                | RDKafkaErrorCode::CoordinatorNotAvailable
+                | RDKafkaErrorCode::NotCoordinator,
+            )) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            listed => return listed,
+        }
     }
 }
 
