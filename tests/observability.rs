@@ -443,8 +443,9 @@ fn metrics_pass_promtool_check_metrics() {
     let Some(promtool) = promtool() else {
         return;
     };
-    // Every family the endpoint serves: operator counters, mailboxes (a
-    // shuffle), keyed state, a watermark, a checkpoint and the latencies.
+    // Every family the endpoint serves but consumer lag (tests/monitoring.rs
+    // lints a Kafka query's): operator counters, mailboxes (a shuffle), keyed
+    // state, a watermark, checkpoints and the latencies.
     let address = free_address();
     let input = MemorySource::new(2);
     let counts = MemorySink::new();
@@ -474,6 +475,9 @@ fn metrics_pass_promtool_check_metrics() {
             "rtflow_state_rows",
             "rtflow_watermark_seconds",
             "rtflow_checkpoint_epoch",
+            "rtflow_checkpoint_age_seconds",
+            "rtflow_checkpoint_failures_total",
+            "rtflow_batch_duration_seconds",
             "rtflow_processing_latency_seconds",
         ];
         if expected.iter().all(|name| served(name)) {
