@@ -481,20 +481,7 @@ fn send(producer: &BaseProducer, topic: &str, clicks: std::ops::Range<u64>) {
             .partition((n % 2) as i32)
             .key(&user)
             .payload("click");
-        let mut record = record;
-        while let Err((error, back)) = producer.send(record) {
-            assert!(
-                matches!(
-                    error,
-                    rdkafka::error::KafkaError::MessageProduction(
-                        rdkafka::types::RDKafkaErrorCode::QueueFull
-                    )
-                ),
-                "{error}"
-            );
-            producer.poll(Duration::from_millis(10));
-            record = back;
-        }
+        common::kafka::send(producer, record);
     }
     producer.poll(Duration::ZERO);
 }
