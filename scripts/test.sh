@@ -34,11 +34,13 @@ fi
 RTFLOW_KAFKA_CLUSTER_BOOTSTRAP="$("${cluster[@]}" scripts/kafka.sh bootstrap)"
 export RTFLOW_KAFKA_CLUSTER_BOOTSTRAP
 
-# promtool (Debian package prometheus, ~20 MB) lints /metrics in
-# tests/observability.rs. Without apt, root or network the install fails with a
-# warning and that test is skipped outside CI (in CI it fails).
-if ! command -v promtool >/dev/null; then
-    echo "test.sh: installing promtool (Debian package prometheus)"
+# The Debian package prometheus (~20 MB download) brings promtool, which lints /metrics
+# (tests/observability.rs) and runs the alert rules' unit tests, and the
+# Prometheus server, which tests/monitoring.rs runs against live queries.
+# Without apt, root or network the install fails with a warning and those
+# tests are skipped outside CI (in CI they fail).
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+    echo "test.sh: installing promtool and prometheus (Debian package prometheus)"
     sudo=()
     if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then sudo=(sudo -n); fi
     # Refresh the package lists only if they do not know the package yet.
@@ -46,13 +48,17 @@ if ! command -v promtool >/dev/null; then
         timeout 120 "${sudo[@]}" apt-get update -qq; } ||
         ! timeout 300 "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
             apt-get install -y -qq --no-install-recommends prometheus >/dev/null; then
-        echo "test.sh: warning: could not install promtool: the promtool test skips" \
-            "(and fails in CI)" >&2
+        echo "test.sh: warning: could not install prometheus: the promtool and" \
+            "Prometheus tests skip (and fail in CI)" >&2
     fi
 fi
 if command -v promtool >/dev/null; then
     RTFLOW_PROMTOOL="$(command -v promtool)"
     export RTFLOW_PROMTOOL
+fi
+if command -v prometheus >/dev/null; then
+    RTFLOW_PROMETHEUS="$(command -v prometheus)"
+    export RTFLOW_PROMETHEUS
 fi
 
 cargo test --workspace --all-features "$@"

@@ -905,6 +905,47 @@ fn a_scrape_that_panics_is_answered_with_its_error() {
     assert_no_threads_left("the scraped query");
 }
 
+/// A checkpoint whose commit fails fails the query with `CHECKPOINT_FAILED`
+/// and is counted as failed, for the checkpoint alerts; the checkpoint before
+/// it stays the latest.
+fn a_checkpoint_that_fails_to_commit_is_counted() {
+    let address = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let setup = Setup::new("commit", Fault::Panic);
+    let flow = Dataflow::new("committing");
+    count(&flow.source(setup.input.clone())).sink(collect(&setup));
+    let config = quick(QueryConfig::new("committing"))
+        .trigger(Trigger::real_time("1 hour"))
+        .checkpoint_location(&setup.location)
+        .metrics_address(address);
+    let query = flow.start(config).unwrap();
+    let committed = query.checkpoint_now(TIMEOUT).unwrap();
+    let (_, body) = scrape(address);
+    let line = "rtflow_checkpoint_failures_total{query=\"committing\"} 0";
+    assert!(body.contains(line), "{line} not in\n{body}");
+    fail::cfg("checkpoint-commit", "return(injected commit failure)").unwrap();
+    let error = query.checkpoint_now(TIMEOUT).unwrap_err();
+    fail::remove("checkpoint-commit");
+    assert_eq!(error.error_class(), "CHECKPOINT_FAILED", "{error}");
+    assert!(
+        error.to_string().contains("injected commit failure"),
+        "{error}"
+    );
+    assert_eq!(query.metrics().checkpoint_failures, 1);
+    assert_eq!(query.metrics().checkpoint.map(|c| c.epoch), Some(committed));
+    let (_, body) = scrape(address);
+    for line in [
+        "rtflow_checkpoint_failures_total{query=\"committing\"} 1",
+        "rtflow_query_failed{query=\"committing\"} 1",
+    ] {
+        assert!(body.contains(line), "{line} not in\n{body}");
+    }
+    drop(query);
+    assert_no_threads_left("the query whose commit failed");
+}
+
 #[test]
 fn a_fault_anywhere_fails_the_query_and_a_mended_restart_counts_once() {
     for row in rows() {
@@ -914,4 +955,5 @@ fn a_fault_anywhere_fails_the_query_and_a_mended_restart_counts_once() {
         }
     }
     a_scrape_that_panics_is_answered_with_its_error();
+    a_checkpoint_that_fails_to_commit_is_counted();
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::kafka::{bootstrap, consume, produce, topic};
 use common::{config, TIMEOUT};
 use rtflow::prelude::*;
-use rtflow::runtime::metrics::Role;
+use rtflow::runtime::metrics::{Role, SourceLag};
 use rtflow::runtime::{Source, SourceContext, SourceOutput, SourceWaker};
 
 /// `count` records per partition, valued "partition:sequence", keyed by sequence.
@@ -119,6 +119,7 @@ fn an_idle_reader_wakes_for_a_record_and_for_an_unpark() {
         partitions: vec![0],
         start_offsets: Default::default(),
         waker: SourceWaker::default(),
+        lag: SourceLag::default(),
     };
     let mut reader = source.reader(&context).unwrap();
     let waker = context.waker.clone();
@@ -663,4 +664,87 @@ fn a_restored_query_continues_from_its_checkpoint_not_from_its_starting_timestam
     std::thread::sleep(Duration::from_millis(300));
     query.stop().unwrap();
     assert_eq!(second.rows(), vec!["1:after"]);
+}
+
+/// Waits until each of the query's `partitions` source partitions is
+/// `records` behind its end; panics after the timeout.
+fn wait_for_lag(query: &StreamingQuery, partitions: usize, records: u64) {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let lag = query.metrics().source_lag;
+        if lag.len() == partitions && lag.iter().all(|p| p.records == records) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the lag never reached {records} on {partitions} partitions: {lag:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Consumer lag is each partition's end minus its reader's position. It grows
+/// while a blocked query reads nothing, as records keep arriving, shows in
+/// progress reports as Spark's offsets behind latest, and falls to zero once
+/// the query has read everything.
+#[test]
+fn consumer_lag_grows_while_the_query_is_blocked_and_falls_once_it_caught_up() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let Some(bootstrap) = bootstrap() else { return };
+    let topic = topic(&bootstrap, "lag", 2);
+    let held = Arc::new(AtomicBool::new(true));
+    let out = MemorySink::new();
+    let flow = Dataflow::new("lagging");
+    let hold = held.clone();
+    flow.source(
+        KafkaSource::new(&bootstrap)
+            .subscribe([&topic])
+            .starting_offsets(StartingOffsets::Earliest),
+    )
+    .name("lagging-input")
+    .map(move |record: KafkaRecord| {
+        while hold.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        record.offset
+    })
+    .sink(out.clone());
+    let query = flow
+        .start(config("lagging").progress_interval(Duration::from_millis(100)))
+        .unwrap();
+    // Each reader reads its partition's one record and blocks in the map.
+    produce(
+        &bootstrap,
+        &topic,
+        (0..2).map(|p| (p, "k".into(), b"v".to_vec())),
+    );
+    wait_for_lag(&query, 2, 0);
+    let blocked = (0..2).flat_map(|p| (0..300).map(move |_| (p, "k".into(), b"v".to_vec())));
+    produce(&bootstrap, &topic, blocked);
+    wait_for_lag(&query, 2, 300);
+    let lag = query.metrics().source_lag;
+    assert!(
+        lag.iter()
+            .all(|p| p.source == "lagging-input" && p.topic == topic),
+        "{lag:?}"
+    );
+    let deadline = Instant::now() + TIMEOUT;
+    let metrics = loop {
+        let progress = query.last_progress().expect("progress every 100 ms");
+        let metrics = progress.sources[0].metrics.clone();
+        if metrics.get("maxOffsetsBehindLatest").map(String::as_str) == Some("300") {
+            break metrics;
+        }
+        assert!(Instant::now() < deadline, "{}", progress.pretty_json());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(metrics["minOffsetsBehindLatest"], "300");
+    assert_eq!(metrics["avgOffsetsBehindLatest"], "300.0");
+
+    held.store(false, Ordering::Relaxed);
+    wait_for_lag(&query, 2, 0);
+    assert_eq!(common::wait_for_rows(&out, 602).len(), 602);
+    query.stop().unwrap();
 }

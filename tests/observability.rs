@@ -408,25 +408,6 @@ fn listener_sees_started_progress_and_terminated_in_order() {
     );
 }
 
-/// The `promtool` that scripts/test.sh found or installed (`RTFLOW_PROMTOOL`), or
-/// `None` (test skipped) outside CI without one. In CI, where scripts/test.sh
-/// installs it, a missing promtool fails the test.
-fn promtool() -> Option<std::path::PathBuf> {
-    match std::env::var_os("RTFLOW_PROMTOOL") {
-        Some(path) => Some(path.into()),
-        None if std::env::var_os("CI").is_some() => {
-            panic!("RTFLOW_PROMTOOL is not set: run the tests with scripts/test.sh")
-        }
-        None => {
-            eprintln!(
-                "skipped: no promtool; run scripts/test.sh (it installs the Debian package \
-                 prometheus) or set RTFLOW_PROMTOOL"
-            );
-            None
-        }
-    }
-}
-
 /// GET /metrics: the body as served.
 fn scrape_text(address: SocketAddr) -> String {
     let mut stream = TcpStream::connect(address).unwrap();
@@ -440,11 +421,12 @@ fn scrape_text(address: SocketAddr) -> String {
 
 #[test]
 fn metrics_pass_promtool_check_metrics() {
-    let Some(promtool) = promtool() else {
+    let Some(promtool) = common::tool("RTFLOW_PROMTOOL", "promtool") else {
         return;
     };
-    // Every family the endpoint serves: operator counters, mailboxes (a
-    // shuffle), keyed state, a watermark, a checkpoint and the latencies.
+    // Every family the endpoint serves but consumer lag (tests/monitoring.rs
+    // lints a Kafka query's): operator counters, mailboxes (a shuffle), keyed
+    // state, a watermark, checkpoints and the latencies.
     let address = free_address();
     let input = MemorySource::new(2);
     let counts = MemorySink::new();
@@ -474,6 +456,9 @@ fn metrics_pass_promtool_check_metrics() {
             "rtflow_state_rows",
             "rtflow_watermark_seconds",
             "rtflow_checkpoint_epoch",
+            "rtflow_checkpoint_age_seconds",
+            "rtflow_checkpoint_failures_total",
+            "rtflow_batch_duration_seconds",
             "rtflow_processing_latency_seconds",
         ];
         if expected.iter().all(|name| served(name)) {

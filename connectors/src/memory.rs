@@ -357,6 +357,8 @@ impl<T: Data> SinkWriter<T> for MemoryWriter<T> {
 mod tests {
     use std::sync::mpsc;
 
+    use rtflow_runtime::metrics::SourceLag;
+
     use super::*;
 
     const TIMEOUT: Duration = Duration::from_secs(30);
@@ -386,6 +388,7 @@ mod tests {
             partitions: vec![0],
             start_offsets: Offsets::default(),
             waker: SourceWaker::default(),
+            lag: SourceLag::default(),
         };
 
         let first = context();

@@ -12,7 +12,7 @@ use crate::cancel::Cancel;
 use crate::cluster::ClusterLink;
 use crate::error::{Result, RtflowError};
 use crate::guard::Place;
-use crate::metrics::{LatencyRecorder, OperatorMetrics};
+use crate::metrics::{LatencyRecorder, OperatorMetrics, SourceLag};
 use crate::operator::{Emit, SnapshotBuffer};
 use crate::record::{nanos_to_event_time, now_nanos, Epoch, EventTime, Nanos, Record, RecordMeta};
 use crate::state::{StateContext, StateSnapshot};
@@ -32,6 +32,10 @@ pub struct SourceContext {
     /// Ends this reader's wait in [`SourceReader::poll`] from any thread: for a
     /// client library's callback, or whatever appends the records it reads.
     pub waker: SourceWaker,
+    /// Where a reader that knows where its partitions end reports how far
+    /// behind it is (consumer lag): `rtflow_source_lag_records` and the
+    /// progress reports' `sources[].metrics`.
+    pub lag: SourceLag,
 }
 
 /// Wakes a source reader sleeping in [`std::thread::park_timeout`] (see

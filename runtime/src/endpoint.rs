@@ -329,6 +329,44 @@ fn gather(queries: &[Arc<QueryShared>]) -> Vec<MetricFamily> {
                 mailbox.blocked.as_secs_f64(),
             );
         }
+        for lag in &snapshot.source_lag {
+            let subtask = lag.subtask.to_string();
+            families.gauge(
+                "rtflow_source_lag_records",
+                "Records appended to a source partition that its reader has not read yet \
+                 (consumer lag): the partition's end minus the reader's position",
+                &[
+                    ("query", name),
+                    ("source", lag.source.as_str()),
+                    ("subtask", &subtask),
+                    ("topic", lag.topic.as_str()),
+                    ("partition", lag.partition.as_str()),
+                ],
+                lag.records as f64,
+            );
+        }
+        families.gauge(
+            "rtflow_batch_duration_seconds",
+            "The trigger's batch duration: a checkpoint is due every this long",
+            &q,
+            snapshot.batch_duration.as_secs_f64(),
+        );
+        if active {
+            families.gauge(
+                "rtflow_checkpoint_age_seconds",
+                "Time since this run of the query last committed a checkpoint (since it \
+                 started, before its first)",
+                &q,
+                snapshot.checkpoint_age.as_secs_f64(),
+            );
+        }
+        families.counter(
+            "rtflow_checkpoint_failures_total",
+            "Epochs this run did not commit: a failed commit, or the query failing while \
+             the epoch was in flight",
+            &q,
+            snapshot.checkpoint_failures as f64,
+        );
         if let Some(checkpoint) = snapshot.checkpoint {
             families.gauge(
                 "rtflow_checkpoint_epoch",

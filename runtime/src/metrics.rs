@@ -278,6 +278,103 @@ struct Registered<T> {
     metrics: Arc<T>,
 }
 
+/// How far a source reader is behind the end of one partition it reads
+/// (consumer lag), in offsets: the reader publishes the next offset it will
+/// read, and whatever learns where the partition ends publishes that. Both are
+/// plain atomics, so the reader's side costs a store per poll.
+///
+/// ```
+/// use rtflow_runtime::metrics::SourceLag;
+/// let partition = SourceLag::default().partition("clicks", "0");
+/// partition.set_position(90);
+/// assert_eq!(partition.records(), None, "the end is not known yet");
+/// partition.set_end(100);
+/// assert_eq!(partition.records(), Some(10));
+/// ```
+#[derive(Debug)]
+pub struct PartitionLag {
+    position: AtomicI64,
+    end: AtomicI64,
+}
+
+impl PartitionLag {
+    const UNKNOWN: i64 = i64::MIN;
+
+    /// The next offset the reader will read.
+    pub fn set_position(&self, next: i64) {
+        self.position.store(next, Ordering::Relaxed);
+    }
+
+    /// The partition's end: the offset the next record appended will take.
+    pub fn set_end(&self, end: i64) {
+        self.end.store(end, Ordering::Relaxed);
+    }
+
+    /// Records between the reader's position and the end, once both are known.
+    pub fn records(&self) -> Option<u64> {
+        let (position, end) = (
+            self.position.load(Ordering::Relaxed),
+            self.end.load(Ordering::Relaxed),
+        );
+        (position != Self::UNKNOWN && end != Self::UNKNOWN)
+            // The end is looked up less often than the reader moves.
+            .then(|| end.saturating_sub(position).max(0) as u64)
+    }
+}
+
+impl Default for PartitionLag {
+    fn default() -> Self {
+        Self {
+            position: AtomicI64::new(Self::UNKNOWN),
+            end: AtomicI64::new(Self::UNKNOWN),
+        }
+    }
+}
+
+struct RegisteredLag {
+    topic: String,
+    partition: String,
+    reader: Registered<PartitionLag>,
+}
+
+/// Where one reader of a source reports its consumer lag, partition by
+/// partition ([`SourceContext::lag`](crate::SourceContext::lag)): progress
+/// reports and `rtflow_source_lag_records` read what it reports. The default
+/// belongs to no query, for a reader opened outside one.
+#[derive(Clone, Default)]
+pub struct SourceLag {
+    registry: Arc<Mutex<Vec<RegisteredLag>>>,
+    source: String,
+    subtask: usize,
+}
+
+impl SourceLag {
+    /// The lag of `partition` of `topic` (as the reader names them), reported
+    /// from now on.
+    pub fn partition(&self, topic: &str, partition: &str) -> Arc<PartitionLag> {
+        let metrics = Arc::new(PartitionLag::default());
+        lock(&self.registry).push(RegisteredLag {
+            topic: topic.to_owned(),
+            partition: partition.to_owned(),
+            reader: Registered {
+                operator: self.source.clone(),
+                subtask: self.subtask,
+                metrics: metrics.clone(),
+            },
+        });
+        metrics
+    }
+}
+
+impl std::fmt::Debug for SourceLag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceLag")
+            .field("source", &self.source)
+            .field("subtask", &self.subtask)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The latest committed checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CheckpointStats {
@@ -293,8 +390,18 @@ pub struct CheckpointStats {
 pub struct QueryMetrics {
     operators: Mutex<Vec<(Role, Registered<OperatorMetrics>)>>,
     mailboxes: Mutex<Vec<Registered<MailboxMetrics>>>,
+    lags: Arc<Mutex<Vec<RegisteredLag>>>,
     latency: Arc<Mutex<Latencies>>,
-    checkpoint: Mutex<Option<CheckpointStats>>,
+    checkpoints: Mutex<CheckpointHealth>,
+    batch_duration: Duration,
+}
+
+/// The checkpoints of one run of a query.
+struct CheckpointHealth {
+    latest: Option<CheckpointStats>,
+    /// When the latest committed, or the run started.
+    since: Instant,
+    failures: u64,
 }
 
 impl QueryMetrics {
@@ -302,16 +409,44 @@ impl QueryMetrics {
         Self {
             operators: Mutex::default(),
             mailboxes: Mutex::default(),
+            lags: Arc::default(),
             latency: Arc::new(Mutex::new(Latencies {
                 total: LatencyHistograms::new(),
                 interval: LatencyHistograms::new(),
             })),
-            checkpoint: Mutex::default(),
+            checkpoints: Mutex::new(CheckpointHealth {
+                latest: None,
+                since: Instant::now(),
+                failures: 0,
+            }),
+            batch_duration: Duration::ZERO,
         }
     }
 
+    /// The trigger's batch duration, which checkpoints are due every.
+    pub(crate) fn set_batch_duration(&mut self, batch_duration: Duration) {
+        self.batch_duration = batch_duration;
+    }
+
     pub(crate) fn record_checkpoint(&self, stats: CheckpointStats) {
-        *lock(&self.checkpoint) = Some(stats);
+        let mut health = lock(&self.checkpoints);
+        health.latest = Some(stats);
+        health.since = Instant::now();
+    }
+
+    /// An epoch did not commit: its commit failed, or the query failed while
+    /// it was in flight.
+    pub(crate) fn checkpoint_failed(&self) {
+        lock(&self.checkpoints).failures += 1;
+    }
+
+    /// Where the reader `subtask` of the source `name` reports its lag.
+    pub(crate) fn source_lag(&self, name: &str, subtask: usize) -> SourceLag {
+        SourceLag {
+            registry: self.lags.clone(),
+            source: name.to_owned(),
+            subtask,
+        }
     }
 
     pub(crate) fn operator(&self, name: &str, subtask: usize, role: Role) -> Arc<OperatorMetrics> {
@@ -395,13 +530,36 @@ impl QueryMetrics {
                 blocked: Duration::from_nanos(r.metrics.blocked_nanos.load(Ordering::Relaxed)),
             })
             .collect();
+        let source_lag = lock(&self.lags)
+            .iter()
+            .filter_map(|lag| {
+                Some(SourceLagSnapshot {
+                    source: lag.reader.operator.clone(),
+                    subtask: lag.reader.subtask,
+                    topic: lag.topic.clone(),
+                    partition: lag.partition.clone(),
+                    records: lag.reader.metrics.records()?,
+                })
+            })
+            .collect();
+        let checkpoints = lock(&self.checkpoints);
+        let (checkpoint, checkpoint_age, checkpoint_failures) = (
+            checkpoints.latest,
+            checkpoints.since.elapsed(),
+            checkpoints.failures,
+        );
+        drop(checkpoints);
         // Copied under the lock and summarised outside it, as above.
         let latency = lock(&self.latency).total.clone();
         MetricsSnapshot {
             operators,
             mailboxes,
+            source_lag,
             latency: latency.report(),
-            checkpoint: *lock(&self.checkpoint),
+            checkpoint,
+            checkpoint_age,
+            checkpoint_failures,
+            batch_duration: self.batch_duration,
         }
     }
 }
@@ -446,15 +604,39 @@ pub struct MailboxSnapshot {
     pub blocked: Duration,
 }
 
+/// How far one reader is behind the end of one partition, as of the latest
+/// look at the partition's end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceLagSnapshot {
+    /// The source's name in the dataflow.
+    pub source: String,
+    /// The reader's index among the source's readers.
+    pub subtask: usize,
+    pub topic: String,
+    pub partition: String,
+    /// Records appended that the reader has not read yet.
+    pub records: u64,
+}
+
 /// A copy of a query's counters.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MetricsSnapshot {
     pub operators: Vec<OperatorSnapshot>,
     pub mailboxes: Vec<MailboxSnapshot>,
+    /// Consumer lag of every source partition whose end is known.
+    pub source_lag: Vec<SourceLagSnapshot>,
     /// Latencies since the query started.
     pub latency: LatencyReport,
-    /// The latest committed checkpoint, if any.
+    /// The latest checkpoint this run committed, if any.
     pub checkpoint: Option<CheckpointStats>,
+    /// Since this run last committed a checkpoint (since it started, before
+    /// its first).
+    pub checkpoint_age: Duration,
+    /// Epochs this run did not commit: a failed commit, or a failure of the
+    /// query while the epoch was in flight.
+    pub checkpoint_failures: u64,
+    /// The trigger's batch duration: a checkpoint is due every this long.
+    pub batch_duration: Duration,
 }
 
 impl MetricsSnapshot {

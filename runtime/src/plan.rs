@@ -611,6 +611,7 @@ impl Plan {
                                 .cloned()
                                 .unwrap_or_default(),
                             waker: waker.clone(),
+                            lag: metrics.source_lag(&node.name, subtask),
                         };
                         let place = Place::new(Role::Source, &node.name, subtask);
                         let reader = source.open(&place, &ctx)?;

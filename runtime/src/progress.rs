@@ -96,6 +96,26 @@ pub struct SourceProgress {
     pub num_input_rows: u64,
     pub input_rows_per_second: f64,
     pub processed_rows_per_second: f64,
+    /// For a source whose readers know where their partitions end (Kafka),
+    /// Spark's consumer lag over the partitions this process reads, in
+    /// records: `avgOffsetsBehindLatest`, `maxOffsetsBehindLatest` and
+    /// `minOffsetsBehindLatest`. Absent, as in Spark, for other sources.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metrics: BTreeMap<String, String>,
+}
+
+/// Spark's `sources[].metrics` for partitions `lags` records behind their end.
+fn offsets_behind_latest(lags: &[u64]) -> BTreeMap<String, String> {
+    let (Some(min), Some(max)) = (lags.iter().min(), lags.iter().max()) else {
+        return BTreeMap::new();
+    };
+    let avg = lags.iter().sum::<u64>() as f64 / lags.len() as f64;
+    BTreeMap::from([
+        // Spark writes the average as a Java double: "0.0", "12.5".
+        ("avgOffsetsBehindLatest".to_owned(), format!("{avg:?}")),
+        ("maxOffsetsBehindLatest".to_owned(), max.to_string()),
+        ("minOffsetsBehindLatest".to_owned(), min.to_string()),
+    ])
 }
 
 /// The sinks' share of the report.
@@ -295,6 +315,12 @@ impl ProgressTracker {
                     ),
                     None => (None, None),
                 };
+                let lags: Vec<u64> = snapshot
+                    .source_lag
+                    .iter()
+                    .filter(|lag| lag.source == source.name)
+                    .map(|lag| lag.records)
+                    .collect();
                 SourceProgress {
                     description: source.description.clone(),
                     start_offset,
@@ -302,6 +328,7 @@ impl ProgressTracker {
                     num_input_rows: rows,
                     input_rows_per_second: per_second(rows),
                     processed_rows_per_second: per_second(rows),
+                    metrics: offsets_behind_latest(&lags),
                 }
             })
             .collect();
@@ -380,4 +407,19 @@ fn state_operators(snapshot: &MetricsSnapshot) -> Vec<StateOperatorProgress> {
         operator.num_rows_dropped_by_watermark += instance.late_records;
     }
     operators
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_behind_latest_reads_as_sparks() {
+        assert!(offsets_behind_latest(&[]).is_empty(), "no lag known: none");
+        let metrics = offsets_behind_latest(&[0, 5, 10, 6]);
+        assert_eq!(metrics["avgOffsetsBehindLatest"], "5.25");
+        assert_eq!(metrics["maxOffsetsBehindLatest"], "10");
+        assert_eq!(metrics["minOffsetsBehindLatest"], "0");
+        assert_eq!(offsets_behind_latest(&[3])["avgOffsetsBehindLatest"], "3.0");
+    }
 }

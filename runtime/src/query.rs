@@ -109,6 +109,7 @@ impl StreamingQuery {
         } = prepared;
         let task_slots = plan.actor_count();
         let mut shared = QueryShared::new(id, config.name.clone(), config.listeners.0.clone());
+        shared.metrics.set_batch_duration(batch_duration);
         shared.cluster = plan.graph().cluster.as_ref().map(|link| ClusterProgress {
             member: link.member(),
             partitions: link.partitions(),

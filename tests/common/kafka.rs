@@ -69,26 +69,35 @@ pub fn produce(
         .create()
         .unwrap();
     for (partition, key, value) in records {
-        let mut record = BaseRecord::to(topic)
+        let record = BaseRecord::to(topic)
             .partition(partition)
             .key(&key)
             .payload(&value);
-        while let Err((error, back)) = producer.send(record) {
-            assert!(
-                matches!(
-                    error,
-                    rdkafka::error::KafkaError::MessageProduction(
-                        rdkafka::types::RDKafkaErrorCode::QueueFull
-                    )
-                ),
-                "{error}"
-            );
-            producer.poll(Duration::from_millis(10));
-            record = back;
-        }
+        send(&producer, record);
         producer.poll(Duration::ZERO);
     }
     producer.flush(Duration::from_secs(30)).unwrap();
+}
+
+/// Sends `record`, waiting while the producer's queue is full.
+pub fn send<K, P>(producer: &BaseProducer, mut record: BaseRecord<'_, K, P>)
+where
+    K: rdkafka::message::ToBytes + ?Sized,
+    P: rdkafka::message::ToBytes + ?Sized,
+{
+    while let Err((error, back)) = producer.send(record) {
+        assert!(
+            matches!(
+                error,
+                rdkafka::error::KafkaError::MessageProduction(
+                    rdkafka::types::RDKafkaErrorCode::QueueFull
+                )
+            ),
+            "{error}"
+        );
+        producer.poll(Duration::from_millis(10));
+        record = back;
+    }
 }
 
 /// One record as read back by the plain consumer.

@@ -23,6 +23,26 @@ pub fn config(name: &str) -> QueryConfig {
     QueryConfig::new(name).checkpoint_location(dir)
 }
 
+/// The binary `name` (of the Debian package prometheus) that scripts/test.sh
+/// found or installed, from the environment variable `var`, or `None` (test
+/// skipped) outside CI without one. In CI, where scripts/test.sh installs it,
+/// a missing one fails the test.
+pub fn tool(var: &str, name: &str) -> Option<std::path::PathBuf> {
+    match std::env::var_os(var) {
+        Some(path) => Some(path.into()),
+        None if std::env::var_os("CI").is_some() => {
+            panic!("{var} is not set: run the tests with scripts/test.sh")
+        }
+        None => {
+            eprintln!(
+                "skipped: no {name}; run scripts/test.sh (it installs the Debian package \
+                 prometheus) or set {var}"
+            );
+            None
+        }
+    }
+}
+
 /// Runs a dataflow whose sources end, and waits until it has drained.
 pub fn run_to_end(flow: Dataflow, config: QueryConfig) -> StreamingQuery {
     let query = flow.start(config).expect("query starts");

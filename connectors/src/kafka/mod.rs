@@ -20,6 +20,7 @@
 mod admin;
 mod cluster;
 mod exactly_once;
+mod lag;
 mod producer;
 mod sink;
 mod source;

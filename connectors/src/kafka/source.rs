@@ -1,7 +1,7 @@
 //! [`KafkaSource`]: long-running readers over manually assigned topic partitions.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,11 +13,13 @@ use rdkafka::{Offset, TopicPartitionList};
 use regex::Regex;
 use rtflow_runtime::cluster::ClusterLink;
 use rtflow_runtime::connector::Offsets;
+use rtflow_runtime::metrics::PartitionLag;
 use rtflow_runtime::record::now_nanos;
 use rtflow_runtime::{
     Result, RtflowError, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
 };
 
+use super::lag::LagWatch;
 use super::{KafkaRecord, Options, TimestampType, DEFAULT_METADATA_TIMEOUT};
 
 /// Where readers start in each partition.
@@ -101,6 +103,8 @@ pub struct KafkaSource {
     /// The `(topic, partition)` list found at start; reader partition indexes point
     /// into it.
     assigned: Mutex<Vec<(String, i32)>>,
+    /// What looks up the ends of the readers' partitions, while a reader holds it.
+    lag: Mutex<Weak<LagWatch>>,
 }
 
 impl KafkaSource {
@@ -117,6 +121,7 @@ impl KafkaSource {
             metadata_timeout: DEFAULT_METADATA_TIMEOUT,
             options: Options::default(),
             assigned: Mutex::default(),
+            lag: Mutex::default(),
         }
     }
 
@@ -497,12 +502,18 @@ impl Source<KafkaRecord> for KafkaSource {
         consumer.set_nonempty_callback(move || waker.wake());
         let mut assignment = TopicPartitionList::new();
         let mut positions = Vec::with_capacity(partitions.len());
+        let watch = LagWatch::shared(&self.lag, || self.consumer(), self.metadata_timeout)?;
+        let mut lags = Vec::with_capacity(partitions.len());
         for (topic, partition) in &partitions {
             let offset = self.start_offset(&consumer, &ctx.start_offsets, topic, *partition)?;
             assignment
                 .add_partition_offset(topic, *partition, Offset::Offset(offset))
                 .map_err(|e| self.error(e))?;
             positions.push(offset);
+            let lag = ctx.lag.partition(topic, &partition.to_string());
+            lag.set_position(offset);
+            watch.watch(topic, *partition, lag.clone());
+            lags.push(lag);
         }
         consumer
             .assign(&assignment)
@@ -513,6 +524,8 @@ impl Source<KafkaRecord> for KafkaSource {
             partitions,
             numbers: ctx.partitions.clone(),
             positions,
+            lags,
+            _watch: watch,
         }))
     }
 }
@@ -526,6 +539,10 @@ struct KafkaReader {
     numbers: Vec<usize>,
     /// The next offset to read, per partition.
     positions: Vec<i64>,
+    /// Where each partition's position is published, once per poll.
+    lags: Vec<Arc<PartitionLag>>,
+    /// Held so the ends go on being looked up while the reader lives.
+    _watch: Arc<LagWatch>,
 }
 
 impl KafkaReader {
@@ -623,6 +640,9 @@ impl SourceReader<KafkaRecord> for KafkaReader {
                 }
             }
             waited = true;
+        }
+        for (lag, position) in self.lags.iter().zip(&self.positions) {
+            lag.set_position(*position);
         }
         Ok(SourceStatus::Active)
     }

@@ -387,6 +387,7 @@ impl Coordinator {
     /// Every actor acknowledged `epoch`: write its snapshots and manifest durably,
     /// then tell the sinks it committed.
     fn commit(&mut self, epoch: Epoch, acks: Vec<Ack>) -> Result<()> {
+        let metrics = &self.shared.metrics;
         let checkpoints = self.checkpoints.as_mut().expect("checkpoints run");
         let _span = tracing::info_span!("checkpoint", epoch).entered();
         let uids = checkpoints
@@ -409,14 +410,20 @@ impl Coordinator {
             run_id: self.shared.run_id.to_string(),
         };
         let writing = Instant::now();
-        let (manifest, stats) = match &mut checkpoints.store {
-            Store::Local(store) => store.commit(manifest, deltas)?,
-            Store::Cluster(link) => {
-                link.commit(epoch, &manifest.sources, &deltas)?;
-                let entries = deltas.iter().map(|d| d.entries.len()).sum();
-                (manifest, CommitStats { bytes: 0, entries })
+        let written = || -> Result<_> {
+            fail::fail_point!("checkpoint-commit", |message| Err(RtflowError::Checkpoint(
+                message.unwrap_or_default()
+            )));
+            match &mut checkpoints.store {
+                Store::Local(store) => Ok(store.commit(manifest, deltas)?),
+                Store::Cluster(link) => {
+                    link.commit(epoch, &manifest.sources, &deltas)?;
+                    let entries = deltas.iter().map(|d| d.entries.len()).sum();
+                    Ok((manifest, CommitStats { bytes: 0, entries }))
+                }
             }
         };
+        let (manifest, stats) = written().inspect_err(|_| metrics.checkpoint_failed())?;
         // The window exactly-once sinks must survive: the checkpoint is durable, its
         // transactions are not committed yet.
         fail::fail_point!("after-manifest", |_| std::process::abort());
@@ -545,8 +552,9 @@ impl Coordinator {
             tracing::error!(%error, "stopping the query");
             self.env.cancel.raise(Some(error.clone()));
             self.failure = Some(error);
-            if let Some(checkpoints) = &mut self.checkpoints {
-                checkpoints.tracker.abort();
+            let aborted = self.checkpoints.as_mut().and_then(|c| c.tracker.abort());
+            if aborted.is_some() {
+                self.shared.metrics.checkpoint_failed();
             }
         }
     }
