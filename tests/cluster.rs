@@ -343,6 +343,24 @@ impl Cluster {
         logs
     }
 
+    /// Stops every process, then checks that both outputs, `counts` and
+    /// `windows` as read so far plus whatever the last commits added, equal
+    /// the references exactly once.
+    fn stop_and_check(
+        &mut self,
+        counts: &[String],
+        windows: &[String],
+        expected_counts: &BTreeMap<String, usize>,
+        expected_windows: &BTreeMap<String, usize>,
+    ) {
+        self.stop_all();
+        let (counts, windows) =
+            self.outputs(counts.len() + 1, windows.len() + 1, Duration::from_secs(3));
+        let logs = self.logs();
+        check("count per key", &counts, expected_counts, &logs);
+        check("window count per key", &windows, expected_windows, &logs);
+    }
+
     fn stop_all(&mut self) {
         std::fs::write(self.dir.join("stop"), b"").unwrap();
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -453,13 +471,7 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
         expected_windows.len(),
         Duration::from_secs(120),
     );
-    cluster.stop_all();
-    // Whatever the last commits added is read too.
-    let (counts, windows) =
-        cluster.outputs(counts.len() + 1, windows.len() + 1, Duration::from_secs(3));
-    let logs = cluster.logs();
-    check("count per key", &counts, &expected_counts, &logs);
-    check("window count per key", &windows, &expected_windows, &logs);
+    cluster.stop_and_check(&counts, &windows, &expected_counts, &expected_windows);
 }
 
 /// The bootstrap servers of the replicated three-broker cluster, if one runs.
@@ -615,12 +627,7 @@ fn three_processes_on_a_replicated_kafka_count_exactly_once_through_a_broker_cra
         "{exited:?} exited through the broker's crash:\n{}",
         cluster.logs()
     );
-    cluster.stop_all();
-    let (counts, windows) =
-        cluster.outputs(counts.len() + 1, windows.len() + 1, Duration::from_secs(3));
-    let logs = cluster.logs();
-    check("count per key", &counts, &expected_counts, &logs);
-    check("window count per key", &windows, &expected_windows, &logs);
+    cluster.stop_and_check(&counts, &windows, &expected_counts, &expected_windows);
 }
 
 /// `output` holds every record of `expected` exactly once, and nothing else.
