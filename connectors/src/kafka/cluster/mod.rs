@@ -32,6 +32,7 @@ mod link;
 mod local;
 mod runner;
 mod shape;
+mod transactions;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,7 +44,8 @@ use super::Options;
 pub use link::RestoreStats;
 pub use runner::ClusteredQuery;
 
-pub(crate) use exchange::{transactions_of, Staging};
+pub(crate) use exchange::transactions_of;
+pub(crate) use transactions::Staging;
 
 /// Separates a repartition partition's offset label from the upstream source
 /// partition whose watermark a label holds.
