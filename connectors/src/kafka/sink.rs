@@ -216,7 +216,7 @@ impl<T: Data> Sink<T> for KafkaSink<T> {
             let transactions = cluster::transactions_of(ctx, &settings.name())?;
             return Ok(Box::new(ClusterWriter {
                 sink: settings.name(),
-                staging: cluster::Staging::new(transactions, settings.topic, ctx.first_epoch)?,
+                staging: cluster::Staging::new(transactions, settings.topic, ctx.first_epoch),
                 serialize: settings.serialize,
             }));
         }
@@ -298,18 +298,17 @@ impl<T: Data> SinkWriter<T> for ClusterWriter<T> {
     fn write(&mut self, record: Record<T>) -> Result<()> {
         let message = (self.serialize)(&record.value);
         topic_of(&message, self.staging.topic(), &self.sink)?;
-        self.staging.push(message)
-    }
-
-    fn flush(&mut self) -> Result<()> {
-        self.staging.hand_over()
+        self.staging.push(message);
+        Ok(())
     }
 
     fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {
-        self.staging.end_epoch(epoch)
+        self.staging.end_epoch(epoch);
+        Ok(())
     }
 
     fn snapshot(&mut self, _out: &mut StateSnapshot) -> Result<()> {
-        self.staging.end_input()
+        self.staging.end_input();
+        Ok(())
     }
 }

@@ -25,8 +25,7 @@ use rtflow_runtime::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::link::KafkaLink;
-use super::transactions::{Staging, Transactions};
+use super::link::{Batch, KafkaLink, Transactions};
 use super::{ClusterSettings, WATERMARK_MARK};
 use crate::kafka::producer::KafkaMessage;
 
@@ -61,6 +60,62 @@ pub(crate) fn transactions_of(ctx: &SinkContext, sink: &str) -> Result<Arc<Trans
         })
 }
 
+/// Buffers a writer's records of the current epoch and stages them into the
+/// process's transaction at the barrier (and at the end, for the final epoch),
+/// with the topic of those that name none: no record carries a copy of it.
+pub(crate) struct Staging {
+    transactions: Arc<Transactions>,
+    topic: Option<String>,
+    epoch: Epoch,
+    buffer: Vec<KafkaMessage>,
+}
+
+impl Staging {
+    pub(crate) fn new(
+        transactions: Arc<Transactions>,
+        topic: Option<String>,
+        first_epoch: Epoch,
+    ) -> Self {
+        Self {
+            transactions,
+            topic,
+            epoch: first_epoch,
+            buffer: Vec::new(),
+        }
+    }
+
+    /// The topic of the records that name none.
+    pub(crate) fn topic(&self) -> Option<&str> {
+        self.topic.as_deref()
+    }
+
+    #[inline]
+    pub(crate) fn push(&mut self, message: KafkaMessage) {
+        self.buffer.push(message);
+    }
+
+    /// Epoch `epoch` ended: its records go to its transaction.
+    pub(crate) fn end_epoch(&mut self, epoch: Epoch) {
+        self.stage(epoch);
+        self.epoch = epoch + 1;
+    }
+
+    /// The input ended: what is left belongs to the final epoch.
+    pub(crate) fn end_input(&mut self) {
+        self.stage(self.epoch);
+    }
+
+    fn stage(&mut self, epoch: Epoch) {
+        self.transactions.stage(
+            epoch,
+            Batch {
+                topic: self.topic.clone(),
+                messages: std::mem::take(&mut self.buffer),
+            },
+        );
+    }
+}
+
 /// The writing side of a repartition.
 pub(crate) struct ExchangeSink {
     pub(crate) settings: Arc<ClusterSettings>,
@@ -83,7 +138,7 @@ impl Sink<Exchanged> for ExchangeSink {
     fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<Exchanged>>> {
         let transactions = transactions_of(ctx, &self.description())?;
         Ok(Box::new(ExchangeWriter {
-            staging: Staging::new(transactions, Some(self.topic.clone()), ctx.first_epoch)?,
+            staging: Staging::new(transactions, Some(self.topic.clone()), ctx.first_epoch),
             partitions: self.settings.repartition_partitions as u32,
             key_groups: self.settings.key_groups,
             upstream: ctx.upstream_partitions,
@@ -105,9 +160,9 @@ struct ExchangeWriter {
 impl ExchangeWriter {
     /// Tells every partition how far this writer's source partitions are, if
     /// that changed since it last did.
-    fn tell_progress(&mut self) -> Result<()> {
+    fn tell_progress(&mut self) {
         if self.source_partitions.is_empty() {
-            return Ok(());
+            return;
         }
         for watermark in self.progress.to_tell() {
             let value = encode(&Wire::Progress(UpstreamProgress {
@@ -122,10 +177,9 @@ impl ExchangeWriter {
                     key: None,
                     value: Some(value.clone().into()),
                     headers: Vec::new(),
-                })?;
+                });
             }
         }
-        Ok(())
     }
 }
 
@@ -144,11 +198,8 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
             key: None,
             value: Some(value.into()),
             headers: Vec::new(),
-        })
-    }
-
-    fn flush(&mut self) -> Result<()> {
-        self.staging.hand_over()
+        });
+        Ok(())
     }
 
     fn on_watermark(&mut self, watermark: EventTime) -> Result<()> {
@@ -164,15 +215,17 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
     fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {
         // Records become visible downstream only when the epoch commits, so a
         // watermark told once per epoch, after its records, loses nothing.
-        self.tell_progress()?;
-        self.staging.end_epoch(epoch)
+        self.tell_progress();
+        self.staging.end_epoch(epoch);
+        Ok(())
     }
 
     fn snapshot(&mut self, _out: &mut rtflow_runtime::StateSnapshot) -> Result<()> {
         // After a barrier nothing is left; at the end of the input, what is
         // left belongs to the final epoch, which commits next.
-        self.tell_progress()?;
-        self.staging.end_input()
+        self.tell_progress();
+        self.staging.end_input();
+        Ok(())
     }
 }
 

@@ -11,11 +11,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::config::FromClientConfigAndContext;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, ConsumerGroupMetadata};
 use rdkafka::error::KafkaError;
+use rdkafka::producer::{Producer, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientContext;
-use rdkafka::{Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use rtflow_checkpoint::{Delta, Offsets};
 use rtflow_runtime::cluster::{ClusterLink, ClusterRecovery, Exchanged};
 use rtflow_runtime::{Epoch, Result, RtflowError, Sink, Source};
@@ -23,10 +25,9 @@ use rtflow_runtime::{Epoch, Result, RtflowError, Sink, Source};
 use super::changelog::{self, Fold};
 use super::exchange::{ExchangeSink, ExchangeSource};
 use super::local::Image;
-use super::transactions::{Batch, Transactions};
 use super::{ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
-use crate::kafka::producer::KafkaMessage;
+use crate::kafka::producer::{send, Deliveries, KafkaMessage};
 
 /// A `(topic, partition)`.
 pub(crate) type TopicPartition = (String, i32);
@@ -464,6 +465,232 @@ fn parse_watermarks(metadata: &str) -> Vec<(String, i64)> {
             Some((upstream.to_owned(), watermark.parse().ok()?))
         })
         .collect()
+}
+
+/// The process's transactional producer and the records its sinks staged,
+/// by epoch, for the transactions still to commit.
+pub(crate) struct Transactions {
+    /// Renewed after a failed transaction: a fresh producer (the same
+    /// transactional id, initialised again) leaves no error state behind.
+    producer: Mutex<ThreadedProducer<Deliveries>>,
+    staged: Mutex<BTreeMap<Epoch, Vec<Batch>>>,
+    /// Each group's metadata as of its latest generation: offsets committed
+    /// with an older generation are refused.
+    groups: Mutex<BTreeMap<String, ConsumerGroupMetadata>>,
+    config: ClientConfig,
+    timeout: Duration,
+    name: String,
+    pub(crate) last_restore: Mutex<Option<RestoreStats>>,
+}
+
+/// Records a writer staged for an epoch's transaction, and the topic of those
+/// that name none.
+pub(crate) struct Batch {
+    pub(crate) topic: Option<String>,
+    pub(crate) messages: Vec<KafkaMessage>,
+}
+
+/// How often a commit refused for a group generation that just ended is
+/// tried again with the next one, and how long apart.
+const GENERATION_RETRIES: u32 = 50;
+const GENERATION_RETRY_PAUSE: Duration = Duration::from_millis(100);
+
+/// How one attempt at a transaction failed.
+struct Failed {
+    error: RtflowError,
+    /// The group moved to a new generation meanwhile: the same transaction
+    /// may commit with the new one.
+    generation: bool,
+}
+
+impl Transactions {
+    /// The producer of the process's transactional id, initialised: an
+    /// earlier incarnation's open transaction is aborted, and it can no longer
+    /// commit.
+    pub(crate) fn open(settings: &ClusterSettings) -> Result<Self> {
+        let name = format!("kafka cluster {}", settings.bootstrap_servers);
+        let config = producer_config(settings, &settings.transactional_id());
+        let producer = initialised(&config, settings.operation_timeout, &name)?;
+        Ok(Self {
+            producer: Mutex::new(producer),
+            staged: Mutex::default(),
+            groups: Mutex::default(),
+            config,
+            timeout: settings.operation_timeout,
+            name,
+            last_restore: Mutex::default(),
+        })
+    }
+
+    /// Records to commit with epoch `epoch`, staged by a sink at its barrier.
+    pub(crate) fn stage(&self, epoch: Epoch, batch: Batch) {
+        if !batch.messages.is_empty() {
+            lock(&self.staged).entry(epoch).or_default().push(batch);
+        }
+    }
+
+    pub(crate) fn set_group(&self, group: &str, metadata: Option<ConsumerGroupMetadata>) {
+        let mut groups = lock(&self.groups);
+        match metadata {
+            Some(metadata) => groups.insert(group.to_owned(), metadata),
+            None => groups.remove(group),
+        };
+    }
+
+    /// Drops what was staged for epochs that will not commit (a run that
+    /// stopped without its final checkpoint).
+    pub(crate) fn discard(&self) {
+        lock(&self.staged).clear();
+    }
+
+    /// Commits the records staged for epochs up to `epoch`, the changelog's
+    /// `changes` and the offsets `positions` (by group) in one transaction. A rebalance that
+    /// starts a new generation while it commits makes the broker refuse the
+    /// offsets: the transaction is aborted and made again with the new
+    /// generation, which still owns the partitions (a revocation stops the
+    /// run, and so its commits, before it takes effect).
+    fn commit(
+        &self,
+        epoch: Epoch,
+        changes: Batch,
+        positions: &BTreeMap<String, TopicPartitionList>,
+    ) -> Result<()> {
+        let mut staged: Vec<Batch> = {
+            let mut staged = lock(&self.staged);
+            let later = staged.split_off(&(epoch + 1));
+            std::mem::replace(&mut *staged, later)
+                .into_values()
+                .flatten()
+                .collect()
+        };
+        staged.push(changes);
+        let mut attempts = 0;
+        loop {
+            let failed = match self.attempt(epoch, &staged, positions) {
+                Ok(()) => return Ok(()),
+                Err(failed) => failed,
+            };
+            let renewed = self.renew();
+            attempts += 1;
+            if !failed.generation || attempts >= GENERATION_RETRIES {
+                return Err(failed.error);
+            }
+            renewed?;
+            tracing::debug!(
+                epoch,
+                attempts,
+                "the group's generation changed; committing again"
+            );
+            std::thread::sleep(GENERATION_RETRY_PAUSE);
+        }
+    }
+
+    fn attempt(
+        &self,
+        epoch: Epoch,
+        staged: &[Batch],
+        positions: &BTreeMap<String, TopicPartitionList>,
+    ) -> Result<(), Failed> {
+        let failed = |what: &str, e: &dyn std::fmt::Display| Failed {
+            error: RtflowError::Checkpoint(format!(
+                "{}: could not {what} the transaction of epoch {epoch}: {e}",
+                self.name
+            )),
+            generation: false,
+        };
+        let producer = lock(&self.producer);
+        producer
+            .begin_transaction()
+            .map_err(|e| failed("begin", &e))?;
+        for batch in staged {
+            for message in &batch.messages {
+                send(&producer, message, batch.topic.as_deref(), &self.name).map_err(|error| {
+                    Failed {
+                        error,
+                        generation: false,
+                    }
+                })?;
+            }
+        }
+        for (group, positions) in positions {
+            let groups = lock(&self.groups);
+            let metadata = groups.get(group).ok_or_else(|| {
+                failed("commit", &format!("the process is not in group '{group}'"))
+            })?;
+            producer
+                .send_offsets_to_transaction(positions, metadata, self.timeout)
+                .map_err(|e| Failed {
+                    generation: matches!(
+                        e.rdkafka_error_code(),
+                        Some(
+                            RDKafkaErrorCode::IllegalGeneration
+                                | RDKafkaErrorCode::RebalanceInProgress
+                                | RDKafkaErrorCode::UnknownMemberId
+                        )
+                    ),
+                    ..failed("add the offsets to", &e)
+                })?;
+        }
+        producer
+            .commit_transaction(self.timeout)
+            .map_err(|e| failed("commit", &e))?;
+        producer
+            .context()
+            .check(&self.name)
+            .map_err(|error| Failed {
+                error,
+                generation: false,
+            })
+    }
+
+    /// Aborts what the failed attempt left open and starts a fresh producer.
+    fn renew(&self) -> Result<()> {
+        let mut producer = lock(&self.producer);
+        let _ = producer.abort_transaction(self.timeout);
+        *producer = initialised(&self.config, self.timeout, &self.name)?;
+        Ok(())
+    }
+}
+
+/// Fences the process named `instance`, which left the group without a word
+/// (it died, or lost its session): the transaction it left open is aborted at
+/// once, rather than when it times out, which frees every partition it wrote
+/// to for `read_committed` readers; and should it still live, it can no
+/// longer commit.
+pub(crate) fn fence(settings: &ClusterSettings, instance: &str) -> Result<()> {
+    let name = format!(
+        "kafka cluster {} fencing '{instance}'",
+        settings.bootstrap_servers
+    );
+    let config = producer_config(settings, &settings.transactional_id_of(instance));
+    initialised(&config, settings.operation_timeout, &name).map(drop)
+}
+
+/// The configuration of the transactional producer `transactional_id`.
+fn producer_config(settings: &ClusterSettings, transactional_id: &str) -> ClientConfig {
+    let mut config = settings.client_config();
+    config
+        .set("transactional.id", transactional_id)
+        .set(
+            "transaction.timeout.ms",
+            settings.transaction_timeout.as_millis().to_string(),
+        )
+        .set("linger.ms", "5");
+    config
+}
+
+/// A transactional producer of `config`, initialised.
+fn initialised(
+    config: &ClientConfig,
+    timeout: Duration,
+    name: &str,
+) -> Result<ThreadedProducer<Deliveries>> {
+    let producer = ThreadedProducer::from_config_and_context(config, Deliveries::default())
+        .map_err(|e| RtflowError::sink(name, format!("could not create the producer: {e}")))?;
+    producer
+        .init_transactions(timeout)
+        .map_err(|e| RtflowError::sink(name, format!("could not initialise transactions: {e}")))?;
+    Ok(producer)
 }
 
 #[cfg(test)]

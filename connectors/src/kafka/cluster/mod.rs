@@ -32,7 +32,6 @@ mod link;
 mod local;
 mod runner;
 mod shape;
-mod transactions;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,8 +43,7 @@ use super::Options;
 pub use link::RestoreStats;
 pub use runner::ClusteredQuery;
 
-pub(crate) use exchange::transactions_of;
-pub(crate) use transactions::Staging;
+pub(crate) use exchange::{transactions_of, Staging};
 
 /// Separates a repartition partition's offset label from the upstream source
 /// partition whose watermark a label holds.

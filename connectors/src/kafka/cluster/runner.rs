@@ -24,9 +24,8 @@ use rtflow_runtime::{
 };
 
 use super::departures::{live_instances, Departures};
-use super::link::{KafkaLink, Mode, RestoreStats, TopicPartition};
+use super::link::{fence, KafkaLink, Mode, RestoreStats, TopicPartition, Transactions};
 use super::shape::Shape;
-use super::transactions::{fence, Transactions};
 use super::ClusterSettings;
 
 /// How long the assignment must stay unchanged before a run starts on it:
