@@ -756,7 +756,11 @@ type KeyFn<T, K> = Arc<dyn Fn(&T) -> K + Send + Sync>;
 
 /// Adds a join operator of `kind`, which `make` makes from the join key of
 /// either side, over both sides tagged (`left` as [`Either::Left`]) and
-/// shuffled by that key: the wiring every stream-stream join shares.
+/// shuffled by that key: the wiring every stream-stream join shares. The
+/// tagged union is repartitioned as one stream, so that a clustered query
+/// needs one repartition topic per join, whose readers wait for the
+/// watermark of both sides' source partitions as one process's join waits
+/// for both inputs.
 fn add_join<K, L, R, O, Out>(
     left: &Stream<L>,
     right: &Stream<R>,
@@ -767,8 +771,8 @@ fn add_join<K, L, R, O, Out>(
 ) -> Stream<Out>
 where
     K: StateKey,
-    L: Data,
-    R: Data,
+    L: Data + StateValue,
+    R: Data + StateValue,
     Out: Data,
     O: Operator<Either<L, R>, Out>,
 {
@@ -781,7 +785,7 @@ where
     let tagged_right = right.transform("map", |_| Map(Either::<L, R>::Right));
     tagged_left
         .union(&tagged_right)
-        .key_by(move |side| shuffle_key(side))
+        .repartition_by(move |side| shuffle_key(side))
         .as_ref()
         .try_transform(kind, move |ctx| make(key.clone(), ctx))
 }

@@ -33,6 +33,7 @@ mod local;
 mod runner;
 mod shape;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -214,7 +215,35 @@ impl ClusterSettings {
     }
 
     pub(crate) fn is_repartition_topic(&self, topic: &str) -> bool {
-        topic.starts_with(&format!("rtflow-{}-", self.query)) && topic.ends_with("-repartition")
+        self.repartition_stage(topic).is_some()
+    }
+
+    /// The stage whose repartition topic `topic` is.
+    pub(crate) fn repartition_stage(&self, topic: &str) -> Option<usize> {
+        topic
+            .strip_prefix(&format!("rtflow-{}-", self.query))?
+            .strip_suffix("-repartition")?
+            .parse()
+            .ok()
+    }
+
+    /// The partitions a process owns, given those the groups `assigned` it,
+    /// in a dataflow of `stages` repartitions. The repartition group assigns
+    /// only stage 0's topic; whoever owns its partition `p` owns partition
+    /// `p` of every later stage too, so each key group's state stays in one
+    /// process whichever stage keys by it, without an assignor of rtflow's
+    /// own.
+    pub(crate) fn co_partitioned(
+        &self,
+        assigned: &BTreeSet<(String, i32)>,
+        stages: usize,
+    ) -> BTreeSet<(String, i32)> {
+        let first = self.repartition_topic(0);
+        let mut owned = assigned.clone();
+        for (_, partition) in assigned.iter().filter(|(topic, _)| *topic == first) {
+            owned.extend((1..stages).map(|stage| (self.repartition_topic(stage), *partition)));
+        }
+        owned
     }
 
     pub(crate) fn changelog_topic(&self) -> String {
@@ -255,5 +284,73 @@ impl ClusterSettings {
                 &[("bootstrap.servers", &self.bootstrap_servers)],
             )
             .expect("options were checked at start")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> ClusterSettings {
+        ClusterSettings {
+            query: "q-1".into(),
+            bootstrap_servers: "127.0.0.1:1".into(),
+            instance: "a".into(),
+            repartition_partitions: 4,
+            key_groups: 8,
+            session_timeout: Duration::from_secs(6),
+            transaction_timeout: Duration::from_secs(10),
+            operation_timeout: Duration::from_secs(30),
+            restore_timeout: Duration::from_secs(300),
+            copies: None,
+            options: Options::default(),
+        }
+    }
+
+    #[test]
+    fn repartition_topics_name_their_stage() {
+        let settings = settings();
+        assert_eq!(
+            settings.repartition_stage("rtflow-q-1-0-repartition"),
+            Some(0)
+        );
+        assert_eq!(
+            settings.repartition_stage("rtflow-q-1-12-repartition"),
+            Some(12)
+        );
+        assert_eq!(settings.repartition_stage("rtflow-q-1-changelog"), None);
+        assert_eq!(settings.repartition_stage("rtflow-q-2-0-repartition"), None);
+        assert_eq!(settings.repartition_stage("orders"), None);
+        assert_eq!(
+            settings.group_of("rtflow-q-1-3-repartition"),
+            "rtflow-q-1-repartition"
+        );
+        assert_eq!(settings.group_of("orders"), "rtflow-q-1");
+    }
+
+    #[test]
+    fn the_owner_of_a_first_stage_partition_owns_that_partition_of_every_stage() {
+        let settings = settings();
+        let assigned: BTreeSet<(String, i32)> = [
+            ("orders".to_owned(), 0),
+            ("orders".to_owned(), 3),
+            ("rtflow-q-1-0-repartition".to_owned(), 1),
+            ("rtflow-q-1-0-repartition".to_owned(), 2),
+        ]
+        .into_iter()
+        .collect();
+        let owned = settings.co_partitioned(&assigned, 3);
+        let expected: BTreeSet<(String, i32)> = assigned
+            .iter()
+            .cloned()
+            .chain([1, 2].into_iter().flat_map(|p| {
+                [
+                    ("rtflow-q-1-1-repartition".to_owned(), p),
+                    ("rtflow-q-1-2-repartition".to_owned(), p),
+                ]
+            }))
+            .collect();
+        assert_eq!(owned, expected);
+        assert_eq!(settings.co_partitioned(&assigned, 1), assigned);
     }
 }
