@@ -4,7 +4,8 @@
 //!
 //! The runtime's operators have one input, so the builder tags each side's
 //! records ([`Either`]), unions the two streams, shuffles the union by the join
-//! key and runs one [`StreamJoin`] that handles both sides: a symmetric hash
+//! key (`repartition_by`, so a clustered query repartitions it through the
+//! cluster) and runs one [`StreamJoin`] that handles both sides: a symmetric hash
 //! join. Each row first probes the other side's rows of its key and emits every
 //! pair in range, then is buffered for the rows still to come; so every pair is
 //! emitted once, by whichever of its rows arrives second.
@@ -621,6 +622,11 @@ where
 /// Both sides must read distinct sources (real-time mode's rule for unions) and
 /// usually declare event time with `with_watermark`; without a watermark the
 /// join is correct but keeps every row for ever.
+///
+/// The sides are shuffled by the join key with
+/// [`repartition_by`](Stream::repartition_by): in a clustered query (rtflow's
+/// `KafkaCluster`) both cross one repartition topic of the join's own, so
+/// every join runs clustered as in one process.
 ///
 /// ```
 /// use std::time::Duration;

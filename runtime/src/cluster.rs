@@ -1,19 +1,21 @@
 //! One query run by several processes: the runtime's side of it.
 //!
-//! A clustered query is cut at its [`repartition_by`](crate::Stream::repartition_by)
-//! into two stages joined by a topic of the cluster. Each process runs both
-//! stages, but only for the partitions the cluster assigned to it: its
+//! A clustered query is cut at each [`repartition_by`](crate::Stream::repartition_by)
+//! into stages joined by topics of the cluster. Each process runs every
+//! stage, but only for the partitions the cluster assigned to it: its
 //! [`ClusterLink`] says which, makes the repartition's sink and source, restores
 //! what the process owns, and commits each of its checkpoints into the cluster
 //! (outputs, repartition records, keyed state changes and input offsets at
 //! once). The runtime knows no client library: rtflow-connectors' Kafka
 //! cluster implements the link.
 //!
-//! Watermarks cross the repartition in band: each writer of the repartition
-//! tells every partition the watermark of the source partitions behind it,
-//! and each reader takes, per partition it reads, the minimum over all source
-//! partitions of the largest watermark heard of each ([`UpstreamWatermarks`]),
-//! the min-of-max rule of one process.
+//! Watermarks cross a repartition in band: the writers of the repartition in
+//! each process tell every partition, together ([`WritersProgress`]), the
+//! watermark of the source partitions their process reads (Kafka partitions,
+//! or the previous stage's repartition partitions), and each reader takes,
+//! per partition it reads, the minimum over all source partitions of the
+//! largest watermark heard of each ([`UpstreamWatermarks`]), the min-of-max
+//! rule of one process.
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};

@@ -5,13 +5,15 @@
 //! the query's consumer group (`rtflow-<query>`, cooperative-sticky
 //! assignment), which shares out the partitions of the source topics, and
 //! its second group (`rtflow-<query>-repartition`), which shares out those of
-//! the repartition topic: one group would balance only the sum of the two,
-//! and could leave a process all of one stage and none of the other. A
-//! process runs its dataflow for the partitions it owns:
+//! the first repartition topic: one group would balance only the sum of the
+//! two, and could leave a process all of one stage and none of the other.
+//! Whoever owns partition `p` of the first repartition topic owns partition
+//! `p` of every later one (`ClusterSettings::co_partitioned`). A process runs
+//! its dataflow for the partitions it owns:
 //!
-//! - `repartition_by` writes each record to the repartition topic partition of
-//!   its key group (`exchange`); the stage after it reads the partitions the
-//!   group gave the process, with the watermark in band;
+//! - each `repartition_by` writes each record to the partition of its key
+//!   group in the stage's repartition topic (`exchange`); the stage after it
+//!   reads the partitions the process owns, with the watermark in band;
 //! - each checkpoint commits as one Kafka transaction of the process (`link`):
 //!   its output, its repartition records, the changelog records of its keyed
 //!   state (`changelog`, a compacted topic partitioned like the repartition
@@ -51,6 +53,11 @@ pub(crate) use exchange::{transactions_of, Staging};
 const WATERMARK_MARK: char = '@';
 
 /// Runs a query in several processes that share it through a Kafka cluster.
+///
+/// Any dataflow that runs in one process runs here, with `repartition_by`
+/// where it would `key_by`: any number of repartitions, stream-stream joins,
+/// `drop_duplicates`, windows, keyed processors and broadcast joins after any
+/// of them. Records that cross a repartition are serde types.
 ///
 /// ```no_run
 /// use rtflow_connectors::kafka::{KafkaCluster, KafkaMessage, KafkaRecord, KafkaSink, KafkaSource};
@@ -104,10 +111,11 @@ impl KafkaCluster {
         self
     }
 
-    /// How many partitions the repartition topic (and the changelog) has; by
-    /// default one per key group (`QueryConfig::max_key_groups`). It bounds
-    /// how many processes share the stage after the repartition. Fixed for
-    /// the query's life: it decides where each key's state lives.
+    /// How many partitions each repartition topic (and the changelog) has;
+    /// by default one per key group (`QueryConfig::max_key_groups`). It
+    /// bounds how many processes share the stages after the first
+    /// repartition. Fixed for the query's life: it decides where each key's
+    /// state lives.
     pub fn repartition_partitions(mut self, partitions: usize) -> Self {
         self.repartition_partitions = Some(partitions.max(1));
         self
