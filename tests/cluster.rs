@@ -6,6 +6,10 @@
 //! is started again under its name. The read_committed output of both counts
 //! must equal the batch reference, each output record exactly once.
 //!
+//! Chains of repartitions, the four stream joins and `drop_duplicates` run
+//! clustered the same way, and a property test runs random dataflows of them
+//! through random kills and starts.
+//!
 //! On a replicated three-broker Kafka (`RTFLOW_KAFKA_CLUSTER_BOOTSTRAP`, which
 //! scripts/test.sh starts), three processes count through the SIGKILL of the
 //! broker that leads partitions of every topic of the query and coordinates
@@ -451,15 +455,22 @@ fn cluster_child() {
 
 /// A dataflow of the tests: the bootstrap servers, then the input, counts
 /// and windows topics.
-type Build = fn(&Dataflow, &str, &str, &str, &str);
+type Build = Box<dyn Fn(&Dataflow, &str, &str, &str, &str) + Send>;
 
-/// The dataflow a child runs.
+/// The dataflow a child runs: one of the tests' own, or a random
+/// [`Pipeline`] as `prop:` and its encoding.
 fn dataflow_named(name: &str) -> Build {
+    if let Some(pipeline) = name.strip_prefix("prop:") {
+        let pipeline = Pipeline::decode(pipeline);
+        return Box::new(move |flow, bootstrap, input, counts, _| {
+            pipeline.build(flow, bootstrap, input, counts)
+        });
+    }
     match name {
-        "counts" => build,
-        "chain" => chain,
-        "joins" => joins,
-        "dedup" => dedup,
+        "counts" => Box::new(build),
+        "chain" => Box::new(chain),
+        "joins" => Box::new(joins),
+        "dedup" => Box::new(dedup),
         other => panic!("no dataflow '{other}'"),
     }
 }
@@ -472,7 +483,7 @@ struct Cluster {
     windows: String,
     dir: PathBuf,
     /// What the children run ([`dataflow_named`]).
-    dataflow: &'static str,
+    dataflow: String,
     children: BTreeMap<String, Child>,
 }
 
@@ -481,7 +492,7 @@ impl Cluster {
         Self::running(bootstrap, "counts")
     }
 
-    fn running(bootstrap: &str, dataflow: &'static str) -> Self {
+    fn running(bootstrap: &str, dataflow: &str) -> Self {
         let input = topic(bootstrap, "cluster-in", PARTITIONS);
         let dir = std::env::temp_dir().join(&input);
         std::fs::create_dir_all(&dir).unwrap();
@@ -492,7 +503,7 @@ impl Cluster {
             windows: topic(bootstrap, "cluster-windows", 1),
             input,
             dir,
-            dataflow,
+            dataflow: dataflow.to_owned(),
             children: BTreeMap::new(),
         }
     }
@@ -506,7 +517,7 @@ impl Cluster {
             &self.windows,
             &instance.to_owned(),
             &self.dir.join("stop").display().to_string(),
-            &self.dataflow.to_owned(),
+            &self.dataflow,
         ]
         .map(|s| s.as_str())
         .join(" ");
@@ -1529,4 +1540,301 @@ fn a_failing_build_closure_fails_the_process_and_a_mended_one_counts_exactly_onc
         &expected,
         "",
     );
+}
+
+/// A step of a random [`Pipeline`] over the input's events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Drops every record whose number is a multiple of this.
+    Filter(i64),
+    /// Maps key `k<n>` to `k<n % this>`.
+    Rekey(u32),
+    /// A repartition by key.
+    Repartition,
+    /// `drop_duplicates` by `(key, time)`: the flush records are the only
+    /// duplicates.
+    Dedup,
+}
+
+/// What a random [`Pipeline`] ends in, into the counts topic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// A count per key, `key:n`.
+    Count,
+    /// A tumbling-window count per key, `key@start:n`.
+    Window,
+    /// The inner join with the right topic, `left|right` (flush rows left out).
+    Join,
+}
+
+/// A random dataflow of the property test: steps, then an end. Every
+/// output it makes is a function of the input alone (no record is late, as
+/// every partition's event time only grows), so a batch reference checks it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Pipeline {
+    steps: Vec<Step>,
+    end: End,
+}
+
+impl Step {
+    fn apply(self, mut e: Event) -> Option<Event> {
+        match self {
+            Self::Filter(m) => (e.time / STEP_MS % m != 0).then_some(e),
+            Self::Rekey(r) => {
+                if let Some(n) = e.key.strip_prefix('k').and_then(|n| n.parse::<u32>().ok()) {
+                    e.key = format!("k{}", n % r);
+                }
+                Some(e)
+            }
+            Self::Repartition | Self::Dedup => Some(e),
+        }
+    }
+}
+
+impl Pipeline {
+    fn encode(&self) -> String {
+        let steps: Vec<String> = self
+            .steps
+            .iter()
+            .map(|step| match step {
+                Step::Filter(m) => format!("f{m}"),
+                Step::Rekey(r) => format!("k{r}"),
+                Step::Repartition => "r".to_owned(),
+                Step::Dedup => "d".to_owned(),
+            })
+            .collect();
+        let end = match self.end {
+            End::Count => "c",
+            End::Window => "w",
+            End::Join => "j",
+        };
+        format!("{}-{end}", steps.join("."))
+    }
+
+    fn decode(text: &str) -> Self {
+        let (steps, end) = text.rsplit_once('-').expect("steps-end");
+        let steps = steps
+            .split('.')
+            .filter(|s| !s.is_empty())
+            .map(|step| match step.split_at(1) {
+                ("f", m) => Step::Filter(m.parse().unwrap()),
+                ("k", r) => Step::Rekey(r.parse().unwrap()),
+                ("r", _) => Step::Repartition,
+                ("d", _) => Step::Dedup,
+                other => panic!("no step {other:?}"),
+            })
+            .collect();
+        let end = match end {
+            "c" => End::Count,
+            "w" => End::Window,
+            "j" => End::Join,
+            other => panic!("no end {other}"),
+        };
+        Self { steps, end }
+    }
+
+    fn build(&self, flow: &Dataflow, bootstrap: &str, input: &str, counts: &str) {
+        let mut events = side(flow, bootstrap, input);
+        for step in self.steps.clone() {
+            events = match step {
+                Step::Filter(_) | Step::Rekey(_) => events
+                    .flat_map(move |e: Event| step.apply(e))
+                    .name(format!("{step:?}")),
+                Step::Repartition => events
+                    .repartition_by(|e: &Event| e.key.clone())
+                    .as_ref()
+                    .clone(),
+                Step::Dedup => events.drop_duplicates(|e: &Event| (e.key.clone(), e.time)),
+            };
+        }
+        let lines = match self.end {
+            End::Count => events
+                .repartition_by(|e: &Event| e.key.clone())
+                .count()
+                .map(|(key, n): (String, u64)| format!("{key}:{n}")),
+            End::Window => events
+                .repartition_by(|e: &Event| e.key.clone())
+                .window(Window::tumbling(WINDOW))
+                .count()
+                .map(
+                    |(key, window, n): (String, rtflow::operators::Window, u64)| {
+                        format!("{key}@{}:{n}", window.start)
+                    },
+                ),
+            End::Join => {
+                let right = side(flow, bootstrap, &right_topic(input));
+                let key = |e: &Event| e.key.clone();
+                events
+                    .join(&right, key, key, JOIN_WINDOW)
+                    .map(|(l, r): (Event, Event)| format!("{}|{}", row(&l), row(&r)))
+                    .filter(|line: &String| !line.contains("flush"))
+            }
+        };
+        lines.sink(KafkaSink::new(bootstrap, counts, |line: &String| {
+            KafkaMessage::new(line.clone())
+        }));
+    }
+
+    /// The output over left records `0..n`, right records `0..m` and the
+    /// flush records of both.
+    fn reference(&self, n: usize, m: usize) -> BTreeMap<String, usize> {
+        let as_event = |(_, key, value): (i32, String, Vec<u8>)| Event {
+            key,
+            time: String::from_utf8(value).unwrap().parse().unwrap(),
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        let events: Vec<Event> = (0..n)
+            .map(record)
+            .chain(flush_records())
+            .map(as_event)
+            .filter_map(|e| {
+                self.steps.iter().try_fold(e, |e, step| {
+                    let e = step.apply(e)?;
+                    (*step != Step::Dedup || seen.insert((e.key.clone(), e.time))).then_some(e)
+                })
+            })
+            .collect();
+        match self.end {
+            End::Count => running_counts(events.into_iter().map(|e| e.key)),
+            End::Window => running_counts(events.into_iter().map(|e| {
+                let start = e.time - e.time % WINDOW.as_millis() as i64;
+                format!("{}@{start}", e.key)
+            })),
+            End::Join => {
+                let rights: Vec<Event> = (0..m).map(right_record).map(as_event).collect();
+                let mut lines = BTreeMap::new();
+                for l in events.iter().filter(|e| e.key != "flush") {
+                    for r in rights.iter().filter(|r| {
+                        l.key == r.key
+                            && l.time - JOIN_WINDOW.before <= r.time
+                            && r.time <= l.time + JOIN_WINDOW.after
+                    }) {
+                        lines.insert(format!("{}|{}", row(l), row(r)), 1);
+                    }
+                }
+                lines
+            }
+        }
+    }
+}
+
+/// What happens to the processes between two chunks of input.
+#[derive(Debug, Clone, Copy)]
+enum Change {
+    Kill(usize),
+    Spawn(usize),
+}
+
+fn pipelines() -> impl proptest::strategy::Strategy<Value = Pipeline> {
+    use proptest::prelude::*;
+    let step = prop_oneof![
+        (2i64..5).prop_map(Step::Filter),
+        (2u32..8).prop_map(Step::Rekey),
+        Just(Step::Repartition),
+        Just(Step::Dedup),
+    ];
+    let end = prop_oneof![Just(End::Count), Just(End::Window), Just(End::Join)];
+    (proptest::collection::vec(step, 0..4), end).prop_map(|(steps, end)| Pipeline { steps, end })
+}
+
+fn changes() -> impl proptest::strategy::Strategy<Value = Vec<Change>> {
+    use proptest::prelude::*;
+    let change = prop_oneof![
+        (0usize..3).prop_map(Change::Kill),
+        (0usize..3).prop_map(Change::Spawn),
+    ];
+    proptest::collection::vec(change, 1..4)
+}
+
+/// Runs `pipeline` on three processes (`p0..p2`), input in chunks with
+/// `changes` between them (a SIGKILL of a running process, unless it is the
+/// last; a start of one not running), and checks its output against the
+/// batch reference, exactly once.
+fn run_pipeline(bootstrap: &str, pipeline: &Pipeline, changes: &[Change]) {
+    let mut cluster = Cluster::running(bootstrap, &format!("prop:{}", pipeline.encode()));
+    let right = right_topic(&cluster.input);
+    KafkaAdmin::new(bootstrap)
+        .unwrap()
+        .create_topic(&right, PARTITIONS)
+        .unwrap();
+    let (n, m) = (600, 400);
+    let chunks = changes.len() + 1;
+    let chunk = |c: usize, total: usize| (c * total / chunks)..((c + 1) * total / chunks);
+    let names = ["p0", "p1", "p2"];
+    for name in names {
+        cluster.spawn(name);
+    }
+    for (c, change) in std::iter::once(None)
+        .chain(changes.iter().map(Some))
+        .enumerate()
+    {
+        match change {
+            Some(Change::Kill(p))
+                if cluster.children.len() > 1 && cluster.children.contains_key(names[*p]) =>
+            {
+                cluster.kill(names[*p]);
+            }
+            Some(Change::Spawn(p)) if !cluster.children.contains_key(names[*p]) => {
+                cluster.spawn(names[*p]);
+            }
+            _ => {}
+        }
+        produce(bootstrap, &cluster.input, chunk(c, n).map(record));
+        produce(bootstrap, &right, chunk(c, m).map(right_record));
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    produce(bootstrap, &cluster.input, flush_records());
+    produce(bootstrap, &right, flush_records());
+    cluster.wait_for_shares(Duration::from_secs(90));
+    let expected = pipeline.reference(n, m);
+    let (lines, _) = cluster.outputs(expected.len(), 0, Duration::from_secs(120));
+    cluster.stop_and_check(&lines, &[], &expected, &BTreeMap::new());
+}
+
+#[test]
+fn a_pipeline_encodes_to_what_a_child_decodes() {
+    let pipeline = Pipeline {
+        steps: vec![
+            Step::Filter(3),
+            Step::Rekey(4),
+            Step::Repartition,
+            Step::Dedup,
+        ],
+        end: End::Window,
+    };
+    assert_eq!(pipeline.encode(), "f3.k4.r.d-w");
+    assert_eq!(Pipeline::decode(&pipeline.encode()), pipeline);
+    let bare = Pipeline {
+        steps: Vec::new(),
+        end: End::Join,
+    };
+    assert_eq!(Pipeline::decode(&bare.encode()), bare);
+}
+
+/// Random dataflows of filters, rekeyings, repartitions and deduplications,
+/// ending in a count, a window count or a stream join, run by three
+/// processes through random kills and starts, each equal to its batch
+/// reference, exactly once. `RTFLOW_CLUSTER_CASES` sets how many (3 by
+/// default, each some 20-40 s).
+#[test]
+fn random_dataflows_run_clustered_exactly_once_through_kills_and_starts() {
+    use proptest::test_runner::{Config, TestRunner};
+    let Some(bootstrap) = bootstrap() else { return };
+    let cases = std::env::var("RTFLOW_CLUSTER_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(3);
+    let mut runner = TestRunner::new(Config {
+        cases,
+        // A failing case takes a minute; shrinking it would take an hour.
+        max_shrink_iters: 0,
+        ..Config::default()
+    });
+    runner
+        .run(&(pipelines(), changes()), |(pipeline, changes)| {
+            eprintln!("pipeline {} with {changes:?}", pipeline.encode());
+            run_pipeline(&bootstrap, &pipeline, &changes);
+            Ok(())
+        })
+        .unwrap();
 }
