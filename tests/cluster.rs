@@ -6,6 +6,10 @@
 //! is started again under its name. The read_committed output of both counts
 //! must equal the batch reference, each output record exactly once.
 //!
+//! Chains of repartitions, the four stream joins and `drop_duplicates` run
+//! clustered the same way, and a property test runs random dataflows of them
+//! through random kills and starts.
+//!
 //! On a replicated three-broker Kafka (`RTFLOW_KAFKA_CLUSTER_BOOTSTRAP`, which
 //! scripts/test.sh starts), three processes count through the SIGKILL of the
 //! broker that leads partitions of every topic of the query and coordinates
@@ -28,7 +32,8 @@ use rtflow::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// What a child runs, from `RTFLOW_CLUSTER_CHILD`:
-/// `bootstrap query input counts windows instance stop-file`.
+/// `bootstrap query input counts windows instance stop-file dataflow`, the
+/// last one of [`dataflow_named`]'s names.
 const CHILD_SPEC: &str = "RTFLOW_CLUSTER_CHILD";
 
 const PARTITIONS: i32 = 6;
@@ -167,11 +172,244 @@ fn count_per_key(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str) {
     ));
 }
 
+/// The bucket the second stage of [`chain`] keys by: a function of the key
+/// alone, so that the records of each bucket and window are the same in
+/// every run, whatever order the first stage counts them in.
+fn bucket(key: &str) -> u32 {
+    key.bytes().map(u32::from).sum::<u32>() % 3
+}
+
+/// Two repartitions in a row: a count per key, whose updates are
+/// repartitioned by the key's bucket, then counted per bucket (counts) and
+/// per bucket and tumbling window (windows). The second stage's writers sit
+/// behind the first stage's keyed count, so the watermark its windows close
+/// by has crossed both repartitions.
+fn chain(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, windows: &str) {
+    let by_bucket = flow
+        .source(
+            KafkaSource::new(bootstrap)
+                .subscribe([input])
+                .starting_offsets(StartingOffsets::Earliest),
+        )
+        .map(event)
+        .with_watermark(|e: &Event| e.time, Duration::from_millis(0))
+        .repartition_by(|e: &Event| e.key.clone())
+        .count()
+        .map(|(key, _): (String, u64)| bucket(&key))
+        .repartition_by(|bucket: &u32| *bucket);
+    by_bucket.count().sink(KafkaSink::new(
+        bootstrap,
+        counts,
+        |(bucket, count): &(u32, u64)| KafkaMessage::new(format!("{bucket}:{count}")),
+    ));
+    by_bucket
+        .window(Window::tumbling(WINDOW))
+        .count()
+        .sink(KafkaSink::new(
+            bootstrap,
+            windows,
+            |(bucket, window, count): &(u32, rtflow::operators::Window, u64)| {
+                KafkaMessage::new(format!("{bucket}@{}:{count}", window.start))
+            },
+        ));
+}
+
+/// Every `item:n` of a running count per item: one per item's occurrence.
+fn running_counts(items: impl Iterator<Item = String>) -> BTreeMap<String, usize> {
+    let mut seen = BTreeMap::new();
+    let mut updates = BTreeMap::new();
+    for item in items {
+        let count = seen.entry(item.clone()).or_insert(0u64);
+        *count += 1;
+        updates.insert(format!("{item}:{count}"), 1);
+    }
+    updates
+}
+
+/// [`chain`]'s batch reference over records `0..n`, late records `0..late`
+/// (counted per bucket, dropped by the windows) and the flush records.
+fn chain_reference(n: usize, late: usize) -> (BTreeMap<String, usize>, BTreeMap<String, usize>) {
+    let flush = flush_records()
+        .into_iter()
+        .map(|(_, key, _)| (key, FLUSH_TIME));
+    let on_time = (0..n)
+        .map(|i| (record(i).1, i as i64 * STEP_MS))
+        .chain(flush);
+    let late = (0..late).map(|i| (late_record(i).1, 500));
+    let counts = running_counts(
+        on_time
+            .clone()
+            .chain(late)
+            .map(|(key, _)| bucket(&key).to_string()),
+    );
+    let windows = running_counts(on_time.map(|(key, time)| {
+        let start = time - time % WINDOW.as_millis() as i64;
+        format!("{}@{start}", bucket(&key))
+    }));
+    (counts, windows)
+}
+
+/// The right side of [`joins`]: a topic beside the input.
+fn right_topic(input: &str) -> String {
+    format!("{input}-right")
+}
+
+/// Right record `j`: keys `k0..k12` (the left side has `k0..k9`), event time
+/// `10 j + 5` ms.
+fn right_record(j: usize) -> (i32, String, Vec<u8>) {
+    let time = j as i64 * STEP_MS + 5;
+    (
+        (j % PARTITIONS as usize) as i32,
+        format!("k{}", (j * 3) % 13),
+        time.to_string().into_bytes(),
+    )
+}
+
+/// A right row joins a left row of its key from 20 ms before it to 40 ms
+/// after it.
+const JOIN_WINDOW: JoinWindow = JoinWindow {
+    before: 20,
+    after: 40,
+};
+
+fn row(e: &Event) -> String {
+    format!("{}@{}", e.key, e.time)
+}
+
+fn maybe_row(e: &Option<Event>) -> String {
+    e.as_ref().map_or_else(|| "-".to_owned(), row)
+}
+
+fn side(flow: &Dataflow, bootstrap: &str, topic: &str) -> Stream<Event> {
+    flow.source(
+        KafkaSource::new(bootstrap)
+            .subscribe([topic])
+            .starting_offsets(StartingOffsets::Earliest),
+    )
+    .map(event)
+    .with_watermark(|e: &Event| e.time, Duration::ZERO)
+}
+
+/// The four stream-stream joins of the input (left) and its right topic,
+/// each through its own repartition, into the counts topic as
+/// `kind|left|right` (`-` for no row). The flush rows close every range and
+/// are left out.
+fn joins(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str) {
+    let left = side(flow, bootstrap, input);
+    let right = side(flow, bootstrap, &right_topic(input));
+    let key = |e: &Event| e.key.clone();
+    let lines = |pairs: Stream<String>| {
+        pairs
+            .filter(|line: &String| !line.contains("flush"))
+            .sink(KafkaSink::new(bootstrap, counts, |line: &String| {
+                KafkaMessage::new(line.clone())
+            }));
+    };
+    lines(
+        left.join(&right, key, key, JOIN_WINDOW)
+            .map(|(l, r): (Event, Event)| format!("inner|{}|{}", row(&l), row(&r))),
+    );
+    lines(
+        left.left_join(&right, key, key, JOIN_WINDOW)
+            .map(|(l, r): (Event, Option<Event>)| format!("left|{}|{}", row(&l), maybe_row(&r))),
+    );
+    lines(
+        left.right_join(&right, key, key, JOIN_WINDOW)
+            .map(|(l, r): (Option<Event>, Event)| format!("right|{}|{}", maybe_row(&l), row(&r))),
+    );
+    lines(left.full_join(&right, key, key, JOIN_WINDOW).map(
+        |(l, r): (Option<Event>, Option<Event>)| {
+            format!("full|{}|{}", maybe_row(&l), maybe_row(&r))
+        },
+    ));
+}
+
+/// [`joins`]' batch reference over left records `0..n` and right records
+/// `0..m`: every pair in range, and every row of an outer side that has none.
+fn joins_reference(n: usize, m: usize) -> BTreeMap<String, usize> {
+    let as_event = |(_, key, value): (i32, String, Vec<u8>)| Event {
+        key,
+        time: String::from_utf8(value).unwrap().parse().unwrap(),
+    };
+    let lefts: Vec<Event> = (0..n).map(|i| as_event(record(i))).collect();
+    let rights: Vec<Event> = (0..m).map(|j| as_event(right_record(j))).collect();
+    let matches = |l: &Event, r: &Event| {
+        l.key == r.key
+            && l.time - JOIN_WINDOW.before <= r.time
+            && r.time <= l.time + JOIN_WINDOW.after
+    };
+    let mut lines = Vec::new();
+    for l in &lefts {
+        let matched: Vec<&Event> = rights.iter().filter(|r| matches(l, r)).collect();
+        for r in &matched {
+            for kind in ["inner", "left", "right", "full"] {
+                lines.push(format!("{kind}|{}|{}", row(l), row(r)));
+            }
+        }
+        if matched.is_empty() {
+            lines.push(format!("left|{}|-", row(l)));
+            lines.push(format!("full|{}|-", row(l)));
+        }
+    }
+    for r in rights
+        .iter()
+        .filter(|r| !lefts.iter().any(|l| matches(l, r)))
+    {
+        lines.push(format!("right|-|{}", row(r)));
+        lines.push(format!("full|-|{}", row(r)));
+    }
+    lines.into_iter().map(|line| (line, 1)).collect()
+}
+
+/// `drop_duplicates` after a repartition by key: each `(key, time)` once,
+/// into the counts topic as `key@time`, and how many distinct keys each
+/// second had so far, through a third repartition, into the windows topic
+/// as `second:n`.
+fn dedup(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, windows: &str) {
+    let distinct = flow
+        .source(
+            KafkaSource::new(bootstrap)
+                .subscribe([input])
+                .starting_offsets(StartingOffsets::Earliest),
+        )
+        .map(event)
+        .with_watermark(|e: &Event| e.time, Duration::ZERO)
+        .repartition_by(|e: &Event| e.key.clone())
+        .as_ref()
+        .drop_duplicates(|e: &Event| (e.key.clone(), e.time));
+    distinct.sink(KafkaSink::new(bootstrap, counts, |e: &Event| {
+        KafkaMessage::new(row(e))
+    }));
+    distinct
+        .repartition_by(|e: &Event| e.time / 1000)
+        .count()
+        .sink(KafkaSink::new(
+            bootstrap,
+            windows,
+            |(second, count): &(i64, u64)| KafkaMessage::new(format!("{second}:{count}")),
+        ));
+}
+
+/// [`dedup`]'s batch reference over records `0..n` (each read once or more,
+/// late records dropped) and the flush records.
+fn dedup_reference(n: usize) -> (BTreeMap<String, usize>, BTreeMap<String, usize>) {
+    let events: Vec<(String, i64)> = (0..n)
+        .map(|i| (record(i).1, i as i64 * STEP_MS))
+        .chain([("flush".to_owned(), FLUSH_TIME)])
+        .collect();
+    let rows = events
+        .iter()
+        .map(|(key, time)| (format!("{key}@{time}"), 1))
+        .collect();
+    let seconds = running_counts(events.iter().map(|(_, time)| (time / 1000).to_string()));
+    (rows, seconds)
+}
+
 fn config(query: &str) -> QueryConfig {
     QueryConfig::new(query)
         .trigger(Trigger::real_time("300 milliseconds"))
         .min_batch_duration(Duration::from_millis(100))
-        .task_slots(64)
+        .task_slots(256)
 }
 
 #[test]
@@ -182,12 +420,13 @@ fn cluster_child() {
     };
     // Its warnings go to its log, which a failing test shows.
     rtflow::logging::init("warn");
-    let [bootstrap, query, input, counts, windows, instance, stop]: [String; 7] = spec
+    let [bootstrap, query, input, counts, windows, instance, stop, dataflow]: [String; 8] = spec
         .split(' ')
         .map(str::to_owned)
         .collect::<Vec<_>>()
         .try_into()
-        .expect("seven fields");
+        .expect("eight fields");
+    let build = dataflow_named(&dataflow);
     let (b, i, c, w) = (bootstrap.clone(), input, counts, windows);
     // Each process keeps its changelog copies in a location of its own.
     let location = PathBuf::from(&stop).with_file_name(format!("{instance}.checkpoints"));
@@ -214,6 +453,28 @@ fn cluster_child() {
     running.stop().expect("the child leaves cleanly");
 }
 
+/// A dataflow of the tests: the bootstrap servers, then the input, counts
+/// and windows topics.
+type Build = Box<dyn Fn(&Dataflow, &str, &str, &str, &str) + Send>;
+
+/// The dataflow a child runs: one of the tests' own, or a random
+/// [`Pipeline`] as `prop:` and its encoding.
+fn dataflow_named(name: &str) -> Build {
+    if let Some(pipeline) = name.strip_prefix("prop:") {
+        let pipeline = Pipeline::decode(pipeline);
+        return Box::new(move |flow, bootstrap, input, counts, _| {
+            pipeline.build(flow, bootstrap, input, counts)
+        });
+    }
+    match name {
+        "counts" => Box::new(build),
+        "chain" => Box::new(chain),
+        "joins" => Box::new(joins),
+        "dedup" => Box::new(dedup),
+        other => panic!("no dataflow '{other}'"),
+    }
+}
+
 struct Cluster {
     bootstrap: String,
     query: String,
@@ -221,11 +482,17 @@ struct Cluster {
     counts: String,
     windows: String,
     dir: PathBuf,
+    /// What the children run ([`dataflow_named`]).
+    dataflow: String,
     children: BTreeMap<String, Child>,
 }
 
 impl Cluster {
     fn new(bootstrap: &str) -> Self {
+        Self::running(bootstrap, "counts")
+    }
+
+    fn running(bootstrap: &str, dataflow: &str) -> Self {
         let input = topic(bootstrap, "cluster-in", PARTITIONS);
         let dir = std::env::temp_dir().join(&input);
         std::fs::create_dir_all(&dir).unwrap();
@@ -236,6 +503,7 @@ impl Cluster {
             windows: topic(bootstrap, "cluster-windows", 1),
             input,
             dir,
+            dataflow: dataflow.to_owned(),
             children: BTreeMap::new(),
         }
     }
@@ -249,6 +517,7 @@ impl Cluster {
             &self.windows,
             &instance.to_owned(),
             &self.dir.join("stop").display().to_string(),
+            &self.dataflow,
         ]
         .map(|s| s.as_str())
         .join(" ");
@@ -1005,57 +1274,160 @@ fn a_process_restores_the_partitions_it_had_from_its_local_copy_and_the_changelo
 }
 
 #[test]
-fn a_second_repartition_is_rejected_in_a_clustered_query() {
+fn a_key_by_after_a_repartition_is_rejected_in_a_clustered_query() {
     let Some(bootstrap) = bootstrap() else { return };
     let cluster = Cluster::new(&bootstrap);
-    let twice = |flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str| {
+    let rekeyed = |flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str| {
         flow.source(KafkaSource::new(bootstrap).subscribe([input]))
             .map(event)
             .repartition_by(|e: &Event| e.key.clone())
             .as_ref()
-            .repartition_by(|e: &Event| e.time)
+            .key_by(|e: &Event| e.time)
             .count()
+            .name("count per time")
             .sink(KafkaSink::new(
                 bootstrap,
                 counts,
                 |(time, n): &(i64, u64)| KafkaMessage::new(format!("{time}:{n}")),
             ));
     };
-    let error = start_here(&bootstrap, &cluster, "a", free_address(), twice)
+    let error = start_here(&bootstrap, &cluster, "a", free_address(), rekeyed)
         .map(|_| ())
         .unwrap_err();
     assert_eq!(error.error_class(), "INVALID_DATAFLOW", "{error}");
+    let message = error.to_string();
     assert!(
-        error.to_string().contains("repartitions 2 times"),
-        "{error}"
+        message.contains("'count per time' keys the repartitioned stream again")
+            && message.contains("repartition_by"),
+        "{message}"
     );
 }
 
 #[test]
-fn an_operator_that_keys_the_repartitioned_stream_again_is_rejected() {
+fn three_processes_count_through_two_repartitions_exactly_once_through_a_kill() {
     let Some(bootstrap) = bootstrap() else { return };
-    let cluster = Cluster::new(&bootstrap);
-    let distinct = |flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str| {
-        flow.source(KafkaSource::new(bootstrap).subscribe([input]))
-            .map(event)
-            .with_watermark(|e: &Event| e.time, Duration::ZERO)
-            .repartition_by(|e: &Event| e.key.clone())
-            .drop_duplicates(|e: &Event| (e.key.clone(), e.time / 1000))
-            .name("distinct")
-            .sink(KafkaSink::new(bootstrap, counts, |e: &Event| {
-                KafkaMessage::new(e.key.clone())
-            }));
-    };
-    let error = start_here(&bootstrap, &cluster, "a", free_address(), distinct)
-        .map(|_| ())
-        .unwrap_err();
-    assert_eq!(error.error_class(), "INVALID_DATAFLOW", "{error}");
+    let mut cluster = Cluster::running(&bootstrap, "chain");
+    let total = 3_000;
+    let third = total / 3;
+    produce(&bootstrap, &cluster.input, (0..third).map(record));
+    for instance in ["p0", "p1", "p2"] {
+        cluster.spawn(instance);
+    }
+    cluster.wait_for_shares(Duration::from_secs(90));
+    let (counts, _) = cluster.outputs(third / 2, 0, Duration::from_secs(90));
     assert!(
-        error
-            .to_string()
-            .contains("keys the repartitioned stream again"),
-        "{error}"
+        counts.len() >= third / 2,
+        "no progress:\n{}",
+        cluster.logs()
     );
+    // Late for the second stage's windows, which closed long ago: dropped
+    // there after the kill and the restart as in one process.
+    let input = cluster.input.clone();
+    let mut late = 0;
+    let mut produce_late = |n: usize| {
+        produce(&bootstrap, &input, (late..late + n).map(late_record));
+        late += n;
+    };
+    produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
+    std::thread::sleep(Duration::from_millis(700));
+    cluster.kill("p1");
+    produce_late(6);
+    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
+    std::thread::sleep(Duration::from_secs(3));
+    cluster.spawn("p1");
+    produce_late(6);
+    produce(&bootstrap, &cluster.input, flush_records());
+    let reshared = cluster.wait_for_shares(Duration::from_secs(90));
+    // Every process owns the same partitions of both repartition topics.
+    for (instance, partitions) in &reshared {
+        let owned = |stage: usize| -> Vec<String> {
+            let prefix = format!("rtflow-{}-{stage}-repartition-", cluster.query);
+            let mut owned: Vec<String> = partitions
+                .iter()
+                .filter_map(|p| p.strip_prefix(&prefix).map(str::to_owned))
+                .collect();
+            owned.sort();
+            owned
+        };
+        assert_eq!(owned(0), owned(1), "{instance}: {partitions:?}");
+    }
+    let (expected_counts, expected_windows) = chain_reference(total, late);
+    let (counts, windows) = cluster.outputs(
+        expected_counts.len(),
+        expected_windows.len(),
+        Duration::from_secs(120),
+    );
+    cluster.stop_and_check(&counts, &windows, &expected_counts, &expected_windows);
+}
+
+#[test]
+fn the_four_stream_joins_run_clustered_exactly_once() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::running(&bootstrap, "joins");
+    let right = right_topic(&cluster.input);
+    KafkaAdmin::new(&bootstrap)
+        .unwrap()
+        .create_topic(&right, PARTITIONS)
+        .unwrap();
+    let (n, m) = (1_200, 900);
+    produce(&bootstrap, &cluster.input, (0..n / 2).map(record));
+    produce(&bootstrap, &right, (0..m / 2).map(right_record));
+    for instance in ["p0", "p1"] {
+        cluster.spawn(instance);
+    }
+    cluster.wait_for_shares(Duration::from_secs(90));
+    let (lines, _) = cluster.outputs(100, 0, Duration::from_secs(90));
+    assert!(lines.len() >= 100, "no progress:\n{}", cluster.logs());
+    // A third process takes partitions, and the joins' rows with them, over.
+    cluster.spawn("p2");
+    produce(&bootstrap, &cluster.input, (n / 2..n).map(record));
+    produce(&bootstrap, &right, (m / 2..m).map(right_record));
+    cluster.wait_for_shares(Duration::from_secs(90));
+    produce(&bootstrap, &cluster.input, flush_records());
+    produce(&bootstrap, &right, flush_records());
+    let expected = joins_reference(n, m);
+    for kind in ["inner", "left", "right", "full"] {
+        assert!(
+            expected
+                .keys()
+                .any(|line| line.starts_with(&format!("{kind}|"))),
+            "the reference has {kind} rows"
+        );
+    }
+    assert!(expected.keys().any(|line| line.ends_with("|-")));
+    assert!(expected.keys().any(|line| line.contains("|-|")));
+    let (lines, _) = cluster.outputs(expected.len(), 0, Duration::from_secs(120));
+    cluster.stop_and_check(&lines, &[], &expected, &BTreeMap::new());
+}
+
+#[test]
+fn drop_duplicates_runs_clustered_exactly_once_through_a_kill() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::running(&bootstrap, "dedup");
+    let total = 1_500;
+    produce(&bootstrap, &cluster.input, (0..total).map(record));
+    for instance in ["p0", "p1", "p2"] {
+        cluster.spawn(instance);
+    }
+    cluster.wait_for_shares(Duration::from_secs(90));
+    let (rows, _) = cluster.outputs(total / 3, 0, Duration::from_secs(90));
+    assert!(rows.len() >= total / 3, "no progress:\n{}", cluster.logs());
+    // Every record again: each a duplicate, or late once its key was forgotten.
+    produce(&bootstrap, &cluster.input, (0..total / 2).map(record));
+    cluster.kill("p2");
+    produce(&bootstrap, &cluster.input, (total / 2..total).map(record));
+    produce(&bootstrap, &cluster.input, (0..6).map(late_record));
+    std::thread::sleep(Duration::from_secs(2));
+    cluster.spawn("p2");
+    produce(&bootstrap, &cluster.input, flush_records());
+    cluster.wait_for_shares(Duration::from_secs(90));
+    let (expected_rows, expected_seconds) = dedup_reference(total);
+    let (rows, seconds) = cluster.outputs(
+        expected_rows.len(),
+        expected_seconds.len(),
+        Duration::from_secs(120),
+    );
+    cluster.stop_and_check(&rows, &seconds, &expected_rows, &expected_seconds);
 }
 
 #[test]
@@ -1168,4 +1540,301 @@ fn a_failing_build_closure_fails_the_process_and_a_mended_one_counts_exactly_onc
         &expected,
         "",
     );
+}
+
+/// A step of a random [`Pipeline`] over the input's events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Drops every record whose number is a multiple of this.
+    Filter(i64),
+    /// Maps key `k<n>` to `k<n % this>`.
+    Rekey(u32),
+    /// A repartition by key.
+    Repartition,
+    /// `drop_duplicates` by `(key, time)`: the flush records are the only
+    /// duplicates.
+    Dedup,
+}
+
+/// What a random [`Pipeline`] ends in, into the counts topic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// A count per key, `key:n`.
+    Count,
+    /// A tumbling-window count per key, `key@start:n`.
+    Window,
+    /// The inner join with the right topic, `left|right` (flush rows left out).
+    Join,
+}
+
+/// A random dataflow of the property test: steps, then an end. Every
+/// output it makes is a function of the input alone (no record is late, as
+/// every partition's event time only grows), so a batch reference checks it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Pipeline {
+    steps: Vec<Step>,
+    end: End,
+}
+
+impl Step {
+    fn apply(self, mut e: Event) -> Option<Event> {
+        match self {
+            Self::Filter(m) => (e.time / STEP_MS % m != 0).then_some(e),
+            Self::Rekey(r) => {
+                if let Some(n) = e.key.strip_prefix('k').and_then(|n| n.parse::<u32>().ok()) {
+                    e.key = format!("k{}", n % r);
+                }
+                Some(e)
+            }
+            Self::Repartition | Self::Dedup => Some(e),
+        }
+    }
+}
+
+impl Pipeline {
+    fn encode(&self) -> String {
+        let steps: Vec<String> = self
+            .steps
+            .iter()
+            .map(|step| match step {
+                Step::Filter(m) => format!("f{m}"),
+                Step::Rekey(r) => format!("k{r}"),
+                Step::Repartition => "r".to_owned(),
+                Step::Dedup => "d".to_owned(),
+            })
+            .collect();
+        let end = match self.end {
+            End::Count => "c",
+            End::Window => "w",
+            End::Join => "j",
+        };
+        format!("{}-{end}", steps.join("."))
+    }
+
+    fn decode(text: &str) -> Self {
+        let (steps, end) = text.rsplit_once('-').expect("steps-end");
+        let steps = steps
+            .split('.')
+            .filter(|s| !s.is_empty())
+            .map(|step| match step.split_at(1) {
+                ("f", m) => Step::Filter(m.parse().unwrap()),
+                ("k", r) => Step::Rekey(r.parse().unwrap()),
+                ("r", _) => Step::Repartition,
+                ("d", _) => Step::Dedup,
+                other => panic!("no step {other:?}"),
+            })
+            .collect();
+        let end = match end {
+            "c" => End::Count,
+            "w" => End::Window,
+            "j" => End::Join,
+            other => panic!("no end {other}"),
+        };
+        Self { steps, end }
+    }
+
+    fn build(&self, flow: &Dataflow, bootstrap: &str, input: &str, counts: &str) {
+        let mut events = side(flow, bootstrap, input);
+        for step in self.steps.clone() {
+            events = match step {
+                Step::Filter(_) | Step::Rekey(_) => events
+                    .flat_map(move |e: Event| step.apply(e))
+                    .name(format!("{step:?}")),
+                Step::Repartition => events
+                    .repartition_by(|e: &Event| e.key.clone())
+                    .as_ref()
+                    .clone(),
+                Step::Dedup => events.drop_duplicates(|e: &Event| (e.key.clone(), e.time)),
+            };
+        }
+        let lines = match self.end {
+            End::Count => events
+                .repartition_by(|e: &Event| e.key.clone())
+                .count()
+                .map(|(key, n): (String, u64)| format!("{key}:{n}")),
+            End::Window => events
+                .repartition_by(|e: &Event| e.key.clone())
+                .window(Window::tumbling(WINDOW))
+                .count()
+                .map(
+                    |(key, window, n): (String, rtflow::operators::Window, u64)| {
+                        format!("{key}@{}:{n}", window.start)
+                    },
+                ),
+            End::Join => {
+                let right = side(flow, bootstrap, &right_topic(input));
+                let key = |e: &Event| e.key.clone();
+                events
+                    .join(&right, key, key, JOIN_WINDOW)
+                    .map(|(l, r): (Event, Event)| format!("{}|{}", row(&l), row(&r)))
+                    .filter(|line: &String| !line.contains("flush"))
+            }
+        };
+        lines.sink(KafkaSink::new(bootstrap, counts, |line: &String| {
+            KafkaMessage::new(line.clone())
+        }));
+    }
+
+    /// The output over left records `0..n`, right records `0..m` and the
+    /// flush records of both.
+    fn reference(&self, n: usize, m: usize) -> BTreeMap<String, usize> {
+        let as_event = |(_, key, value): (i32, String, Vec<u8>)| Event {
+            key,
+            time: String::from_utf8(value).unwrap().parse().unwrap(),
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        let events: Vec<Event> = (0..n)
+            .map(record)
+            .chain(flush_records())
+            .map(as_event)
+            .filter_map(|e| {
+                self.steps.iter().try_fold(e, |e, step| {
+                    let e = step.apply(e)?;
+                    (*step != Step::Dedup || seen.insert((e.key.clone(), e.time))).then_some(e)
+                })
+            })
+            .collect();
+        match self.end {
+            End::Count => running_counts(events.into_iter().map(|e| e.key)),
+            End::Window => running_counts(events.into_iter().map(|e| {
+                let start = e.time - e.time % WINDOW.as_millis() as i64;
+                format!("{}@{start}", e.key)
+            })),
+            End::Join => {
+                let rights: Vec<Event> = (0..m).map(right_record).map(as_event).collect();
+                let mut lines = BTreeMap::new();
+                for l in events.iter().filter(|e| e.key != "flush") {
+                    for r in rights.iter().filter(|r| {
+                        l.key == r.key
+                            && l.time - JOIN_WINDOW.before <= r.time
+                            && r.time <= l.time + JOIN_WINDOW.after
+                    }) {
+                        lines.insert(format!("{}|{}", row(l), row(r)), 1);
+                    }
+                }
+                lines
+            }
+        }
+    }
+}
+
+/// What happens to the processes between two chunks of input.
+#[derive(Debug, Clone, Copy)]
+enum Change {
+    Kill(usize),
+    Spawn(usize),
+}
+
+fn pipelines() -> impl proptest::strategy::Strategy<Value = Pipeline> {
+    use proptest::prelude::*;
+    let step = prop_oneof![
+        (2i64..5).prop_map(Step::Filter),
+        (2u32..8).prop_map(Step::Rekey),
+        Just(Step::Repartition),
+        Just(Step::Dedup),
+    ];
+    let end = prop_oneof![Just(End::Count), Just(End::Window), Just(End::Join)];
+    (proptest::collection::vec(step, 0..4), end).prop_map(|(steps, end)| Pipeline { steps, end })
+}
+
+fn changes() -> impl proptest::strategy::Strategy<Value = Vec<Change>> {
+    use proptest::prelude::*;
+    let change = prop_oneof![
+        (0usize..3).prop_map(Change::Kill),
+        (0usize..3).prop_map(Change::Spawn),
+    ];
+    proptest::collection::vec(change, 1..4)
+}
+
+/// Runs `pipeline` on three processes (`p0..p2`), input in chunks with
+/// `changes` between them (a SIGKILL of a running process, unless it is the
+/// last; a start of one not running), and checks its output against the
+/// batch reference, exactly once.
+fn run_pipeline(bootstrap: &str, pipeline: &Pipeline, changes: &[Change]) {
+    let mut cluster = Cluster::running(bootstrap, &format!("prop:{}", pipeline.encode()));
+    let right = right_topic(&cluster.input);
+    KafkaAdmin::new(bootstrap)
+        .unwrap()
+        .create_topic(&right, PARTITIONS)
+        .unwrap();
+    let (n, m) = (600, 400);
+    let chunks = changes.len() + 1;
+    let chunk = |c: usize, total: usize| (c * total / chunks)..((c + 1) * total / chunks);
+    let names = ["p0", "p1", "p2"];
+    for name in names {
+        cluster.spawn(name);
+    }
+    for (c, change) in std::iter::once(None)
+        .chain(changes.iter().map(Some))
+        .enumerate()
+    {
+        match change {
+            Some(Change::Kill(p))
+                if cluster.children.len() > 1 && cluster.children.contains_key(names[*p]) =>
+            {
+                cluster.kill(names[*p]);
+            }
+            Some(Change::Spawn(p)) if !cluster.children.contains_key(names[*p]) => {
+                cluster.spawn(names[*p]);
+            }
+            _ => {}
+        }
+        produce(bootstrap, &cluster.input, chunk(c, n).map(record));
+        produce(bootstrap, &right, chunk(c, m).map(right_record));
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    produce(bootstrap, &cluster.input, flush_records());
+    produce(bootstrap, &right, flush_records());
+    cluster.wait_for_shares(Duration::from_secs(90));
+    let expected = pipeline.reference(n, m);
+    let (lines, _) = cluster.outputs(expected.len(), 0, Duration::from_secs(120));
+    cluster.stop_and_check(&lines, &[], &expected, &BTreeMap::new());
+}
+
+#[test]
+fn a_pipeline_encodes_to_what_a_child_decodes() {
+    let pipeline = Pipeline {
+        steps: vec![
+            Step::Filter(3),
+            Step::Rekey(4),
+            Step::Repartition,
+            Step::Dedup,
+        ],
+        end: End::Window,
+    };
+    assert_eq!(pipeline.encode(), "f3.k4.r.d-w");
+    assert_eq!(Pipeline::decode(&pipeline.encode()), pipeline);
+    let bare = Pipeline {
+        steps: Vec::new(),
+        end: End::Join,
+    };
+    assert_eq!(Pipeline::decode(&bare.encode()), bare);
+}
+
+/// Random dataflows of filters, rekeyings, repartitions and deduplications,
+/// ending in a count, a window count or a stream join, run by three
+/// processes through random kills and starts, each equal to its batch
+/// reference, exactly once. `RTFLOW_CLUSTER_CASES` sets how many (3 by
+/// default, each some 20-40 s).
+#[test]
+fn random_dataflows_run_clustered_exactly_once_through_kills_and_starts() {
+    use proptest::test_runner::{Config, TestRunner};
+    let Some(bootstrap) = bootstrap() else { return };
+    let cases = std::env::var("RTFLOW_CLUSTER_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(3);
+    let mut runner = TestRunner::new(Config {
+        cases,
+        // A failing case takes a minute; shrinking it would take an hour.
+        max_shrink_iters: 0,
+        ..Config::default()
+    });
+    runner
+        .run(&(pipelines(), changes()), |(pipeline, changes)| {
+            eprintln!("pipeline {} with {changes:?}", pipeline.encode());
+            run_pipeline(&bootstrap, &pipeline, &changes);
+            Ok(())
+        })
+        .unwrap();
 }

@@ -32,7 +32,7 @@ use rtflow_runtime::{
     Collector, Data, EventTime, Operator, OperatorContext, Record, Result, Stream,
 };
 
-use crate::aggregate::StateKey;
+use crate::aggregate::{StateKey, StateValue};
 use crate::expiry::{Expiries, EVICT_PER_RECORD, EVICT_PER_WATERMARK};
 use crate::lateness::Lateness;
 
@@ -151,7 +151,12 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
 }
 
 /// Deduplication as builder methods on any stream. Each shuffles the stream by
-/// the deduplication key itself, so it needs no `key_by` before it.
+/// the deduplication key itself ([`repartition_by`](Stream::repartition_by)),
+/// so it needs no `key_by` before it, and runs in a clustered query as in one
+/// process: there the records cross a repartition topic of their own, which
+/// is why they must be serde types (`T: Serialize + DeserializeOwned`, as
+/// [`StateValue`] says). The bound holds in one process too, so that a
+/// dataflow builds the same whichever way it is run.
 ///
 /// ```
 /// use std::time::Duration;
@@ -180,7 +185,10 @@ pub trait DedupExt<T: Data>: AsRef<Stream<T>> {
     fn drop_duplicates<K: StateKey>(
         &self,
         key: impl Fn(&T) -> K + Send + Sync + 'static,
-    ) -> Stream<T> {
+    ) -> Stream<T>
+    where
+        T: StateValue,
+    {
         dedup(
             self.as_ref(),
             DROP_DUPLICATES,
@@ -201,7 +209,10 @@ pub trait DedupExt<T: Data>: AsRef<Stream<T>> {
         &self,
         key: impl Fn(&T) -> K + Send + Sync + 'static,
         delay: Duration,
-    ) -> Stream<T> {
+    ) -> Stream<T>
+    where
+        T: StateValue,
+    {
         dedup(
             self.as_ref(),
             DROP_DUPLICATES_WITHIN_WATERMARK,
@@ -213,7 +224,7 @@ pub trait DedupExt<T: Data>: AsRef<Stream<T>> {
 
 impl<T: Data, S: AsRef<Stream<T>>> DedupExt<T> for S {}
 
-fn dedup<K: StateKey, T: Data>(
+fn dedup<K: StateKey, T: Data + StateValue>(
     stream: &Stream<T>,
     kind: &str,
     key: Arc<dyn Fn(&T) -> K + Send + Sync>,
@@ -221,7 +232,7 @@ fn dedup<K: StateKey, T: Data>(
 ) -> Stream<T> {
     let shuffle_key = key.clone();
     stream
-        .key_by(move |value: &T| shuffle_key(value))
+        .repartition_by(move |value: &T| shuffle_key(value))
         .as_ref()
         .try_transform(kind, move |ctx| DropDuplicates::new(key.clone(), keep, ctx))
 }

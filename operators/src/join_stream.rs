@@ -4,7 +4,8 @@
 //!
 //! The runtime's operators have one input, so the builder tags each side's
 //! records ([`Either`]), unions the two streams, shuffles the union by the join
-//! key and runs one [`StreamJoin`] that handles both sides: a symmetric hash
+//! key (`repartition_by`, so a clustered query repartitions it through the
+//! cluster) and runs one [`StreamJoin`] that handles both sides: a symmetric hash
 //! join. Each row first probes the other side's rows of its key and emits every
 //! pair in range, then is buffered for the rows still to come; so every pair is
 //! emitted once, by whichever of its rows arrives second.
@@ -622,6 +623,11 @@ where
 /// usually declare event time with `with_watermark`; without a watermark the
 /// join is correct but keeps every row for ever.
 ///
+/// The sides are shuffled by the join key with
+/// [`repartition_by`](Stream::repartition_by): in a clustered query (rtflow's
+/// `KafkaCluster`) both cross one repartition topic of the join's own, so
+/// every join runs clustered as in one process.
+///
 /// ```
 /// use std::time::Duration;
 /// use rtflow_operators::{JoinWindow, StreamJoinExt};
@@ -756,7 +762,11 @@ type KeyFn<T, K> = Arc<dyn Fn(&T) -> K + Send + Sync>;
 
 /// Adds a join operator of `kind`, which `make` makes from the join key of
 /// either side, over both sides tagged (`left` as [`Either::Left`]) and
-/// shuffled by that key: the wiring every stream-stream join shares.
+/// shuffled by that key: the wiring every stream-stream join shares. The
+/// tagged union is repartitioned as one stream, so that a clustered query
+/// needs one repartition topic per join, whose readers wait for the
+/// watermark of both sides' source partitions as one process's join waits
+/// for both inputs.
 fn add_join<K, L, R, O, Out>(
     left: &Stream<L>,
     right: &Stream<R>,
@@ -767,8 +777,8 @@ fn add_join<K, L, R, O, Out>(
 ) -> Stream<Out>
 where
     K: StateKey,
-    L: Data,
-    R: Data,
+    L: Data + StateValue,
+    R: Data + StateValue,
     Out: Data,
     O: Operator<Either<L, R>, Out>,
 {
@@ -781,7 +791,7 @@ where
     let tagged_right = right.transform("map", |_| Map(Either::<L, R>::Right));
     tagged_left
         .union(&tagged_right)
-        .key_by(move |side| shuffle_key(side))
+        .repartition_by(move |side| shuffle_key(side))
         .as_ref()
         .try_transform(kind, move |ctx| make(key.clone(), ctx))
 }

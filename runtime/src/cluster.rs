@@ -1,19 +1,21 @@
 //! One query run by several processes: the runtime's side of it.
 //!
-//! A clustered query is cut at its [`repartition_by`](crate::Stream::repartition_by)
-//! into two stages joined by a topic of the cluster. Each process runs both
-//! stages, but only for the partitions the cluster assigned to it: its
+//! A clustered query is cut at each [`repartition_by`](crate::Stream::repartition_by)
+//! into stages joined by topics of the cluster. Each process runs every
+//! stage, but only for the partitions the cluster assigned to it: its
 //! [`ClusterLink`] says which, makes the repartition's sink and source, restores
 //! what the process owns, and commits each of its checkpoints into the cluster
 //! (outputs, repartition records, keyed state changes and input offsets at
 //! once). The runtime knows no client library: rtflow-connectors' Kafka
 //! cluster implements the link.
 //!
-//! Watermarks cross the repartition in band: each writer of the repartition
-//! tells every partition the watermark of the source partitions behind it,
-//! and each reader takes, per partition it reads, the minimum over all source
-//! partitions of the largest watermark heard of each ([`UpstreamWatermarks`]),
-//! the min-of-max rule of one process.
+//! Watermarks cross a repartition in band: the writers of the repartition in
+//! each process tell every partition, together ([`WritersProgress`]), the
+//! watermark of the source partitions their process reads (Kafka partitions,
+//! or the previous stage's repartition partitions), and each reader takes,
+//! per partition it reads, the minimum over all source partitions of the
+//! largest watermark heard of each ([`UpstreamWatermarks`]), the min-of-max
+//! rule of one process.
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
@@ -104,6 +106,149 @@ impl WriterProgress {
         self.told_watermark = self.watermark;
         self.told_idle = self.idle;
         tell
+    }
+}
+
+/// What a writer of a repartition knows of its input's event time: the
+/// latest watermark, and whether the input is idle.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriterInput {
+    watermark: Option<EventTime>,
+    idle: bool,
+}
+
+impl WriterInput {
+    /// The input's watermark is `watermark`: it is active.
+    pub fn watermark(&mut self, watermark: EventTime) {
+        self.watermark = Some(watermark);
+        self.idle = false;
+    }
+
+    /// The input went idle.
+    pub fn idle(&mut self) {
+        self.idle = true;
+    }
+}
+
+/// What the writers of one repartition in one process tell its partitions,
+/// together, once every writer ended the epoch.
+///
+/// The writers speak for the source partitions the process reads: behind a
+/// shuffle every writer forwards records of every one of them, so one
+/// writer's watermark says nothing of another's records. A reader takes the
+/// largest watermark heard of a source partition; told per writer, it could
+/// run ahead of the records another writer still stages in the same epoch
+/// (they land after the first writer's word in the partition). Told once for
+/// all of them, after all of them staged the epoch's records, it is the least
+/// of their watermarks at the barrier, and every record they write later is
+/// at or after it, as in one process.
+///
+/// It relies on one checkpoint in flight at a time: no writer reaches epoch
+/// `n + 1` before every writer reached `n`.
+///
+/// ```
+/// use rtflow_runtime::cluster::{WriterInput, WritersProgress};
+/// let mut writers = WritersProgress::new(2, 4);
+/// writers.join(&[0, 1]);
+/// writers.join(&[1]);
+/// let at = |watermark| {
+///     let mut input = WriterInput::default();
+///     input.watermark(watermark);
+///     input
+/// };
+/// assert!(writers.reached(0, 7, at(50)).is_empty(), "writer 1 has not ended epoch 7");
+/// let told = writers.reached(1, 7, at(30));
+/// assert_eq!(told.len(), 1);
+/// assert_eq!((told[0].partitions.as_slice(), told[0].watermark), (&[0, 1][..], Some(30)));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WritersProgress {
+    upstream: u32,
+    partitions: BTreeSet<u32>,
+    /// Per writer: the epoch it ended last (`None` once its input ended)
+    /// and its input then; `None` until it ended one.
+    writers: Vec<Option<(Option<Epoch>, WriterInput)>>,
+    /// Every writer ended the epochs up to this one (`Epoch::MAX`: their input).
+    told_through: Option<Epoch>,
+    progress: WriterProgress,
+}
+
+impl WritersProgress {
+    /// For `writers` writers, out of `upstream` source partitions that feed
+    /// the repartition in every process.
+    pub fn new(writers: usize, upstream: u32) -> Self {
+        Self {
+            upstream,
+            partitions: BTreeSet::new(),
+            writers: vec![None; writers],
+            told_through: None,
+            progress: WriterProgress::default(),
+        }
+    }
+
+    /// A writer that forwards the records of source `partitions`.
+    pub fn join(&mut self, partitions: &[u32]) {
+        self.partitions.extend(partitions);
+    }
+
+    /// Writer `writer` ended epoch `epoch`, its input as `input`, after it
+    /// staged the epoch's records: what to tell, after them, if it was the
+    /// last writer to end the epoch.
+    pub fn reached(
+        &mut self,
+        writer: usize,
+        epoch: Epoch,
+        input: WriterInput,
+    ) -> Vec<UpstreamProgress> {
+        self.writers[writer] = Some((Some(epoch), input));
+        self.tell()
+    }
+
+    /// Writer `writer`'s input ended, as `input`, after it staged its last
+    /// records: what to tell, if it was the last writer to get there.
+    pub fn ended(&mut self, writer: usize, input: WriterInput) -> Vec<UpstreamProgress> {
+        self.writers[writer] = Some((None, input));
+        self.tell()
+    }
+
+    fn tell(&mut self) -> Vec<UpstreamProgress> {
+        let mut through = Epoch::MAX;
+        for writer in &self.writers {
+            match writer {
+                None => return Vec::new(),
+                Some((Some(epoch), _)) => through = through.min(*epoch),
+                Some((None, _)) => {}
+            }
+        }
+        if self.told_through.is_some_and(|told| told >= through) {
+            return Vec::new();
+        }
+        self.told_through = Some(through);
+        let inputs: Vec<WriterInput> = self.writers.iter().flatten().map(|(_, i)| *i).collect();
+        let active: Vec<&WriterInput> = inputs.iter().filter(|i| !i.idle).collect();
+        if active.is_empty() {
+            if let Some(least) = inputs.iter().filter_map(|i| i.watermark).min() {
+                self.progress.watermark(least);
+            }
+            self.progress.idle();
+        } else if let Some(least) = active.iter().map(|i| i.watermark).min().flatten() {
+            // `min` over options puts `None` first: one active writer without
+            // a watermark holds every other back.
+            self.progress.watermark(least);
+        }
+        if self.partitions.is_empty() {
+            return Vec::new();
+        }
+        let partitions: Vec<u32> = self.partitions.iter().copied().collect();
+        self.progress
+            .to_tell()
+            .into_iter()
+            .map(|watermark| UpstreamProgress {
+                upstream: self.upstream,
+                partitions: partitions.clone(),
+                watermark,
+            })
+            .collect()
     }
 }
 
@@ -476,6 +621,93 @@ mod tests {
             EventTimeAcross::Watermark(50)
         );
         assert_eq!(EventTimeAcross::of([]), EventTimeAcross::Idle);
+    }
+
+    fn input(watermark: Option<EventTime>, idle: bool) -> WriterInput {
+        let mut input = WriterInput::default();
+        if let Some(watermark) = watermark {
+            input.watermark(watermark);
+        }
+        if idle {
+            input.idle();
+        }
+        input
+    }
+
+    fn watermarks(told: &[UpstreamProgress]) -> Vec<Option<EventTime>> {
+        told.iter().map(|t| t.watermark).collect()
+    }
+
+    #[test]
+    fn writers_tell_once_every_one_ended_the_epoch_the_least_of_their_watermarks() {
+        let mut writers = WritersProgress::new(3, 6);
+        for partitions in [&[0, 2][..], &[0, 2], &[4]] {
+            writers.join(partitions);
+        }
+        assert!(writers.reached(0, 1, input(Some(40), false)).is_empty());
+        assert!(writers.reached(2, 1, input(Some(10), false)).is_empty());
+        let told = writers.reached(1, 1, input(Some(25), false));
+        assert_eq!(watermarks(&told), [Some(10)]);
+        assert_eq!(told[0].partitions, [0, 2, 4]);
+        assert_eq!(told[0].upstream, 6);
+        // Epoch 2: unchanged least, nothing new to tell.
+        assert!(writers.reached(0, 2, input(Some(50), false)).is_empty());
+        assert!(writers.reached(1, 2, input(Some(50), false)).is_empty());
+        assert!(writers.reached(2, 2, input(Some(10), false)).is_empty());
+        assert!(writers.reached(2, 3, input(Some(60), false)).is_empty());
+        assert!(writers.reached(0, 3, input(Some(70), false)).is_empty());
+        assert_eq!(
+            watermarks(&writers.reached(1, 3, input(Some(55), false))),
+            [Some(55)]
+        );
+    }
+
+    #[test]
+    fn an_active_writer_without_a_watermark_holds_the_others_back_and_idle_ones_do_not() {
+        let mut writers = WritersProgress::new(2, 2);
+        writers.join(&[0, 1]);
+        writers.reached(0, 1, input(Some(40), false));
+        assert!(writers.reached(1, 1, input(None, false)).is_empty());
+        writers.reached(0, 2, input(Some(40), false));
+        assert_eq!(
+            watermarks(&writers.reached(1, 2, input(None, true))),
+            [Some(40)],
+            "an idle writer is left out"
+        );
+        writers.reached(0, 3, input(Some(90), true));
+        assert_eq!(
+            watermarks(&writers.reached(1, 3, input(None, true))),
+            [Some(90), None],
+            "all idle: the watermark the last records were judged by, then idleness"
+        );
+        writers.reached(0, 4, input(Some(95), false));
+        assert_eq!(
+            watermarks(&writers.reached(1, 4, input(None, true))),
+            [Some(95)],
+            "active again"
+        );
+    }
+
+    #[test]
+    fn the_end_of_the_input_is_told_once_every_writer_got_there() {
+        let mut writers = WritersProgress::new(2, 2);
+        writers.join(&[0]);
+        writers.join(&[1]);
+        writers.reached(0, 1, input(Some(5), false));
+        writers.reached(1, 1, input(Some(5), false));
+        assert!(writers.ended(0, input(Some(20), false)).is_empty());
+        assert_eq!(
+            watermarks(&writers.ended(1, input(Some(30), false))),
+            [Some(20)]
+        );
+        assert!(writers.ended(1, input(Some(30), false)).is_empty());
+    }
+
+    #[test]
+    fn writers_that_read_no_partition_tell_nothing() {
+        let mut writers = WritersProgress::new(1, 4);
+        writers.join(&[]);
+        assert!(writers.reached(0, 1, input(Some(5), false)).is_empty());
     }
 
     #[test]

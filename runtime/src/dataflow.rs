@@ -255,10 +255,19 @@ impl<T: Data> Stream<T> {
     }
 
     /// Like [`key_by`](Self::key_by), and also across the processes of a
-    /// clustered query: there the records go through the cluster's
-    /// repartition topic, encoded with serde, so that each key reaches the
-    /// process that owns its key group, with the watermark in band. In a query
-    /// of one process it is `key_by`.
+    /// clustered query: there the records go through a repartition topic of
+    /// the cluster, encoded with serde, so that each key reaches the process
+    /// that owns its key group, with the watermark in band. In a query of one
+    /// process it is `key_by`.
+    ///
+    /// A clustered query may repartition any number of times, one after
+    /// another (a count per user, then by the count's bucket) or side by side:
+    /// each `repartition_by` is a stage with a topic of its own, and a
+    /// process owns the same partitions of every stage's topic, so keyed
+    /// state after any of them stays with its key group. Stream joins and
+    /// `drop_duplicates` shuffle with it, so they run clustered too; only a
+    /// `key_by` is refused there (`INVALID_DATAFLOW`), since it shuffles
+    /// within one process.
     ///
     /// ```no_run
     /// use rtflow_runtime::{Dataflow, Stream};

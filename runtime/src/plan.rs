@@ -107,30 +107,26 @@ pub(crate) fn validate(graph: &Graph, config: &QueryConfig) -> Result<()> {
     Ok(())
 }
 
-/// A clustered query shuffles only through its repartition topic: a `key_by`
+/// A clustered query shuffles only through its repartition topics: a `key_by`
 /// within one process would leave each key's state split between processes.
+/// Several repartitions are fine: every repartition topic has as many
+/// partitions, and a process owns the same partitions of each, so a key group
+/// lives in one process whichever stage keys by it.
 fn check_clustered(graph: &Graph) -> Result<()> {
-    if graph.repartitions > 1 {
-        return Err(RtflowError::InvalidDataflow(format!(
-            "the clustered query repartitions {} times; a clustered query may \
-             repartition once (one repartition_by)",
-            graph.repartitions
-        )));
-    }
     for node in &graph.nodes {
         for edge in node.inputs.iter().filter(|e| e.partitioning.is_shuffle()) {
             let exchange = graph.exchanges.iter().find(|(id, _)| *id == edge.from);
             let message = match exchange {
                 None => {
                     "reads a key_by, which shuffles within one process; in a clustered \
-                         query shuffle with repartition_by, which reaches every process"
+                     query shuffle with repartition_by, which reaches every process"
                 }
                 Some((_, key)) if key.same_as(&edge.partitioning) => continue,
                 Some(_) => {
-                    "keys the repartitioned stream again, by a key of its own \
-                            (drop_duplicates and stream joins do): its state would not \
-                            follow the repartition's partitions from process to process; \
-                            in a clustered query such operators are not supported yet"
+                    "keys the repartitioned stream again, by a key of its own, within \
+                     one process: its state would not follow the repartition's \
+                     partitions from process to process; repartition it by that key \
+                     with repartition_by instead"
                 }
             };
             return Err(RtflowError::InvalidDataflow(format!(
@@ -401,7 +397,10 @@ impl Plan {
 
     /// The source partitions, numbered query-wide, whose records reach `subtask`
     /// of node `id`, over every input (all of a union's): on forward edges only
-    /// those of the source subtask feeding it, all of the source's otherwise.
+    /// those of the source subtask feeding it, those of every subtask of this
+    /// process otherwise. In a clustered query a process speaks only for the
+    /// partitions it reads: a writer of a repartition tells their watermark,
+    /// and the others' are told by the processes that read them.
     fn partitions_reaching(&self, id: NodeId, subtask: usize) -> Vec<u32> {
         let mut found = BTreeSet::new();
         self.collect_partitions(id, Some(subtask), &mut found);
@@ -413,7 +412,7 @@ impl Plan {
             let base = self.partition_base[node];
             let read = match subtask {
                 Some(subtask) => self.read_by(node, subtask),
-                None => (0..self.source_partitions[node]).collect(),
+                None => self.owned_partitions[node].clone(),
             };
             found.extend(read.into_iter().map(|p| base + p as u32));
             return;
@@ -440,9 +439,21 @@ impl Plan {
     /// The source partitions, numbered query-wide, that feed `id` over all
     /// its subtasks and in every process.
     fn upstream_partition_count(&self, id: NodeId) -> u32 {
-        let mut found = BTreeSet::new();
-        self.collect_partitions(id, None, &mut found);
-        found.len() as u32
+        let mut sources = BTreeSet::new();
+        self.collect_sources(id, &mut sources);
+        sources
+            .into_iter()
+            .map(|source| self.source_partitions[source] as u32)
+            .sum()
+    }
+
+    fn collect_sources(&self, node: NodeId, found: &mut BTreeSet<NodeId>) {
+        if matches!(self.graph.nodes[node].body, Body::Source(..)) {
+            found.insert(node);
+        }
+        for edge in &self.graph.nodes[node].inputs {
+            self.collect_sources(edge.from, found);
+        }
     }
 
     fn heads(&self) -> impl Iterator<Item = NodeId> + '_ {

@@ -9,13 +9,13 @@
 //! watermarks commit with the epoch's transaction, so a reader sees an epoch's
 //! records and watermark together, once.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::cluster::{
-    EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks, WriterProgress,
+    EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks, WriterInput, WritersProgress,
 };
 use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::key_groups::key_group;
@@ -118,8 +118,31 @@ impl Staging {
 
 /// The writing side of a repartition.
 pub(crate) struct ExchangeSink {
-    pub(crate) settings: Arc<ClusterSettings>,
-    pub(crate) topic: String,
+    settings: Arc<ClusterSettings>,
+    topic: String,
+    /// What the run's writers tell together, made by the first writer.
+    told: Arc<Mutex<Option<Told>>>,
+}
+
+/// The writers' progress, and the staging of what they tell: its own, so
+/// that it lands after the records every writer staged for the epoch.
+struct Told {
+    progress: WritersProgress,
+    staging: Staging,
+}
+
+impl ExchangeSink {
+    pub(crate) fn new(settings: Arc<ClusterSettings>, topic: String) -> Self {
+        Self {
+            settings,
+            topic,
+            told: Arc::default(),
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Sink<Exchanged> for ExchangeSink {
@@ -137,13 +160,26 @@ impl Sink<Exchanged> for ExchangeSink {
 
     fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<Exchanged>>> {
         let transactions = transactions_of(ctx, &self.description())?;
+        lock(&self.told)
+            .get_or_insert_with(|| Told {
+                progress: WritersProgress::new(ctx.parallelism, ctx.upstream_partitions),
+                staging: Staging::new(
+                    transactions.clone(),
+                    Some(self.topic.clone()),
+                    ctx.first_epoch,
+                ),
+            })
+            .progress
+            .join(&ctx.source_partitions);
         Ok(Box::new(ExchangeWriter {
             staging: Staging::new(transactions, Some(self.topic.clone()), ctx.first_epoch),
             partitions: self.settings.repartition_partitions as u32,
             key_groups: self.settings.key_groups,
-            upstream: ctx.upstream_partitions,
-            source_partitions: ctx.source_partitions.clone(),
-            progress: WriterProgress::default(),
+            subtask: ctx.subtask,
+            epoch: ctx.first_epoch,
+            barrier: false,
+            input: WriterInput::default(),
+            told: self.told.clone(),
         }))
     }
 }
@@ -152,26 +188,33 @@ struct ExchangeWriter {
     staging: Staging,
     partitions: u32,
     key_groups: usize,
-    upstream: u32,
-    source_partitions: Vec<u32>,
-    progress: WriterProgress,
+    subtask: usize,
+    /// The epoch the writer's records belong to now.
+    epoch: Epoch,
+    /// Whether the last call was `on_barrier`: the `snapshot` after it does
+    /// not end the input.
+    barrier: bool,
+    input: WriterInput,
+    told: Arc<Mutex<Option<Told>>>,
 }
 
 impl ExchangeWriter {
-    /// Tells every partition how far this writer's source partitions are, if
-    /// that changed since it last did.
-    fn tell_progress(&mut self) {
-        if self.source_partitions.is_empty() {
-            return;
-        }
-        for watermark in self.progress.to_tell() {
-            let value = encode(&Wire::Progress(UpstreamProgress {
-                upstream: self.upstream,
-                partitions: self.source_partitions.clone(),
-                watermark,
-            }));
+    /// Tells every partition what the writers of this process tell together
+    /// about epoch `epoch`, after the records this writer staged for it: each
+    /// writer stages its records before it reports, so the last to report
+    /// tells after all of them.
+    fn report(&self, epoch: Epoch, ended: bool) {
+        let mut told = lock(&self.told);
+        let told = told.as_mut().expect("made with the first writer");
+        let progress = if ended {
+            told.progress.ended(self.subtask, self.input)
+        } else {
+            told.progress.reached(self.subtask, epoch, self.input)
+        };
+        for progress in progress {
+            let value = encode(&Wire::Progress(progress));
             for partition in 0..self.partitions {
-                self.staging.push(KafkaMessage {
+                told.staging.push(KafkaMessage {
                     topic: None,
                     partition: Some(partition as i32),
                     key: None,
@@ -180,6 +223,7 @@ impl ExchangeWriter {
                 });
             }
         }
+        told.staging.end_epoch(epoch);
     }
 }
 
@@ -203,28 +247,32 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
     }
 
     fn on_watermark(&mut self, watermark: EventTime) -> Result<()> {
-        self.progress.watermark(watermark);
+        self.input.watermark(watermark);
         Ok(())
     }
 
     fn on_idle(&mut self) -> Result<()> {
-        self.progress.idle();
+        self.input.idle();
         Ok(())
     }
 
     fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {
         // Records become visible downstream only when the epoch commits, so a
         // watermark told once per epoch, after its records, loses nothing.
-        self.tell_progress();
         self.staging.end_epoch(epoch);
+        self.report(epoch, false);
+        self.epoch = epoch + 1;
+        self.barrier = true;
         Ok(())
     }
 
     fn snapshot(&mut self, _out: &mut rtflow_runtime::StateSnapshot) -> Result<()> {
         // After a barrier nothing is left; at the end of the input, what is
         // left belongs to the final epoch, which commits next.
-        self.tell_progress();
-        self.staging.end_input();
+        if !std::mem::take(&mut self.barrier) {
+            self.staging.end_input();
+            self.report(self.epoch, true);
+        }
         Ok(())
     }
 }

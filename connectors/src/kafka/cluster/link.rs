@@ -113,7 +113,8 @@ impl ClusterLink for KafkaLink {
 
     fn owns_key_group(&self, group: u32) -> bool {
         // Key group `g`'s state lives in changelog partition `g % partitions`,
-        // which goes with repartition partition `g % partitions`.
+        // which goes with partition `g % partitions` of every repartition
+        // topic: the process owns it in all stages or in none.
         let partitions = self.settings.repartition_partitions as u32;
         let partition = (
             self.settings.repartition_topic(0),
@@ -154,10 +155,7 @@ impl ClusterLink for KafkaLink {
             )?;
         }
         Ok((
-            Box::new(ExchangeSink {
-                settings: self.settings.clone(),
-                topic: topic.clone(),
-            }),
+            Box::new(ExchangeSink::new(self.settings.clone(), topic.clone())),
             Box::new(ExchangeSource {
                 settings: self.settings.clone(),
                 topic,
@@ -173,10 +171,14 @@ impl ClusterLink for KafkaLink {
         let started = std::time::Instant::now();
         let offsets = self.committed_offsets(&owned)?;
         let changelog = self.settings.changelog_topic();
+        // Every stage's partition `p` carries the key groups of changelog
+        // partition `p`: read it once.
         let repartitions: Vec<i32> = owned
             .iter()
             .filter(|(topic, _)| self.settings.is_repartition_topic(topic))
             .map(|(_, p)| *p)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
             .collect();
         let (state, read) = self.read_changelog(&changelog, &repartitions)?;
         if let Some(transactions) = self.transactions() {

@@ -5,13 +5,15 @@
 //! the query's consumer group (`rtflow-<query>`, cooperative-sticky
 //! assignment), which shares out the partitions of the source topics, and
 //! its second group (`rtflow-<query>-repartition`), which shares out those of
-//! the repartition topic: one group would balance only the sum of the two,
-//! and could leave a process all of one stage and none of the other. A
-//! process runs its dataflow for the partitions it owns:
+//! the first repartition topic: one group would balance only the sum of the
+//! two, and could leave a process all of one stage and none of the other.
+//! Whoever owns partition `p` of the first repartition topic owns partition
+//! `p` of every later one (`ClusterSettings::co_partitioned`). A process runs
+//! its dataflow for the partitions it owns:
 //!
-//! - `repartition_by` writes each record to the repartition topic partition of
-//!   its key group (`exchange`); the stage after it reads the partitions the
-//!   group gave the process, with the watermark in band;
+//! - each `repartition_by` writes each record to the partition of its key
+//!   group in the stage's repartition topic (`exchange`); the stage after it
+//!   reads the partitions the process owns, with the watermark in band;
 //! - each checkpoint commits as one Kafka transaction of the process (`link`):
 //!   its output, its repartition records, the changelog records of its keyed
 //!   state (`changelog`, a compacted topic partitioned like the repartition
@@ -33,6 +35,7 @@ mod local;
 mod runner;
 mod shape;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,6 +53,11 @@ pub(crate) use exchange::{transactions_of, Staging};
 const WATERMARK_MARK: char = '@';
 
 /// Runs a query in several processes that share it through a Kafka cluster.
+///
+/// Any dataflow that runs in one process runs here, with `repartition_by`
+/// where it would `key_by`: any number of repartitions, stream-stream joins,
+/// `drop_duplicates`, windows, keyed processors and broadcast joins after any
+/// of them. Records that cross a repartition are serde types.
 ///
 /// ```no_run
 /// use rtflow_connectors::kafka::{KafkaCluster, KafkaMessage, KafkaRecord, KafkaSink, KafkaSource};
@@ -103,10 +111,11 @@ impl KafkaCluster {
         self
     }
 
-    /// How many partitions the repartition topic (and the changelog) has; by
-    /// default one per key group (`QueryConfig::max_key_groups`). It bounds
-    /// how many processes share the stage after the repartition. Fixed for
-    /// the query's life: it decides where each key's state lives.
+    /// How many partitions each repartition topic (and the changelog) has;
+    /// by default one per key group (`QueryConfig::max_key_groups`). It
+    /// bounds how many processes share the stages after the first
+    /// repartition. Fixed for the query's life: it decides where each key's
+    /// state lives.
     pub fn repartition_partitions(mut self, partitions: usize) -> Self {
         self.repartition_partitions = Some(partitions.max(1));
         self
@@ -214,7 +223,35 @@ impl ClusterSettings {
     }
 
     pub(crate) fn is_repartition_topic(&self, topic: &str) -> bool {
-        topic.starts_with(&format!("rtflow-{}-", self.query)) && topic.ends_with("-repartition")
+        self.repartition_stage(topic).is_some()
+    }
+
+    /// The stage whose repartition topic `topic` is.
+    pub(crate) fn repartition_stage(&self, topic: &str) -> Option<usize> {
+        topic
+            .strip_prefix(&format!("rtflow-{}-", self.query))?
+            .strip_suffix("-repartition")?
+            .parse()
+            .ok()
+    }
+
+    /// The partitions a process owns, given those the groups `assigned` it,
+    /// in a dataflow of `stages` repartitions. The repartition group assigns
+    /// only stage 0's topic; whoever owns its partition `p` owns partition
+    /// `p` of every later stage too, so each key group's state stays in one
+    /// process whichever stage keys by it, without an assignor of rtflow's
+    /// own.
+    pub(crate) fn co_partitioned(
+        &self,
+        assigned: &BTreeSet<(String, i32)>,
+        stages: usize,
+    ) -> BTreeSet<(String, i32)> {
+        let first = self.repartition_topic(0);
+        let mut owned = assigned.clone();
+        for (_, partition) in assigned.iter().filter(|(topic, _)| *topic == first) {
+            owned.extend((1..stages).map(|stage| (self.repartition_topic(stage), *partition)));
+        }
+        owned
     }
 
     pub(crate) fn changelog_topic(&self) -> String {
@@ -255,5 +292,73 @@ impl ClusterSettings {
                 &[("bootstrap.servers", &self.bootstrap_servers)],
             )
             .expect("options were checked at start")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> ClusterSettings {
+        ClusterSettings {
+            query: "q-1".into(),
+            bootstrap_servers: "127.0.0.1:1".into(),
+            instance: "a".into(),
+            repartition_partitions: 4,
+            key_groups: 8,
+            session_timeout: Duration::from_secs(6),
+            transaction_timeout: Duration::from_secs(10),
+            operation_timeout: Duration::from_secs(30),
+            restore_timeout: Duration::from_secs(300),
+            copies: None,
+            options: Options::default(),
+        }
+    }
+
+    #[test]
+    fn repartition_topics_name_their_stage() {
+        let settings = settings();
+        assert_eq!(
+            settings.repartition_stage("rtflow-q-1-0-repartition"),
+            Some(0)
+        );
+        assert_eq!(
+            settings.repartition_stage("rtflow-q-1-12-repartition"),
+            Some(12)
+        );
+        assert_eq!(settings.repartition_stage("rtflow-q-1-changelog"), None);
+        assert_eq!(settings.repartition_stage("rtflow-q-2-0-repartition"), None);
+        assert_eq!(settings.repartition_stage("orders"), None);
+        assert_eq!(
+            settings.group_of("rtflow-q-1-3-repartition"),
+            "rtflow-q-1-repartition"
+        );
+        assert_eq!(settings.group_of("orders"), "rtflow-q-1");
+    }
+
+    #[test]
+    fn the_owner_of_a_first_stage_partition_owns_that_partition_of_every_stage() {
+        let settings = settings();
+        let assigned: BTreeSet<(String, i32)> = [
+            ("orders".to_owned(), 0),
+            ("orders".to_owned(), 3),
+            ("rtflow-q-1-0-repartition".to_owned(), 1),
+            ("rtflow-q-1-0-repartition".to_owned(), 2),
+        ]
+        .into_iter()
+        .collect();
+        let owned = settings.co_partitioned(&assigned, 3);
+        let expected: BTreeSet<(String, i32)> = assigned
+            .iter()
+            .cloned()
+            .chain([1, 2].into_iter().flat_map(|p| {
+                [
+                    ("rtflow-q-1-1-repartition".to_owned(), p),
+                    ("rtflow-q-1-2-repartition".to_owned(), p),
+                ]
+            }))
+            .collect();
+        assert_eq!(owned, expected);
+        assert_eq!(settings.co_partitioned(&assigned, 1), assigned);
     }
 }

@@ -68,6 +68,8 @@ struct Shared {
     /// The groups the process is a member of, and a client that lists their
     /// members, to learn who left without a word.
     groups: Vec<String>,
+    /// How many repartitions the dataflow has.
+    stages: usize,
     lister: BaseConsumer,
     departures: Mutex<Departures>,
 }
@@ -281,8 +283,17 @@ where
     let topics = probe.probed_topics();
     shape.check_members(&settings)?;
     shape.publish(&settings)?;
+    let stages = topics
+        .iter()
+        .filter(|topic| settings.is_repartition_topic(topic))
+        .count();
     let mut groups: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for topic in topics {
+    // Later stages' partitions follow stage 0's (`co_partitioned`): the
+    // group balances stage 0 alone.
+    for topic in topics
+        .into_iter()
+        .filter(|topic| settings.repartition_stage(topic).unwrap_or(0) == 0)
+    {
         groups
             .entry(settings.group_of(&topic))
             .or_default()
@@ -303,6 +314,7 @@ where
         leave: AtomicBool::new(false),
         member_failed: Mutex::default(),
         groups: groups.keys().cloned().collect(),
+        stages,
         lister,
         departures: Mutex::default(),
     });
@@ -447,7 +459,9 @@ where
             shared.stop_run()
         })?;
         let _transition = lock(&shared.transition);
-        let owned = lock(&shared.assignment).clone();
+        let owned = shared
+            .settings
+            .co_partitioned(&lock(&shared.assignment), shared.stages);
         running = Some(seen);
         if owned.is_empty() {
             continue;
