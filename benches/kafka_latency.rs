@@ -12,19 +12,35 @@
 //! `produced-us`: the latency a downstream application sees.
 //!
 //! At each rate of `--rates` (default 1,000, 10,000, 30,000 and 50,000
-//! records/s; `--rate N` for one) it measures three pipelines, one after the
-//! other: `kafka`, the same producer and consumer on one topic with nothing in
-//! between (one hop: the floor the broker and the machine set); `relay`, a
-//! hand-written rdkafka relay that consumes the input and produces each record
-//! to the same partition of the output, key, value and headers as read (two
-//! hops: the floor for any consume -> produce engine); and `rtflow`, the
-//! pipeline above. Each run prints one JSON line to stdout (latency in ms; for
-//! `rtflow` also its processing latency, read -> handed to the producer, and its
-//! source queuing latency, Kafka timestamp -> read, from `query.metrics()`); the
-//! command, a summary table, rtflow/relay ratios at p50, p99 and p99.9 per rate,
-//! and the highest rate each pipeline sustained (every record out within the
-//! drain, p99 under 1 s, the last quarter's median latency within twice the
-//! first's) go to stderr.
+//! records/s; `--rate N` for one) it measures the pipelines of `--pipelines`
+//! (default all six), one after the other:
+//!
+//! * `kafka`: the same producer and consumer on one topic with nothing in
+//!   between (one hop: the floor the broker and the machine set);
+//! * `relay`: a hand-written rdkafka relay that consumes the input and
+//!   produces each record to the same partition of the output, key, value and
+//!   headers as read (two hops: the floor for any consume -> produce engine);
+//! * `rtflow`: the pipeline above, at least once;
+//! * `relay-eo`: the relay made exactly once, as by hand: a transactional
+//!   producer commits what it relayed with the consumer's offsets every
+//!   `--batch-ms` (default 300): the floor for exactly-once output;
+//! * `rtflow-eo`: the pipeline with an exactly-once `KafkaSink`, batch
+//!   duration `--batch-ms`;
+//! * `rtflow-cluster`: the pipeline run by `KafkaCluster` in one process,
+//!   whose checkpoints commit as one Kafka transaction each, batch duration
+//!   `--batch-ms`.
+//!
+//! The consumer reads `read_committed` (librdkafka's default), so the
+//! exactly-once pipelines' latency is the delay until their output is
+//! visible. Each run prints one JSON line to stdout (latency in ms; for
+//! rtflow in one process also its processing latency, read -> handed to the
+//! producer, and its source queuing latency, Kafka timestamp -> read, from
+//! `query.metrics()`); the command, a summary table, each rtflow pipeline's
+//! ratio to its floor (`relay`, or `relay-eo` for the exactly-once ones) at
+//! p50, p99 and p99.9 per rate, the exactly-once p99s beside their target
+//! (the batch duration plus the relay's p99), and the highest rate each
+//! pipeline sustained (every record out within the drain, p99 under 1 s, the
+//! last quarter's median latency within twice the first's) go to stderr.
 //!
 //! The bench's producer uses `linger.ms=0` with one request in flight per
 //! connection: it sends at once when the broker has answered, and batches what
@@ -47,6 +63,8 @@
 //!     --partitions 4 --seconds 20 --record-bytes 1200
 //! cargo bench --bench kafka_latency -- --rate 1000 --partitions 1 \
 //!     --sink-option statistics.interval.ms=1000
+//! cargo bench --bench kafka_latency -- --rates 1000,10000 --batch-ms 300 \
+//!     --pipelines relay,relay-eo,rtflow-eo,rtflow-cluster
 //! ```
 //!
 //! The broker is `--bootstrap`, else `$RTFLOW_KAFKA_BOOTSTRAP`, else 127.0.0.1:9092.
