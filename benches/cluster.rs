@@ -43,8 +43,22 @@
 //!   back every partition it wrote to, so every key can stall, not only those
 //!   it owned), beside the longest gap before the kill and the session
 //!   timeout (6 s) that bounds how soon the group drops a dead process.
+//! * **rebalance**: processes `p0` and `p1` count `--failover-keys` keys, each
+//!   updated every 250 ms, under the same read_committed watch. Once they have
+//!   settled (no run started for 8 s), `p2` starts (2 -> 3 processes); once all
+//!   three have settled, `p2` stops cleanly through a stop file of its own
+//!   (3 -> 2), and the two settle again. Each process's status file names the
+//!   repartition partitions its run owns; a key's partition follows from its
+//!   key group (`stable_hash`, `key_group`, as `repartition_by` computes it),
+//!   so the keys of each transition split into those whose repartition
+//!   partition stayed with its process and those that moved. Reported per
+//!   transition and split: each key's longest gap between consecutive updates
+//!   from the change of membership until the processes settled, p50 / p99 /
+//!   max over the keys, beside the longest gap of any key in the seconds before
+//!   `p2` starts and twice the batch duration (issue #30's bound for keys that
+//!   do not move).
 //!
-//! `--sections` picks the measurements (default all three).
+//! `--sections` picks the measurements (default all four).
 //!
 //! Every figure is one JSON line on stdout; the command and a summary table go
 //! to stderr. The bench's consumers and producers share the machine's cores
@@ -58,7 +72,7 @@
 //! cargo bench --bench cluster
 //! cargo bench --bench cluster -- --bootstrap 127.0.0.1:9092 --records 300000 --runs 3 \
 //!     --processes 1,2,3 --keys 1000 --restore-keys 200000 --failover-keys 40 \
-//!     --sections throughput,restore,failover
+//!     --sections throughput,restore,failover,rebalance
 //! ```
 //!
 //! The broker is `--bootstrap`, else `$RTFLOW_KAFKA_BOOTSTRAP`, else 127.0.0.1:9092.
@@ -105,7 +119,10 @@ const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
 type BenchResult<T> = std::result::Result<T, BoxError>;
 
 #[derive(Parser)]
-#[command(about = "Throughput of a KafkaCluster query in 1, 2, 3 processes; restore time")]
+#[command(
+    about = "Throughput of a KafkaCluster query in 1, 2, 3 processes; restore time; \
+             gaps through failovers and rebalances"
+)]
 struct Args {
     /// Kafka bootstrap servers.
     #[arg(long, default_value_t = default_bootstrap())]
@@ -126,14 +143,15 @@ struct Args {
     /// Distinct keys (one record each) of the restore measurement's state.
     #[arg(long, default_value_t = 200_000, value_parser = clap::value_parser!(u64).range(1..))]
     restore_keys: u64,
-    /// Keys of the failover measurement, each updated every 250 ms.
+    /// Keys of the failover and rebalance measurements, each updated every
+    /// 250 ms.
     #[arg(long, default_value_t = 40, value_parser = clap::value_parser!(u64).range(1..))]
     failover_keys: u64,
     /// The measurements to run.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "throughput,restore,failover"
+        default_value = "throughput,restore,failover,rebalance"
     )]
     sections: Vec<Section>,
     /// Passed by `cargo bench`; ignored.
@@ -146,6 +164,7 @@ enum Section {
     Throughput,
     Restore,
     Failover,
+    Rebalance,
 }
 
 fn default_bootstrap() -> String {
@@ -208,7 +227,8 @@ fn child(spec: &str) -> BenchResult<()> {
         })?;
     let dir = PathBuf::from(dir);
     let status = dir.join(format!("{instance}.status"));
-    while !dir.join("stop").exists() {
+    let repartition = format!("rtflow-{query}-0-repartition-");
+    while !dir.join("stop").exists() && !dir.join(format!("{instance}.stop")).exists() {
         if !running.is_active() {
             return Err(format!("the process failed: {:?}", running.stop()).into());
         }
@@ -224,9 +244,19 @@ fn child(spec: &str) -> BenchResult<()> {
                 )
             },
         );
+        let owned: Vec<String> = running
+            .partitions()
+            .iter()
+            .filter_map(|p| p.strip_prefix(&repartition).map(str::to_owned))
+            .collect();
+        let owned = if owned.is_empty() {
+            "-".to_owned()
+        } else {
+            owned.join(",")
+        };
         std::fs::write(
             status.with_extension("tmp"),
-            format!("{} {restore}", running.runs()),
+            format!("{} {restore} {owned}", running.runs()),
         )?;
         std::fs::rename(status.with_extension("tmp"), &status)?;
         std::thread::sleep(Duration::from_millis(50));
@@ -248,11 +278,14 @@ struct Status {
     changelog_bytes: u64,
     local_bytes: u64,
     restore: Duration,
+    /// The partitions of the (first) repartition topic its current run owns.
+    repartition: Vec<i32>,
 }
 
 impl Status {
     fn parse(text: &str) -> Option<Self> {
-        let fields: Vec<u64> = text
+        let (numbers, owned) = text.rsplit_once(' ')?;
+        let fields: Vec<u64> = numbers
             .split(' ')
             .map(str::parse)
             .collect::<std::result::Result<_, _>>()
@@ -260,12 +293,21 @@ impl Status {
         let [runs, partitions, changelog_bytes, local_bytes, micros] = fields[..] else {
             return None;
         };
+        let repartition = match owned {
+            "-" => Vec::new(),
+            owned => owned
+                .split(',')
+                .map(str::parse)
+                .collect::<std::result::Result<_, _>>()
+                .ok()?,
+        };
         Some(Self {
             runs,
             restored_partitions: partitions as usize,
             changelog_bytes,
             local_bytes,
             restore: Duration::from_micros(micros),
+            repartition,
         })
     }
 }
@@ -378,6 +420,8 @@ struct Processes {
     spec: String,
     dir: PathBuf,
     children: Vec<(String, Child)>,
+    /// Processes told to stop through their own stop file, until they exit.
+    stopping: Vec<(String, Child)>,
 }
 
 impl Processes {
@@ -390,6 +434,7 @@ impl Processes {
             spec: [bootstrap, &topics.query, &topics.input, &topics.output].join(" "),
             dir,
             children: Vec::new(),
+            stopping: Vec::new(),
         })
     }
 
@@ -434,8 +479,26 @@ impl Processes {
             .unwrap_or_default()
     }
 
+    /// Tells the process `instance` alone to stop, through its own stop
+    /// file; [`Processes::check`] notes when it has left.
+    fn tell_to_stop(&mut self, instance: &str) -> BenchResult<()> {
+        let index = self
+            .children
+            .iter()
+            .position(|(name, _)| name == instance)
+            .ok_or_else(|| format!("no process {instance}"))?;
+        std::fs::write(self.dir.join(format!("{instance}.stop")), b"")?;
+        self.stopping.push(self.children.remove(index));
+        Ok(())
+    }
+
+    /// Whether a process told to stop alone is still running.
+    fn is_stopping(&self) -> bool {
+        !self.stopping.is_empty()
+    }
+
     /// An error with the logs if a process has exited: none should before it
-    /// is told to stop.
+    /// is told to stop, and one told to stop must exit cleanly.
     fn check(&mut self) -> BenchResult<()> {
         for (instance, child) in &mut self.children {
             if let Some(status) = child.try_wait()? {
@@ -444,6 +507,17 @@ impl Processes {
                 );
             }
         }
+        for (instance, child) in &mut self.stopping {
+            if let Some(status) = child.try_wait()? {
+                if !status.success() {
+                    return Err(
+                        format!("{instance} failed ({status}):\n{}", logs(&self.dir)).into(),
+                    );
+                }
+            }
+        }
+        self.stopping
+            .retain_mut(|(_, child)| matches!(child.try_wait(), Ok(None)));
         Ok(())
     }
 
@@ -476,7 +550,7 @@ impl Processes {
 
 impl Drop for Processes {
     fn drop(&mut self) {
-        for (_, child) in &mut self.children {
+        for (_, child) in self.children.iter_mut().chain(&mut self.stopping) {
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -757,69 +831,126 @@ struct Failover {
     steady: f64,
 }
 
+/// When each key's updates arrived at a read_committed consumer of a query's
+/// output.
+struct Watch {
+    consumer: BaseConsumer,
+    arrivals: HashMap<Vec<u8>, Vec<Instant>>,
+}
+
+impl Watch {
+    fn new(bootstrap: &str, output: &str) -> BenchResult<Self> {
+        Ok(Self {
+            consumer: reader(bootstrap, output)?,
+            arrivals: HashMap::new(),
+        })
+    }
+
+    /// Reads the output until `until`, watching the processes.
+    fn read_until(&mut self, until: Instant, processes: &mut Processes) -> BenchResult<()> {
+        while Instant::now() < until {
+            if let Some(message) = self.consumer.poll(Duration::from_millis(20)) {
+                let message = message?;
+                let key = message.key().unwrap_or_default().to_vec();
+                self.arrivals.entry(key).or_default().push(Instant::now());
+            }
+            processes.check()?;
+        }
+        Ok(())
+    }
+
+    /// Reads until every one of `instances` runs, no process is still
+    /// stopping, and none of them started a run for [`SETTLED`].
+    fn settle(&mut self, processes: &mut Processes, instances: &[&str]) -> BenchResult<()> {
+        let since = Instant::now();
+        let runs = |processes: &Processes| -> Option<u64> {
+            let runs = instances.iter().map(|p| processes.status(p).runs);
+            runs.map(|r| (r > 0).then_some(r)).sum()
+        };
+        let mut settled = (None, Instant::now());
+        while settled.0.is_none() || processes.is_stopping() || settled.1.elapsed() < SETTLED {
+            if since.elapsed() > RUN_TIMEOUT {
+                return Err(format!(
+                    "{instances:?} did not settle in {RUN_TIMEOUT:?}:\n{}",
+                    logs(&processes.dir)
+                )
+                .into());
+            }
+            self.read_until(Instant::now() + Duration::from_millis(100), processes)?;
+            let now = runs(processes);
+            if now != settled.0 || processes.is_stopping() {
+                settled = (now, Instant::now());
+            }
+        }
+        Ok(())
+    }
+
+    /// Key `k`'s longest gap between consecutive updates from `from` to
+    /// `to`, in seconds, counting from its last update before `from`.
+    fn longest_gap(&self, key: &str, from: Instant, to: Instant) -> f64 {
+        let times = self
+            .arrivals
+            .get(key.as_bytes())
+            .map_or(&[][..], Vec::as_slice);
+        longest_gap(times, from, to)
+    }
+
+    /// The longest gap of any key from `from` to `to`, in seconds.
+    fn steady(&self, from: Instant, to: Instant) -> f64 {
+        self.arrivals
+            .values()
+            .map(|times| longest_gap(times, from, to))
+            .fold(0.0, f64::max)
+    }
+}
+
+fn longest_gap(times: &[Instant], from: Instant, to: Instant) -> f64 {
+    let mut last = times
+        .iter()
+        .rev()
+        .find(|t| **t <= from)
+        .copied()
+        .unwrap_or(from);
+    let mut longest = Duration::ZERO;
+    for t in times.iter().filter(|t| **t > from && **t <= to) {
+        longest = longest.max(*t - last);
+        last = *t;
+    }
+    longest.max(to - last).as_secs_f64()
+}
+
+/// Starts the pacer of the failover and rebalance measurements: it updates
+/// `keys` keys of `input` every [`FAILOVER_TICK`] until told to stop.
+fn pace(
+    bootstrap: &str,
+    input: &str,
+    keys: u64,
+) -> (Arc<AtomicBool>, std::thread::JoinHandle<BenchResult<()>>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let (bootstrap, input, told) = (bootstrap.to_owned(), input.to_owned(), stop.clone());
+    let pacer = std::thread::spawn(move || update_keys(&bootstrap, &input, keys, &told));
+    (stop, pacer)
+}
+
 /// Three processes count keys updated every [`FAILOVER_TICK`]; `p1` is killed,
 /// and with `restart` started again at once under its name.
 fn failover(args: &Args, restart: bool) -> BenchResult<Failover> {
     let scenario = if restart { "restart" } else { "gone" };
     let topics = Topics::create(&args.bootstrap, &format!("failover-{scenario}"))?;
     let mut processes = Processes::new(&args.bootstrap, &topics)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let pacer = {
-        let (bootstrap, input, stop) = (args.bootstrap.clone(), topics.input.clone(), stop.clone());
-        let keys = args.failover_keys;
-        std::thread::spawn(move || update_keys(&bootstrap, &input, keys, &stop))
-    };
-    let spawned = Instant::now();
+    let (stop, pacer) = pace(&args.bootstrap, &topics.input, args.failover_keys);
     for p in 0..3 {
         processes.spawn(&format!("p{p}"))?;
     }
-    let consumer = reader(&args.bootstrap, &topics.output)?;
-    let mut arrivals: HashMap<Vec<u8>, Vec<Instant>> = HashMap::new();
-    let mut read_until = |until: Instant, processes: &mut Processes| -> BenchResult<()> {
-        while Instant::now() < until {
-            if let Some(message) = consumer.poll(Duration::from_millis(20)) {
-                let message = message?;
-                let key = message.key().unwrap_or_default().to_vec();
-                arrivals.entry(key).or_default().push(Instant::now());
-            }
-            processes.check()?;
-        }
-        Ok(())
-    };
+    let mut watch = Watch::new(&args.bootstrap, &topics.output)?;
     // Every process runs, and the rebalances of their joining have settled.
-    while (0..3).any(|p| processes.status(&format!("p{p}")).runs == 0) {
-        if spawned.elapsed() > RUN_TIMEOUT {
-            return Err(format!(
-                "the processes did not start:
-{}",
-                logs(&processes.dir)
-            )
-            .into());
-        }
-        read_until(Instant::now() + Duration::from_millis(100), &mut processes)?;
-    }
-    // Settled: no process started a run for a while.
-    let runs = |processes: &Processes| -> u64 {
-        (0..3)
-            .map(|p| processes.status(&format!("p{p}")).runs)
-            .sum()
-    };
-    let mut settled = (runs(&processes), Instant::now());
-    while settled.1.elapsed() < SETTLED {
-        if spawned.elapsed() > RUN_TIMEOUT {
-            return Err(format!("the processes did not settle:\n{}", logs(&processes.dir)).into());
-        }
-        read_until(Instant::now() + Duration::from_millis(100), &mut processes)?;
-        if runs(&processes) != settled.0 {
-            settled = (runs(&processes), Instant::now());
-        }
-    }
+    watch.settle(&mut processes, &["p0", "p1", "p2"])?;
     let killed = Instant::now();
     processes.kill("p1")?;
     if restart {
         processes.spawn("p1")?;
     }
-    read_until(killed + FAILOVER_WATCH, &mut processes)?;
+    watch.read_until(killed + FAILOVER_WATCH, &mut processes)?;
     stop.store(true, Ordering::SeqCst);
     pacer.join().map_err(|_| "the pacer panicked")??;
     processes.stop()?;
@@ -827,33 +958,100 @@ fn failover(args: &Args, restart: bool) -> BenchResult<Failover> {
 
     let from = killed - Duration::from_secs(2);
     let end = killed + FAILOVER_WATCH;
-    let longest_gap = |times: &[Instant], from: Instant, to: Instant| {
-        let mut last = times
-            .iter()
-            .rev()
-            .find(|t| **t <= from)
-            .copied()
-            .unwrap_or(from);
-        let mut longest = Duration::ZERO;
-        for t in times.iter().filter(|t| **t > from && **t <= to) {
-            longest = longest.max(*t - last);
-            last = *t;
-        }
-        longest.max(to - last).as_secs_f64()
-    };
     let stalls = (0..args.failover_keys)
-        .map(|k| {
-            let times = arrivals
-                .get(format!("k{k}").as_bytes())
-                .map_or(&[][..], Vec::as_slice);
-            longest_gap(times, from, end)
-        })
+        .map(|k| watch.longest_gap(&format!("k{k}"), from, end))
         .collect();
-    let steady = arrivals
-        .values()
-        .map(|times| longest_gap(times, killed - SETTLED + Duration::from_secs(2), from))
-        .fold(0.0, f64::max);
+    let steady = watch.steady(killed - SETTLED + Duration::from_secs(2), from);
     Ok(Failover { stalls, steady })
+}
+
+/// The changes of membership of the rebalance measurement: `p2` joins
+/// (2 -> 3 processes), then leaves (3 -> 2).
+const TRANSITIONS: [&str; 2] = ["join", "leave"];
+/// How the keys of a transition split: their repartition partition stayed
+/// with its process, or moved to another.
+const SPLITS: [&str; 2] = ["stayed", "moved"];
+
+/// One run of the rebalance measurement.
+struct Rebalance {
+    /// Per transition and split, each key's longest gap between consecutive
+    /// updates from the change of membership until the processes settled,
+    /// in seconds.
+    gaps: [[Vec<f64>; 2]; 2],
+    /// The longest gap of any key in the seconds before `p2` joins.
+    steady: f64,
+}
+
+/// Which process's current run owns each partition of the repartition topic.
+fn owners(processes: &Processes, instances: &[&str]) -> BenchResult<HashMap<i32, String>> {
+    let mut owners = HashMap::new();
+    for instance in instances {
+        for partition in processes.status(instance).repartition {
+            owners.insert(partition, (*instance).to_owned());
+        }
+    }
+    if owners.len() != PARTITIONS as usize {
+        return Err(format!("the processes own {owners:?} of {PARTITIONS} partitions").into());
+    }
+    Ok(owners)
+}
+
+/// The repartition partition of key `k` in the query of [`build`]: its key
+/// group's, as `repartition_by` and the exchange compute it.
+fn repartition_partition(key: &str, key_groups: usize) -> i32 {
+    let group = rtflow::runtime::key_groups::key_group(
+        rtflow::runtime::key_groups::stable_hash(key),
+        key_groups,
+    );
+    (group % PARTITIONS as usize) as i32
+}
+
+/// Processes `p0` and `p1` count keys updated every [`FAILOVER_TICK`]; once
+/// they settle, `p2` joins, and once all three settle, `p2` stops cleanly.
+fn rebalance(args: &Args) -> BenchResult<Rebalance> {
+    let topics = Topics::create(&args.bootstrap, "rebalance")?;
+    let key_groups = config(&topics.query).max_key_groups;
+    let mut processes = Processes::new(&args.bootstrap, &topics)?;
+    let (stop, pacer) = pace(&args.bootstrap, &topics.input, args.failover_keys);
+    let (two, three) = (["p0", "p1"], ["p0", "p1", "p2"]);
+    for p in two {
+        processes.spawn(p)?;
+    }
+    let mut watch = Watch::new(&args.bootstrap, &topics.output)?;
+    watch.settle(&mut processes, &two)?;
+    let before = owners(&processes, &two)?;
+    let joined = Instant::now();
+    processes.spawn("p2")?;
+    watch.settle(&mut processes, &three)?;
+    let between = owners(&processes, &three)?;
+    let left = Instant::now();
+    processes.tell_to_stop("p2")?;
+    watch.settle(&mut processes, &two)?;
+    let after = owners(&processes, &two)?;
+    let end = Instant::now();
+    stop.store(true, Ordering::SeqCst);
+    pacer.join().map_err(|_| "the pacer panicked")??;
+    processes.stop()?;
+    topics.delete(&args.bootstrap)?;
+
+    let transition = |from: Instant, to: Instant, was: &HashMap<i32, String>, is| {
+        let is: &HashMap<i32, String> = is;
+        let mut split: [Vec<f64>; 2] = Default::default();
+        for k in 0..args.failover_keys {
+            let key = format!("k{k}");
+            let partition = repartition_partition(&key, key_groups);
+            let moved = was[&partition] != is[&partition];
+            split[usize::from(moved)].push(watch.longest_gap(&key, from, to));
+        }
+        split
+    };
+    Ok(Rebalance {
+        gaps: [
+            transition(joined, left, &before, &between),
+            transition(left, end, &between, &after),
+        ],
+        steady: watch.steady(joined - SETTLED + Duration::from_secs(1), joined),
+    })
 }
 
 /// Writes one update of each of `keys` keys every [`FAILOVER_TICK`] until
@@ -960,6 +1158,9 @@ fn main() -> BenchResult<()> {
     }
     if args.sections.contains(&Section::Failover) {
         failovers(&args, &mut summary)?;
+    }
+    if args.sections.contains(&Section::Rebalance) {
+        rebalances(&args, &mut summary)?;
     }
     eprintln!();
     for line in summary {
@@ -1127,6 +1328,70 @@ fn failovers(args: &Args, summary: &mut Vec<String>) -> BenchResult<()> {
             max.text(2),
             steady.text(2)
         ));
+    }
+    Ok(())
+}
+
+/// The rebalance section: `--runs` runs of 2 -> 3 -> 2 processes.
+fn rebalances(args: &Args, summary: &mut Vec<String>) -> BenchResult<()> {
+    let runs = (0..args.runs)
+        .map(|_| rebalance(args))
+        .collect::<BenchResult<Vec<_>>>()?;
+    let target = 2.0 * COMMIT_INTERVAL.as_secs_f64();
+    let steady = Spread::of(runs.iter().map(|r| r.steady));
+    summary.push(format!(
+        "rebalance, {} keys updated every {} ms, batch {} ms: a key's longest gap in s \
+         while p2 joins (2 -> 3) and leaves (3 -> 2), median (range) of {} runs; \
+         target {target:.2} s (twice the batch), before the join {}",
+        args.failover_keys,
+        FAILOVER_TICK.as_millis(),
+        COMMIT_INTERVAL.as_millis(),
+        args.runs,
+        steady.text(2)
+    ));
+    summary.push(format!(
+        "{:<28}{:>8}{:>22}{:>22}{:>22}",
+        "keys", "count", "p50", "p99", "max"
+    ));
+    for (t, transition) in TRANSITIONS.into_iter().enumerate() {
+        for (s, keys) in SPLITS.into_iter().enumerate() {
+            // A run may move no key (or every key) of a transition.
+            let gaps: Vec<Vec<f64>> = runs
+                .iter()
+                .map(|r| r.gaps[t][s].clone())
+                .filter(|gaps| !gaps.is_empty())
+                .map(|mut gaps| {
+                    gaps.sort_by(f64::total_cmp);
+                    gaps
+                })
+                .collect();
+            if gaps.is_empty() {
+                continue;
+            }
+            let at = |p: f64| Spread::of(gaps.iter().map(|gaps| percentile(gaps, p)));
+            let (p50, p99, max) = (at(50.0), at(99.0), at(100.0));
+            let count = Spread::of(gaps.iter().map(|gaps| gaps.len() as f64));
+            println!(
+                "{{\"bench\":\"cluster\",\"pipeline\":\"rebalance\",\
+                 \"transition\":\"{transition}\",\"keys\":\"{keys}\",\"runs\":{},\
+                 \"batch_s\":{:.2},\"target_s\":{target:.2},{},{},{},{},{}}}",
+                gaps.len(),
+                COMMIT_INTERVAL.as_secs_f64(),
+                count.json("key_count", 0),
+                p50.json("gap_p50_s", 2),
+                p99.json("gap_p99_s", 2),
+                max.json("gap_max_s", 2),
+                steady.json("steady_max_gap_s", 2),
+            );
+            summary.push(format!(
+                "{:<28}{:>8}{:>22}{:>22}{:>22}",
+                format!("{transition}, {keys}"),
+                count.text(0),
+                p50.text(2),
+                p99.text(2),
+                max.text(2)
+            ));
+        }
     }
     Ok(())
 }

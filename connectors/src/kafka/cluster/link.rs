@@ -239,9 +239,30 @@ impl KafkaLink {
                 .or_default()
                 .add_partition(topic, *partition);
         }
+        // Each group's read waits on a client of its own (connection,
+        // coordinator, fetch): side by side, a run's start waits on one.
+        let reads: Vec<Result<Offsets>> = std::thread::scope(|scope| {
+            let reads: Vec<_> = by_group
+                .into_iter()
+                .map(|(group, list)| {
+                    scope.spawn(move || {
+                        let mut offsets = Offsets::new();
+                        self.read_committed_offsets(&group, list, &mut offsets)
+                            .map(|()| offsets)
+                    })
+                })
+                .collect();
+            reads
+                .into_iter()
+                .map(|read| {
+                    read.join()
+                        .unwrap_or_else(|_| Err(self.error("reading committed offsets panicked")))
+                })
+                .collect()
+        });
         let mut offsets = Offsets::new();
-        for (group, list) in by_group {
-            self.read_committed_offsets(&group, list, &mut offsets)?;
+        for read in reads {
+            offsets.extend(read?);
         }
         Ok(offsets)
     }

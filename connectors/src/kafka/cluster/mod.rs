@@ -33,6 +33,7 @@ mod exchange;
 mod link;
 mod local;
 mod runner;
+mod settle;
 mod shape;
 
 use std::collections::BTreeSet;

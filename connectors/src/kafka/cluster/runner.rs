@@ -25,12 +25,9 @@ use rtflow_runtime::{
 
 use super::departures::{live_instances, Departures};
 use super::link::{fence, KafkaLink, Mode, RestoreStats, TopicPartition, Transactions};
+use super::settle::{must_restart, Settling};
 use super::shape::Shape;
 use super::ClusterSettings;
-
-/// How long the assignment must stay unchanged before a run starts on it:
-/// a cooperative rebalance takes two rounds.
-const SETTLE: Duration = Duration::from_millis(500);
 
 /// The threads of a process's part, as errors name them.
 const RUNNER_THREAD: &str = "rtflow-cluster";
@@ -54,6 +51,8 @@ struct Shared {
     assignment: Mutex<BTreeSet<TopicPartition>>,
     /// Bumped by every change of the assignment.
     generation: AtomicU64,
+    /// The groups that rebalanced since the runner last acted.
+    settling: Mutex<Settling>,
     run: Mutex<Option<Run>>,
     /// Held while a run starts or stops: a revocation that arrives meanwhile
     /// waits until the run it must stop exists, or has committed its end.
@@ -97,7 +96,8 @@ impl Shared {
         result
     }
 
-    fn changed(&self) {
+    fn changed(&self, group: &str) {
+        lock(&self.settling).heard(group, Instant::now());
         self.generation.fetch_add(1, Ordering::SeqCst);
     }
 
@@ -229,14 +229,16 @@ impl ConsumerContext for Member {
                 .set_group(&self.group, consumer.group_metadata());
             // The final checkpoint commits the offsets of the partitions
             // revoked: only then may the next owner read them.
+            let stopping = Instant::now();
             if let Err(error) = self.shared.stop_run() {
                 tracing::warn!(%error, "the run did not stop cleanly; its partitions resume from their last commit");
             }
+            tracing::info!(group = %self.group, revoked = revoked.count(), took = ?stopping.elapsed(), "partitions revoked");
             let mut assignment = lock(&self.shared.assignment);
             for element in revoked.elements() {
                 assignment.remove(&(element.topic().to_owned(), element.partition()));
             }
-            self.shared.changed();
+            self.shared.changed(&self.group);
         }
     }
 
@@ -251,7 +253,8 @@ impl ConsumerContext for Member {
                 for element in assigned.elements() {
                     assignment.insert((element.topic().to_owned(), element.partition()));
                 }
-                self.shared.changed();
+                tracing::info!(group = %self.group, assigned = assigned.count(), "partitions assigned");
+                self.shared.changed(&self.group);
             }
             Rebalance::Revoke(_) => {}
             Rebalance::Error(error) => tracing::warn!(%error, "rebalance failed"),
@@ -307,6 +310,7 @@ where
         settings: settings.clone(),
         assignment: Mutex::default(),
         generation: AtomicU64::new(0),
+        settling: Mutex::default(),
         run: Mutex::default(),
         transition: Mutex::default(),
         runs: AtomicU64::new(0),
@@ -419,7 +423,6 @@ where
     F: Fn(&Dataflow) -> Result<()>,
 {
     let mut seen = shared.generation.load(Ordering::SeqCst);
-    let mut changed_at = Instant::now();
     let mut running: Option<u64> = None;
     let mut failures = 0;
     loop {
@@ -446,50 +449,77 @@ where
         let generation = shared.generation.load(Ordering::SeqCst);
         if generation != seen {
             seen = generation;
-            changed_at = Instant::now();
             failures = 0;
         }
-        if running == Some(seen) || changed_at.elapsed() < SETTLE {
+        if running == Some(seen)
+            || !lock(&shared.settling).take_settled(shared.groups.len(), Instant::now())
+        {
             continue;
         }
-        // The run stops with its final checkpoint while a process gone is
-        // fenced: the new run's restore must not wait on its transaction.
-        std::thread::scope(|scope| {
-            scope.spawn(|| shared.fence_departed());
-            shared.stop_run()
-        })?;
-        let _transition = lock(&shared.transition);
         let owned = shared
             .settings
             .co_partitioned(&lock(&shared.assignment), shared.stages);
-        running = Some(seen);
-        if owned.is_empty() {
+        let current = lock(&shared.run).as_ref().map(|run| run.owned.clone());
+        if !must_restart(current.as_ref(), &owned) {
+            // A process gone is fenced by the first live instance, which
+            // may be this one even when its share stays: the open
+            // transaction of the one gone holds back what every run reads.
+            shared.fence_departed();
+            running = Some(seen);
             continue;
         }
-        let link = Arc::new(KafkaLink {
-            settings: shared.settings.clone(),
-            mode: Mode::Live {
-                owned: owned.clone(),
-                transactions: shared.transactions.clone(),
-            },
-        });
-        let flow = Dataflow::clustered(config.name.clone(), link);
-        let built_by = format!("clustered query '{}'", config.name);
-        guard::building(&built_by, || build(&flow))?;
-        match flow.start(config.clone()) {
-            Ok(query) => {
-                shared.runs.fetch_add(1, Ordering::SeqCst);
-                tracing::info!(partitions = ?owned, "run started");
-                *lock(&shared.run) = Some(Run { query, owned });
+        running = Some(seen);
+        // A process gone is fenced while this one's run stops and its next
+        // one starts: the next run reads its committed offsets
+        // `require_stable`, which waits until the fencing aborts the open
+        // transaction of the one gone, not until that transaction times out.
+        let started = std::thread::scope(|scope| {
+            scope.spawn(|| shared.fence_departed());
+            let stopping = Instant::now();
+            shared.stop_run()?;
+            tracing::info!(took = ?stopping.elapsed(), "the previous run stopped");
+            start_run(shared, config, build)
+        })?;
+        if let Err(error) = started {
+            failures += 1;
+            tracing::warn!(%error, failures, "the run did not start");
+            if failures >= MAX_FAILED_RUNS {
+                return Err(error);
             }
-            Err(error) => {
-                failures += 1;
-                tracing::warn!(%error, failures, "the run did not start");
-                if failures >= MAX_FAILED_RUNS {
-                    return Err(error);
-                }
-                running = None;
-            }
+            running = None;
         }
     }
+}
+
+/// Starts a run over the partitions the process owns, if it owns any. The
+/// outer error ends the process's part (its dataflow no longer builds); the
+/// inner one is a start that failed, which the runner tries again.
+fn start_run<F>(shared: &Shared, config: &QueryConfig, build: &F) -> Result<Result<()>>
+where
+    F: Fn(&Dataflow) -> Result<()>,
+{
+    let starting = Instant::now();
+    let _transition = lock(&shared.transition);
+    let owned = shared
+        .settings
+        .co_partitioned(&lock(&shared.assignment), shared.stages);
+    if owned.is_empty() {
+        return Ok(Ok(()));
+    }
+    let link = Arc::new(KafkaLink {
+        settings: shared.settings.clone(),
+        mode: Mode::Live {
+            owned: owned.clone(),
+            transactions: shared.transactions.clone(),
+        },
+    });
+    let flow = Dataflow::clustered(config.name.clone(), link);
+    let built_by = format!("clustered query '{}'", config.name);
+    guard::building(&built_by, || build(&flow))?;
+    Ok(flow.start(config.clone()).map(|query| {
+        shared.runs.fetch_add(1, Ordering::SeqCst);
+        let restore = *lock(&shared.transactions.last_restore);
+        tracing::info!(partitions = ?owned, took = ?starting.elapsed(), ?restore, "run started");
+        *lock(&shared.run) = Some(Run { query, owned });
+    }))
 }
