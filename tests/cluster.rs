@@ -418,8 +418,10 @@ fn cluster_child() {
     let Ok(spec) = std::env::var(CHILD_SPEC) else {
         return;
     };
-    // Its warnings go to its log, which a failing test shows.
-    rtflow::logging::init("warn");
+    // Its warnings, and the cluster's rebalances, runs and fencings, go to
+    // its log, which a failing test shows: a wrong result under load is
+    // traced back to the restart around it.
+    rtflow::logging::init("warn,rtflow_connectors::kafka::cluster=info");
     let [bootstrap, query, input, counts, windows, instance, stop, dataflow]: [String; 8] = spec
         .split(' ')
         .map(str::to_owned)
