@@ -48,11 +48,16 @@ pub fn compacted_topic(bootstrap: &str, name: &str) -> String {
 }
 
 fn unique(name: &str) -> String {
+    // Tests start together on threads of one process, and the clock of a VM
+    // can give two of them the same reading: two tests once shared a query
+    // (and its shape check) that way. The count tells them apart.
+    static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let made = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_nanos();
-    format!("{name}-{}-{nanos}", std::process::id())
+    format!("{name}-{}-{nanos}-{made}", std::process::id())
 }
 
 /// Writes `(partition, key, value)` records and waits until all are acknowledged.
