@@ -75,7 +75,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{
     BaseProducer, BaseRecord, DefaultProducerContext, Producer, ThreadedProducer,
 };
@@ -460,27 +460,37 @@ fn relay(args: &Args, input: &str, output: &str, stop: &AtomicBool) -> BenchResu
         let Some(message) = consumer.poll(Duration::from_millis(1)) else {
             continue;
         };
-        let message = message?;
-        let mut record = BaseRecord::<[u8], [u8]>::to(output).partition(message.partition());
-        if let Some(key) = message.key() {
-            record = record.key(key);
-        }
-        if let Some(payload) = message.payload() {
-            record = record.payload(payload);
-        }
-        if let Some(headers) = message.headers() {
-            record = record.headers(headers.detach());
-        }
-        // A full local queue waits for the broker, as backpressure.
-        while let Err((error, back)) = producer.send(record) {
-            if error.rdkafka_error_code() != Some(RDKafkaErrorCode::QueueFull) {
-                return Err(format!("the relay could not produce: {error}").into());
-            }
-            producer.poll(Duration::from_millis(1));
-            record = back;
-        }
+        forward(&producer, &message?, output)?;
     }
     producer.flush(Duration::from_secs(30))?;
+    Ok(())
+}
+
+/// Produces `message` to the same partition of `output`, with the key, value
+/// and headers it was read with; a full local queue waits for the broker, as
+/// backpressure.
+fn forward(
+    producer: &BaseProducer,
+    message: &BorrowedMessage<'_>,
+    output: &str,
+) -> BenchResult<()> {
+    let mut record = BaseRecord::<[u8], [u8]>::to(output).partition(message.partition());
+    if let Some(key) = message.key() {
+        record = record.key(key);
+    }
+    if let Some(payload) = message.payload() {
+        record = record.payload(payload);
+    }
+    if let Some(headers) = message.headers() {
+        record = record.headers(headers.detach());
+    }
+    while let Err((error, back)) = producer.send(record) {
+        if error.rdkafka_error_code() != Some(RDKafkaErrorCode::QueueFull) {
+            return Err(format!("the relay could not produce: {error}").into());
+        }
+        producer.poll(Duration::from_millis(1));
+        record = back;
+    }
     Ok(())
 }
 
@@ -557,23 +567,7 @@ fn relay_exactly_once(
             message.partition(),
             Offset::Offset(message.offset() + 1),
         )?;
-        let mut record = BaseRecord::<[u8], [u8]>::to(output).partition(message.partition());
-        if let Some(key) = message.key() {
-            record = record.key(key);
-        }
-        if let Some(payload) = message.payload() {
-            record = record.payload(payload);
-        }
-        if let Some(headers) = message.headers() {
-            record = record.headers(headers.detach());
-        }
-        while let Err((error, back)) = producer.send(record) {
-            if error.rdkafka_error_code() != Some(RDKafkaErrorCode::QueueFull) {
-                return Err(format!("the relay could not produce: {error}").into());
-            }
-            producer.poll(Duration::from_millis(1));
-            record = back;
-        }
+        forward(&producer, &message, output)?;
     }
     producer.commit_transaction(timeout)?;
     Ok(())
