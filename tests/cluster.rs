@@ -418,6 +418,7 @@ fn cluster_child() {
     let Ok(spec) = std::env::var(CHILD_SPEC) else {
         return;
     };
+    let _failpoints = fail::FailScenario::setup();
     // Its warnings, and the cluster's rebalances, runs and fencings, go to
     // its log, which a failing test shows: a wrong result under load is
     // traced back to the restart around it.
@@ -511,6 +512,12 @@ impl Cluster {
     }
 
     fn spawn(&mut self, instance: &str) {
+        self.spawn_with_failpoints(instance, "");
+    }
+
+    /// Starts `instance` with the fault injection points `failpoints` set
+    /// (the `fail` crate's `FAILPOINTS`).
+    fn spawn_with_failpoints(&mut self, instance: &str, failpoints: &str) {
         let spec = [
             &self.bootstrap,
             &self.query,
@@ -527,6 +534,7 @@ impl Cluster {
         let child = Command::new(std::env::current_exe().unwrap())
             .args(["--ignored", "--exact", "cluster_child", "--nocapture"])
             .env(CHILD_SPEC, spec)
+            .env("FAILPOINTS", failpoints)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -745,6 +753,45 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     }
     eprintln!("partitions before the kill {shares:?}, after one was added back {reshared:?}");
 
+    let (expected_counts, expected_windows) = reference_with_late(total, late);
+    let (counts, windows) = cluster.outputs(
+        expected_counts.len(),
+        expected_windows.len(),
+        Duration::from_secs(120),
+    );
+    cluster.stop_and_check(&counts, &windows, &expected_counts, &expected_windows);
+}
+
+/// A process that hangs (its first commit never ends) leaves the event time
+/// of the source partitions it took over where their previous owner told it
+/// last, and the watermark of every reader waits for them until the others
+/// take them over after the kill. Records late for windows that closed in one
+/// process arrive meanwhile, and again in the replay of the hung process's
+/// partitions: they stay late.
+#[cfg(feature = "failpoints")]
+#[test]
+fn late_records_stay_late_while_a_process_hangs_and_once_its_partitions_are_taken_over() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let total = 1_200;
+    produce(&bootstrap, &cluster.input, (0..total / 2).map(record));
+    // p0 first: a process that hangs while it owns every partition holds
+    // the rebalance that would hand them on.
+    cluster.spawn("p0");
+    cluster.wait_for_shares(Duration::from_secs(90));
+    cluster.spawn_with_failpoints("p1", "checkpoint-commit=sleep(120000)");
+    cluster.wait_for_shares(Duration::from_secs(90));
+    let (counts, _) = cluster.outputs(50, 0, Duration::from_secs(90));
+    assert!(counts.len() >= 50, "no progress:\n{}", cluster.logs());
+    let late = 12;
+    produce(&bootstrap, &cluster.input, (0..late).map(late_record));
+    // p0 reads the late records of its partitions, and of its key groups,
+    // while p1 still hangs; it takes p1's partitions over once the group's
+    // session times out after the kill.
+    std::thread::sleep(Duration::from_secs(3));
+    cluster.kill("p1");
+    produce(&bootstrap, &cluster.input, (total / 2..total).map(record));
+    produce(&bootstrap, &cluster.input, flush_records());
     let (expected_counts, expected_windows) = reference_with_late(total, late);
     let (counts, windows) = cluster.outputs(
         expected_counts.len(),
@@ -1693,15 +1740,17 @@ impl Pipeline {
             key,
             time: String::from_utf8(value).unwrap().parse().unwrap(),
         };
+        // What each dedup step saw: two of them in a row each keep a first.
         let mut seen = std::collections::BTreeSet::new();
         let events: Vec<Event> = (0..n)
             .map(record)
             .chain(flush_records())
             .map(as_event)
             .filter_map(|e| {
-                self.steps.iter().try_fold(e, |e, step| {
+                self.steps.iter().enumerate().try_fold(e, |e, (at, step)| {
                     let e = step.apply(e)?;
-                    (*step != Step::Dedup || seen.insert((e.key.clone(), e.time))).then_some(e)
+                    let first = *step != Step::Dedup || seen.insert((at, e.key.clone(), e.time));
+                    first.then_some(e)
                 })
             })
             .collect();
@@ -1800,6 +1849,17 @@ fn run_pipeline(bootstrap: &str, pipeline: &Pipeline, changes: &[Change]) {
     let expected = pipeline.reference(n, m);
     let (lines, _) = cluster.outputs(expected.len(), 0, Duration::from_secs(120));
     cluster.stop_and_check(&lines, &[], &expected, &BTreeMap::new());
+}
+
+#[test]
+fn the_reference_of_two_dedups_in_a_row_keeps_what_one_keeps() {
+    let dedups = |n| Pipeline {
+        steps: vec![Step::Dedup; n],
+        end: End::Window,
+    };
+    let once = dedups(1).reference(600, 0);
+    assert!(!once.is_empty());
+    assert_eq!(dedups(2).reference(600, 0), once);
 }
 
 #[test]

@@ -105,7 +105,7 @@ impl<K: StateKey, T: Data> Operator<T, T> for DropDuplicates<K, T> {
         }
         let time = record.meta.event_time;
         let key = (self.key)(&record.value);
-        let watermark = self.lateness.watermark_of(&key);
+        let watermark = self.lateness.watermark_of(&key, &record.meta);
         if time < watermark {
             out.drop_late();
             return Ok(());
@@ -243,7 +243,7 @@ mod tests {
 
     use super::*;
     use rtflow_runtime::tester::run;
-    use rtflow_runtime::tester::Step::{self, Barrier, Record, Restore, Watermark};
+    use rtflow_runtime::tester::Step::{self, Barrier, LateRecord, Record, Restore, Watermark};
 
     /// Deduplicates click ids, keeping each `keep` ms past its first time.
     fn clicks(
@@ -274,6 +274,13 @@ mod tests {
             Emitted::Record(2, 10),
             Emitted::Record(3, 11),
         ];
+        assert_eq!(clicks(DROP_DUPLICATES, 0, steps), expected);
+    }
+
+    #[test]
+    fn a_record_judged_late_on_its_way_is_dropped_and_its_key_not_kept() {
+        let steps = [LateRecord(1, 10), Record(1, 10), LateRecord(2, 10)];
+        let expected = [Emitted::Record(1, 10)];
         assert_eq!(clicks(DROP_DUPLICATES, 0, steps), expected);
     }
 

@@ -534,7 +534,7 @@ where
         }
         let (meta, time) = (record.meta, record.meta.event_time);
         let key = (self.key)(&record.value);
-        if self.lateness.is_late(&key, time) {
+        if self.lateness.is_late(&key, &meta) {
             out.drop_late();
             return Ok(());
         }
@@ -803,7 +803,9 @@ mod tests {
     use super::Either::{Left, Right};
     use super::*;
     use rtflow_runtime::tester::run;
-    use rtflow_runtime::tester::Step::{self, Barrier, Flush, Record, Restore, Watermark};
+    use rtflow_runtime::tester::Step::{
+        self, Barrier, Flush, LateRecord, Record, Restore, Watermark,
+    };
 
     /// (ad, tag): impressions on the left, clicks on the right.
     type Ad = (u32, char);
@@ -851,6 +853,17 @@ mod tests {
             Emitted::Record(((1, 'c'), (1, 'x')), 5),
             Emitted::Record(((1, 'c'), (1, 'z')), 11),
         ];
+        assert_eq!(run(STREAM_JOIN, inner, steps), expected);
+    }
+
+    #[test]
+    fn a_row_judged_late_on_its_way_is_dropped_before_any_watermark() {
+        let steps = [
+            Record(Left((1, 'a')), 0),
+            LateRecord(Right((1, 'x')), 4),
+            Record(Right((1, 'y')), 5),
+        ];
+        let expected = [Emitted::Record(((1, 'a'), (1, 'y')), 5)];
         assert_eq!(run(STREAM_JOIN, inner, steps), expected);
     }
 

@@ -18,12 +18,17 @@
 //! checkpointed too; after a parallelism change an instance takes the least
 //! of the old instances' (its keys may come from any), which only bounds what
 //! it evicts: a group's own watermark decides what is late.
+//!
+//! A record a clustered query's repartition reader judged late already
+//! ([`RecordMeta::late`]: behind the watermark it was written under and
+//! every source partition still speaking) is late whatever the watermark
+//! here, which may wait for a process that died.
 
 use std::hash::Hash;
 
 use rtflow_runtime::key_groups::{key_group, stable_hash};
 use rtflow_runtime::state::{KeyedState, StateSnapshot, SubtaskState, Table};
-use rtflow_runtime::{EventTime, OperatorContext, Result};
+use rtflow_runtime::{EventTime, OperatorContext, RecordMeta, Result};
 
 /// The name of an operator instance's input watermark within its operator.
 const WATERMARK: &str = "watermark";
@@ -85,11 +90,15 @@ impl Lateness {
         self.current
     }
 
-    /// The watermark the records of `key` are judged by: the input
+    /// The watermark a record of `key` with `meta` is judged by: the input
     /// watermark, or the one its key group had at the restored barrier if
-    /// that is later.
+    /// that is later; the end of time for a record judged late on its way
+    /// ([`RecordMeta::late`]), which is behind every watermark.
     #[inline]
-    pub(crate) fn watermark_of<K: Hash>(&self, key: &K) -> EventTime {
+    pub(crate) fn watermark_of<K: Hash>(&self, key: &K, meta: &RecordMeta) -> EventTime {
+        if meta.late {
+            return EventTime::MAX;
+        }
         let groups = &self.groups;
         if groups.highest_restored <= self.current {
             return self.current;
@@ -99,10 +108,10 @@ impl Lateness {
         restored.map_or(self.current, |w| w.max(self.current))
     }
 
-    /// Whether a record of `key` at `time` is behind its watermark.
+    /// Whether a record of `key` with `meta` is behind its watermark.
     #[inline]
-    pub(crate) fn is_late<K: Hash>(&self, key: &K, time: EventTime) -> bool {
-        time < self.watermark_of(key)
+    pub(crate) fn is_late<K: Hash>(&self, key: &K, meta: &RecordMeta) -> bool {
+        meta.event_time < self.watermark_of(key, meta)
     }
 
     /// Takes `watermark` if it is ahead; returns whether it was.
@@ -160,7 +169,7 @@ mod tests {
 
     impl Operator<char, char> for Gate {
         fn process(&mut self, record: Record<char>, out: &mut Collector<'_, char>) -> Result<()> {
-            if self.0.is_late(&record.value, record.meta.event_time) {
+            if self.0.is_late(&record.value, &record.meta) {
                 out.drop_late();
                 return Ok(());
             }
@@ -200,6 +209,13 @@ mod tests {
             Emitted::Record('c', 10),
         ];
         assert_eq!(run("gate", gate, steps), expected);
+    }
+
+    #[test]
+    fn a_record_judged_late_on_its_way_is_late_whatever_the_watermark() {
+        use Step::{LateRecord, Record};
+        let steps = [LateRecord('a', 5), Record('b', 5)];
+        assert_eq!(run("gate", gate, steps), [Emitted::Record('b', 5)]);
     }
 
     #[test]

@@ -555,7 +555,7 @@ where
         // Windows containing `time` start at `last`, `last - slide`, ... down to
         // the first start after `time - size`. Only the open ones take the record.
         let count = (size - (time - last) + slide - 1) / slide;
-        let watermark = self.lateness.watermark_of(&key);
+        let watermark = self.lateness.watermark_of(&key, &record.meta);
         let mut starts = (0..count)
             .rev()
             .map(|i| last - i * slide)
@@ -593,7 +593,7 @@ where
         out: &mut Collector<'_, (K, Window, A::Out)>,
     ) -> Result<()> {
         let time = record.meta.event_time;
-        if self.lateness.is_late(&key, time) {
+        if self.lateness.is_late(&key, &record.meta) {
             out.drop_late();
             return Ok(());
         }
@@ -729,7 +729,7 @@ mod tests {
 
     use super::*;
     use rtflow_runtime::tester::run;
-    use rtflow_runtime::tester::Step::{self, Barrier, Record, Restore, Watermark};
+    use rtflow_runtime::tester::Step::{self, Barrier, LateRecord, Record, Restore, Watermark};
 
     /// Counts per user and window: the output of `window(windowing).count()`.
     type Counts = Vec<Emitted<(String, Window, u64)>>;
@@ -781,6 +781,26 @@ mod tests {
             update("ann", 10..20, 1, 10),
         ];
         assert_eq!(counts(Window::tumbling(ms(10)), steps), expected);
+    }
+
+    #[test]
+    fn a_record_judged_late_on_its_way_opens_and_updates_no_window() {
+        let steps = || {
+            [
+                Record("ann", 1),
+                LateRecord("ann", 2),
+                LateRecord("bob", 3),
+                Record("ann", 4),
+            ]
+        };
+        let expected = [update("ann", 0..10, 1, 1), update("ann", 0..10, 2, 4)];
+        assert_eq!(counts(Window::tumbling(ms(10)), steps()), expected);
+        let sessions = counts(Window::session(ms(10)), steps());
+        assert_eq!(
+            sessions.len(),
+            2,
+            "two records of ann in one session: {sessions:?}"
+        );
     }
 
     #[test]

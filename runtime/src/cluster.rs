@@ -128,6 +128,23 @@ impl WriterInput {
     pub fn idle(&mut self) {
         self.idle = true;
     }
+
+    /// Whether a record at `event_time` is behind the input's watermark: the
+    /// writer marks it so, and readers judge it by [`late_across`].
+    ///
+    /// ```
+    /// use rtflow_runtime::cluster::WriterInput;
+    /// let mut input = WriterInput::default();
+    /// assert!(!input.is_behind(5), "no watermark yet");
+    /// input.watermark(10);
+    /// assert!(input.is_behind(9));
+    /// assert!(!input.is_behind(10));
+    /// ```
+    #[inline]
+    pub fn is_behind(&self, event_time: EventTime) -> bool {
+        self.watermark
+            .is_some_and(|watermark| event_time < watermark)
+    }
 }
 
 /// What the writers of one repartition in one process tell its partitions,
@@ -358,14 +375,32 @@ pub struct UpstreamWatermarks {
     /// The latest watermark per source partition; idle ones are left out.
     watermarks: BTreeMap<u32, EventTime>,
     idle: BTreeSet<u32>,
+    /// How many times writers told, counting from 1.
+    updates: u64,
+    /// Per source partition told of: the updates that told of it last,
+    /// latest first.
+    told: BTreeMap<u32, [u64; STALE_AFTER]>,
+    /// A source partition last told of before this update is stale: another
+    /// one was told of `STALE_AFTER` times since.
+    stale_before: u64,
 }
+
+/// How many times one source partition is told of while another is not
+/// before the other is stale: its writer fell that many epochs behind, less
+/// one (it died, hangs or has not started).
+const STALE_AFTER: usize = 3;
 
 impl UpstreamWatermarks {
     /// Takes in what a writer told. A watermark never goes back: a writer
     /// restarted from an older checkpoint repeats older watermarks.
     pub fn update(&mut self, progress: &UpstreamProgress) {
         self.upstream = self.upstream.max(progress.upstream);
+        self.updates += 1;
         for partition in &progress.partitions {
+            let told = self.told.entry(*partition).or_default();
+            told.rotate_right(1);
+            told[0] = self.updates;
+            self.stale_before = self.stale_before.max(told[STALE_AFTER - 1]);
             match progress.watermark {
                 Some(watermark) => {
                     self.idle.remove(partition);
@@ -400,9 +435,37 @@ impl UpstreamWatermarks {
         if self.upstream == 0 || heard.len() < self.upstream as usize {
             return None;
         }
+        self.least(|_| true)
+    }
+
+    /// The least watermark over the source partitions heard of lately that
+    /// are not idle, whether or not every source partition was heard of: a
+    /// source partition restored, or told of last, before another one was
+    /// told of [`STALE_AFTER`] times since is left out.
+    ///
+    /// ```
+    /// use rtflow_runtime::cluster::{UpstreamProgress, UpstreamWatermarks};
+    /// let mut partition = UpstreamWatermarks::default();
+    /// let told = |partitions: Vec<u32>, watermark| UpstreamProgress { upstream: 3, partitions, watermark: Some(watermark) };
+    /// partition.update(&told(vec![0], 100));
+    /// partition.update(&told(vec![1], 900));
+    /// assert_eq!(partition.least_lately_heard(), Some(100));
+    /// partition.update(&told(vec![1], 950));
+    /// partition.update(&told(vec![1], 990));
+    /// assert_eq!(partition.least_lately_heard(), Some(990), "0's writer fell behind");
+    /// assert_eq!(partition.watermark(), None, "2 not heard of, 0 still counts");
+    /// ```
+    pub fn least_lately_heard(&self) -> Option<EventTime> {
+        self.least(|partition| {
+            let told = self.told.get(&partition).map_or(0, |told| told[0]);
+            told >= self.stale_before
+        })
+    }
+
+    fn least(&self, counts: impl Fn(u32) -> bool) -> Option<EventTime> {
         self.watermarks
             .iter()
-            .filter(|(partition, _)| !self.idle.contains(partition))
+            .filter(|(partition, _)| !self.idle.contains(partition) && counts(**partition))
             .map(|(_, watermark)| *watermark)
             .min()
     }
@@ -420,7 +483,7 @@ impl UpstreamWatermarks {
         Self {
             upstream,
             watermarks: entries.into_iter().collect(),
-            idle: BTreeSet::new(),
+            ..Self::default()
         }
     }
 }
@@ -460,6 +523,41 @@ impl EventTimeAcross {
         }
         least.map_or(Self::Idle, Self::Watermark)
     }
+}
+
+/// Whether a record at `event_time` that was behind the watermark it was
+/// written under ([`RecordMeta::behind`](crate::RecordMeta::behind),
+/// [`WriterInput::is_behind`]) is late for a reader of `partitions`: it is
+/// also behind every source partition each of them heard of lately
+/// ([`UpstreamWatermarks::least_lately_heard`]).
+///
+/// A reader's watermark waits for every source partition, also for one whose
+/// writer died or hangs before it told anything, or told last long ago: until
+/// its next owner tells, the operators after the reader judge records by no
+/// watermark, or an old one. They would take a record every process passed
+/// long ago, which one process, whose partitions all move on, drops. The
+/// writer knew the record was behind, the reader knows where the source
+/// partitions that still speak are; a record behind both is late, and a
+/// source partition not heard of lately holds nothing back. While every
+/// source partition speaks, this is the reader's watermark: a record behind
+/// it is late as its operators would judge it anyway.
+///
+/// ```
+/// use rtflow_runtime::cluster::{late_across, UpstreamProgress, UpstreamWatermarks};
+/// let mut partition = UpstreamWatermarks::default();
+/// partition.update(&UpstreamProgress { upstream: 3, partitions: vec![0, 1], watermark: Some(900) });
+/// assert_eq!(partition.watermark(), None, "source partition 2 not heard of");
+/// assert!(late_across([&partition], 500));
+/// assert!(!late_across([&partition], 950));
+/// ```
+pub fn late_across<'a>(
+    partitions: impl IntoIterator<Item = &'a UpstreamWatermarks>,
+    event_time: EventTime,
+) -> bool {
+    partitions
+        .into_iter()
+        .filter_map(UpstreamWatermarks::least_lately_heard)
+        .all(|watermark| event_time < watermark)
 }
 
 /// The operator family of the steps that encode records for a repartition
@@ -534,6 +632,52 @@ mod tests {
         assert_eq!(table.watermark(), Some(10));
         table.update(&told(&[0, 1], Some(40)));
         assert_eq!(table.watermark(), Some(30));
+    }
+
+    #[test]
+    fn a_record_behind_its_writer_is_late_once_behind_every_source_partition_heard_of() {
+        let mut table = UpstreamWatermarks::default();
+        assert!(late_across([&table], 5), "nothing heard of holds it back");
+        table.update(&told(&[0], Some(10)));
+        table.update(&told(&[1], Some(30)));
+        assert!(late_across([&table], 9));
+        assert!(!late_across([&table], 10));
+        table.update(&told(&[0], None));
+        assert!(
+            late_across([&table], 29),
+            "an idle partition holds nothing back"
+        );
+        let mut behind = UpstreamWatermarks::default();
+        behind.update(&told(&[0, 1, 2], Some(20)));
+        assert!(
+            !late_across([&table, &behind], 25),
+            "each partition read counts"
+        );
+    }
+
+    #[test]
+    fn a_source_partition_whose_writer_fell_behind_holds_no_record_back() {
+        let mut table = UpstreamWatermarks::restore(3, [(0, 10), (1, 10), (2, 10)]);
+        assert!(
+            !late_across([&table], 50),
+            "restored, and current until others speak"
+        );
+        for watermark in [100, 110] {
+            table.update(&told(&[1, 2], Some(watermark)));
+        }
+        assert!(!late_across([&table], 50), "told of twice while 0 was not");
+        table.update(&told(&[1, 2], Some(120)));
+        assert!(
+            late_across([&table], 50),
+            "three times: 0's writer fell behind"
+        );
+        assert_eq!(
+            table.watermark(),
+            Some(10),
+            "the watermark still waits for it"
+        );
+        table.update(&told(&[0], Some(40)));
+        assert!(!late_across([&table], 50), "0 speaks again");
     }
 
     #[test]

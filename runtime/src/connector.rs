@@ -264,6 +264,30 @@ impl<T> SourceOutput<T> {
     /// Adds a record with an explicit event time.
     #[inline]
     pub fn push_at(&mut self, value: T, source_time: Nanos, event_time: EventTime) {
+        self.push_behind_at(value, source_time, event_time, false, false);
+    }
+
+    /// Adds a record with an explicit event time, and whether it was
+    /// `behind` the watermark it was written under
+    /// ([`RecordMeta::behind`]) and judged `late` by the reader for that
+    /// ([`RecordMeta::late`]): for a reader whose input carries watermarks (a
+    /// repartition topic).
+    ///
+    /// ```
+    /// use rtflow_runtime::SourceOutput;
+    /// let mut out = SourceOutput::new(2);
+    /// out.push_behind_at("behind the watermark of every source partition", 0, 500, true, true);
+    /// assert_eq!(out.remaining(), 1);
+    /// ```
+    #[inline]
+    pub fn push_behind_at(
+        &mut self,
+        value: T,
+        source_time: Nanos,
+        event_time: EventTime,
+        behind: bool,
+        late: bool,
+    ) {
         self.records.push(Record {
             value,
             meta: RecordMeta {
@@ -271,6 +295,8 @@ impl<T> SourceOutput<T> {
                 source_time,
                 ingest_time: 0,
                 partition: self.partition,
+                behind,
+                late,
             },
         });
     }

@@ -323,6 +323,8 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
             source_time: now,
             ingest_time: now,
             partition: 0,
+            behind: false,
+            late: false,
         };
         self.run_hook(meta, hook)
     }

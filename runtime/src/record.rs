@@ -30,6 +30,18 @@ pub struct RecordMeta {
     /// The source partition the record was read from (watermarks are tracked per
     /// partition).
     pub partition: u32,
+    /// Behind the watermark of its own source partition when `with_watermark`
+    /// saw it: earlier than the latest event time its partition delivered
+    /// before, minus the delay. One process judges lateness by the watermark of
+    /// all partitions alone; a clustered query's repartition also passes this
+    /// on, so that its readers can judge the record ([`late`](Self::late)).
+    pub behind: bool,
+    /// Judged late on its way already: a clustered query's repartition reader
+    /// found it behind the watermark it crossed the repartition under, which
+    /// the reader's own partitions may not know yet. Operators that drop late
+    /// records (windows, deduplication, stream joins) drop it whatever their
+    /// own watermark.
+    pub late: bool,
 }
 
 /// A value and its timestamps.

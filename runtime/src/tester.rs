@@ -126,6 +126,17 @@ impl<In: Send + 'static, Out: Send + 'static> OperatorTester<In, Out> {
 
     /// Processes `value` with event time `event_time`.
     pub fn record(&mut self, value: In, event_time: EventTime) -> Result<()> {
+        self.judged_record(value, event_time, false)
+    }
+
+    /// Processes `value` with event time `event_time`, judged late on its way
+    /// ([`RecordMeta::late`]), as a clustered query's repartition reader
+    /// passes on a record behind the watermark it came under.
+    pub fn late_record(&mut self, value: In, event_time: EventTime) -> Result<()> {
+        self.judged_record(value, event_time, true)
+    }
+
+    fn judged_record(&mut self, value: In, event_time: EventTime, late: bool) -> Result<()> {
         self.chain.record(Record {
             value,
             meta: RecordMeta {
@@ -133,6 +144,8 @@ impl<In: Send + 'static, Out: Send + 'static> OperatorTester<In, Out> {
                 source_time: 0,
                 ingest_time: 0,
                 partition: 0,
+                behind: false,
+                late,
             },
         })
     }
@@ -187,6 +200,9 @@ impl<In: Send + 'static, Out: Send + 'static> OperatorTester<In, Out> {
 pub enum Step<T> {
     /// A record with its event time.
     Record(T, EventTime),
+    /// A record with its event time, judged late on its way
+    /// ([`OperatorTester::late_record`]).
+    LateRecord(T, EventTime),
     Watermark(EventTime),
     /// The actor drained its mailbox.
     Flush,
@@ -218,6 +234,7 @@ where
     for step in steps {
         match step {
             Step::Record(value, time) => tester.record(value, time).unwrap(),
+            Step::LateRecord(value, time) => tester.late_record(value, time).unwrap(),
             Step::Watermark(watermark) => tester.watermark(watermark).unwrap(),
             Step::Flush => tester.flush().unwrap(),
             Step::Barrier => {

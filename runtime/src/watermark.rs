@@ -70,22 +70,38 @@ impl WatermarkTracker {
         }
     }
 
-    /// A record of `partition` with `event_time` arrived at `now`. Records of
-    /// partitions the tracker does not know are taken as their own partition's.
+    /// A record of `partition` with `event_time` arrived at `now`: whether it
+    /// is behind its partition's own watermark (the largest event time the
+    /// partition delivered before, minus the delay, or the watermark handed
+    /// out if that is later). Records of partitions the tracker does not know
+    /// are taken as their own partition's.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use rtflow_runtime::watermark::WatermarkTracker;
+    /// let mut tracker = WatermarkTracker::new(&[0, 1], Duration::from_millis(10), None, None, 0);
+    /// assert!(!tracker.observe(0, 100, 0));
+    /// assert!(!tracker.observe(0, 90, 0), "within the delay");
+    /// assert!(tracker.observe(0, 89, 0));
+    /// assert!(!tracker.observe(1, 20, 0), "partition 1 is its own");
+    /// ```
     #[inline]
-    pub fn observe(&mut self, partition: u32, event_time: EventTime, now: Nanos) {
+    pub fn observe(&mut self, partition: u32, event_time: EventTime, now: Nanos) -> bool {
         let Some(&slot) = self
             .slots
             .get(partition as usize)
             .filter(|s| **s != usize::MAX)
         else {
-            return;
+            return false;
         };
         let max = &mut self.max[slot];
+        let own = max.map(|m| m.saturating_sub(self.delay));
+        let behind = own.max(self.current).is_some_and(|w| event_time < w);
         if max.is_none_or(|m| event_time > m) {
             *max = Some(event_time);
         }
         self.last_seen[slot] = now;
+        behind
     }
 
     /// What to tell downstream at `now`: the watermark if it advanced (or, after
@@ -176,7 +192,7 @@ impl<T: Send + 'static> Operator<T, T> for AssignWatermarks<T> {
             .tracker
             .as_mut()
             .expect("started before the first record");
-        tracker.observe(
+        record.meta.behind = tracker.observe(
             record.meta.partition,
             record.meta.event_time,
             record.meta.ingest_time,

@@ -15,7 +15,8 @@ use std::time::Duration;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::cluster::{
-    EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks, WriterInput, WritersProgress,
+    late_across, EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks, WriterInput,
+    WritersProgress,
 };
 use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::key_groups::key_group;
@@ -35,6 +36,9 @@ enum Wire {
     Record {
         event_time: EventTime,
         source_time: Nanos,
+        /// Whether the record was behind its writer's input watermark, or
+        /// judged late before: readers judge it by [`late_across`].
+        behind: bool,
         payload: Vec<u8>,
     },
     Progress(UpstreamProgress),
@@ -231,9 +235,11 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
     #[inline]
     fn write(&mut self, record: Record<Exchanged>) -> Result<()> {
         let group = key_group(record.value.key_hash, self.key_groups) as u32;
+        let event_time = record.meta.event_time;
         let value = encode(&Wire::Record {
-            event_time: record.meta.event_time,
+            event_time,
             source_time: record.meta.source_time,
+            behind: record.meta.behind || record.meta.late || self.input.is_behind(event_time),
             payload: record.value.payload,
         });
         self.staging.push(KafkaMessage {
@@ -478,17 +484,17 @@ impl SourceReader<Exchanged> for ExchangeReader {
                         Wire::Record {
                             event_time,
                             source_time,
+                            behind,
                             payload,
                         } => {
                             out.set_partition(partition.number);
-                            out.push_at(
-                                Exchanged {
-                                    key_hash: 0,
-                                    payload,
-                                },
-                                source_time,
-                                event_time,
-                            );
+                            let record = Exchanged {
+                                key_hash: 0,
+                                payload,
+                            };
+                            let tables = self.partitions.iter().map(|p| &p.watermarks);
+                            let late = behind && late_across(tables, event_time);
+                            out.push_behind_at(record, source_time, event_time, behind, late);
                         }
                         Wire::Progress(progress) => {
                             // The poll ends here: what it tells travels after
