@@ -1122,6 +1122,52 @@ impl Spread {
     }
 }
 
+/// The longest gaps of each run summarised over the runs: the spread of each
+/// run's p50, p99 and max.
+struct Gaps {
+    p50: Spread,
+    p99: Spread,
+    max: Spread,
+}
+
+impl Gaps {
+    fn of(runs: impl IntoIterator<Item = Vec<f64>>) -> Self {
+        let runs: Vec<Vec<f64>> = runs
+            .into_iter()
+            .map(|mut gaps| {
+                gaps.sort_by(f64::total_cmp);
+                gaps
+            })
+            .collect();
+        let at = |p: f64| Spread::of(runs.iter().map(|gaps| percentile(gaps, p)));
+        Self {
+            p50: at(50.0),
+            p99: at(99.0),
+            max: at(100.0),
+        }
+    }
+
+    /// `"{name}_p50_s"`, `"{name}_p99_s"` and `"{name}_max_s"`, each with its range.
+    fn json(&self, name: &str) -> String {
+        format!(
+            "{},{},{}",
+            self.p50.json(&format!("{name}_p50_s"), 2),
+            self.p99.json(&format!("{name}_p99_s"), 2),
+            self.max.json(&format!("{name}_max_s"), 2)
+        )
+    }
+
+    /// The p50, p99 and max columns of a summary row.
+    fn columns(&self) -> String {
+        format!(
+            "{:>22}{:>22}{:>22}",
+            self.p50.text(2),
+            self.p99.text(2),
+            self.max.text(2)
+        )
+    }
+}
+
 fn rate(records: u64, time: Duration) -> f64 {
     records as f64 / time.as_secs_f64()
 }
@@ -1300,32 +1346,21 @@ fn failovers(args: &Args, summary: &mut Vec<String>) -> BenchResult<()> {
         "scenario", "p50", "p99", "max", "before the kill"
     ));
     for (scenario, runs) in ["restart", "gone"].into_iter().zip(&runs) {
-        let of = |p: f64| {
-            Spread::of(runs.iter().map(|r| {
-                let mut stalls = r.stalls.clone();
-                stalls.sort_by(f64::total_cmp);
-                percentile(&stalls, p)
-            }))
-        };
-        let (p50, p99, max) = (of(50.0), of(99.0), of(100.0));
+        let stalls = Gaps::of(runs.iter().map(|r| r.stalls.clone()));
         let steady = Spread::of(runs.iter().map(|r| r.steady));
         println!(
             "{{\"bench\":\"cluster\",\"pipeline\":\"failover\",\"scenario\":\"{scenario}\",\
-             \"keys\":{},\"runs\":{},\"session_timeout_s\":{},{},{},{},{}}}",
+             \"keys\":{},\"runs\":{},\"session_timeout_s\":{},{},{}}}",
             args.failover_keys,
             args.runs,
             SESSION_TIMEOUT.as_secs(),
-            p50.json("stall_p50_s", 2),
-            p99.json("stall_p99_s", 2),
-            max.json("stall_max_s", 2),
+            stalls.json("stall"),
             steady.json("steady_max_gap_s", 2),
         );
         summary.push(format!(
-            "{:<28}{:>22}{:>22}{:>22}{:>22}",
+            "{:<28}{}{:>22}",
             format!("SIGKILL, {scenario}"),
-            p50.text(2),
-            p99.text(2),
-            max.text(2),
+            stalls.columns(),
             steady.text(2)
         ));
     }
@@ -1360,36 +1395,26 @@ fn rebalances(args: &Args, summary: &mut Vec<String>) -> BenchResult<()> {
                 .iter()
                 .map(|r| r.gaps[t][s].clone())
                 .filter(|gaps| !gaps.is_empty())
-                .map(|mut gaps| {
-                    gaps.sort_by(f64::total_cmp);
-                    gaps
-                })
                 .collect();
             if gaps.is_empty() {
                 continue;
             }
-            let at = |p: f64| Spread::of(gaps.iter().map(|gaps| percentile(gaps, p)));
-            let (p50, p99, max) = (at(50.0), at(99.0), at(100.0));
             let count = Spread::of(gaps.iter().map(|gaps| gaps.len() as f64));
+            let (ran, gaps) = (gaps.len(), Gaps::of(gaps));
             println!(
                 "{{\"bench\":\"cluster\",\"pipeline\":\"rebalance\",\
-                 \"transition\":\"{transition}\",\"keys\":\"{keys}\",\"runs\":{},\
-                 \"batch_s\":{:.2},\"target_s\":{target:.2},{},{},{},{},{}}}",
-                gaps.len(),
+                 \"transition\":\"{transition}\",\"keys\":\"{keys}\",\"runs\":{ran},\
+                 \"batch_s\":{:.2},\"target_s\":{target:.2},{},{},{}}}",
                 COMMIT_INTERVAL.as_secs_f64(),
                 count.json("key_count", 0),
-                p50.json("gap_p50_s", 2),
-                p99.json("gap_p99_s", 2),
-                max.json("gap_max_s", 2),
+                gaps.json("gap"),
                 steady.json("steady_max_gap_s", 2),
             );
             summary.push(format!(
-                "{:<28}{:>8}{:>22}{:>22}{:>22}",
+                "{:<28}{:>8}{}",
                 format!("{transition}, {keys}"),
                 count.text(0),
-                p50.text(2),
-                p99.text(2),
-                max.text(2)
+                gaps.columns()
             ));
         }
     }

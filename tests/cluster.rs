@@ -20,6 +20,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -138,18 +139,28 @@ fn build(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, windows: &
         .map(event)
         .with_watermark(|e: &Event| e.time, Duration::from_millis(0))
         .repartition_by(|e: &Event| e.key.clone());
-    by_key.count().sink(KafkaSink::new(
+    count_and_window(&by_key, bootstrap, counts, windows);
+}
+
+/// A running count per key of `keyed` into `counts` (`key:n`), and per key
+/// and tumbling window into `windows` (`key@start:n`).
+fn count_and_window<K, T>(keyed: &KeyedStream<K, T>, bootstrap: &str, counts: &str, windows: &str)
+where
+    K: rtflow::operators::StateKey + std::fmt::Display,
+    T: Data,
+{
+    keyed.count().sink(KafkaSink::new(
         bootstrap,
         counts,
-        |(key, count): &(String, u64)| KafkaMessage::new(format!("{key}:{count}")),
+        |(key, count): &(K, u64)| KafkaMessage::new(format!("{key}:{count}")),
     ));
-    by_key
+    keyed
         .window(Window::tumbling(WINDOW))
         .count()
         .sink(KafkaSink::new(
             bootstrap,
             windows,
-            |(key, window, count): &(String, rtflow::operators::Window, u64)| {
+            |(key, window, count): &(K, rtflow::operators::Window, u64)| {
                 KafkaMessage::new(format!("{key}@{}:{count}", window.start))
             },
         ));
@@ -197,21 +208,7 @@ fn chain(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, windows: &
         .count()
         .map(|(key, _): (String, u64)| bucket(&key))
         .repartition_by(|bucket: &u32| *bucket);
-    by_bucket.count().sink(KafkaSink::new(
-        bootstrap,
-        counts,
-        |(bucket, count): &(u32, u64)| KafkaMessage::new(format!("{bucket}:{count}")),
-    ));
-    by_bucket
-        .window(Window::tumbling(WINDOW))
-        .count()
-        .sink(KafkaSink::new(
-            bootstrap,
-            windows,
-            |(bucket, window, count): &(u32, rtflow::operators::Window, u64)| {
-                KafkaMessage::new(format!("{bucket}@{}:{count}", window.start))
-            },
-        ));
+    count_and_window(&by_bucket, bootstrap, counts, windows);
 }
 
 /// Every `item:n` of a running count per item: one per item's occurrence.
@@ -488,6 +485,8 @@ struct Cluster {
     /// What the children run ([`dataflow_named`]).
     dataflow: String,
     children: BTreeMap<String, Child>,
+    /// How many late records ([`late_record`]) were produced.
+    late: usize,
 }
 
 impl Cluster {
@@ -508,7 +507,35 @@ impl Cluster {
             dir,
             dataflow: dataflow.to_owned(),
             children: BTreeMap::new(),
+            late: 0,
         }
+    }
+
+    /// Produces `records` of the input, starts `instances` and waits until
+    /// they share the input's partitions and counted half of the records;
+    /// returns their shares.
+    fn start(
+        &mut self,
+        instances: &[&str],
+        records: Range<usize>,
+        timeout: Duration,
+    ) -> BTreeMap<String, Vec<String>> {
+        let half = records.len() / 2;
+        produce(&self.bootstrap, &self.input, records.map(record));
+        for instance in instances {
+            self.spawn(instance);
+        }
+        let shares = self.wait_for_shares(timeout);
+        let (counts, _) = self.outputs(half, 0, timeout);
+        assert!(counts.len() >= half, "no progress:\n{}", self.logs());
+        shares
+    }
+
+    /// Produces `n` more late records ([`late_record`]).
+    fn produce_late(&mut self, n: usize) {
+        let late = self.late..self.late + n;
+        produce(&self.bootstrap, &self.input, late.map(late_record));
+        self.late += n;
     }
 
     fn spawn(&mut self, instance: &str) {
@@ -700,37 +727,20 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     let mut cluster = Cluster::new(&bootstrap);
     let total = 6_000;
     let third = total / 3;
-    produce(&bootstrap, &cluster.input, (0..third).map(record));
-    for instance in ["p0", "p1", "p2"] {
-        cluster.spawn(instance);
-    }
-    // The three share the input's partitions and make progress.
-    let shares = cluster.wait_for_shares(Duration::from_secs(90));
-    let (counts, _) = cluster.outputs(third / 2, 0, Duration::from_secs(90));
-    assert!(
-        counts.len() >= third / 2,
-        "no progress:\n{}",
-        cluster.logs()
-    );
+    let shares = cluster.start(&["p0", "p1", "p2"], 0..third, Duration::from_secs(90));
     // Records late for windows that closed arrive after the start-up
     // rebalances, right after the kill, and right after the restart: a
     // restarted or rebalanced run drops them as one process does.
-    let input = cluster.input.clone();
-    let mut late = 0;
-    let mut produce_late = |n: usize| {
-        produce(&bootstrap, &input, (late..late + n).map(late_record));
-        late += n;
-    };
-    produce_late(6);
+    cluster.produce_late(6);
     produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
     std::thread::sleep(Duration::from_millis(700));
     cluster.kill("p1");
-    produce_late(6);
+    cluster.produce_late(6);
     produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
     std::thread::sleep(Duration::from_secs(3));
     let survivors = [cluster.status("p0"), cluster.status("p2")];
     cluster.spawn("p1");
-    produce_late(6);
+    cluster.produce_late(6);
     produce(&bootstrap, &cluster.input, flush_records());
     // The one added back takes partitions over from the others: a survivor
     // whose share changes restarts its run on what it keeps; one whose share
@@ -753,7 +763,7 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     }
     eprintln!("partitions before the kill {shares:?}, after one was added back {reshared:?}");
 
-    let (expected_counts, expected_windows) = reference_with_late(total, late);
+    let (expected_counts, expected_windows) = reference_with_late(total, cluster.late);
     let (counts, windows) = cluster.outputs(
         expected_counts.len(),
         expected_windows.len(),
@@ -783,8 +793,7 @@ fn late_records_stay_late_while_a_process_hangs_and_once_its_partitions_are_take
     cluster.wait_for_shares(Duration::from_secs(90));
     let (counts, _) = cluster.outputs(50, 0, Duration::from_secs(90));
     assert!(counts.len() >= 50, "no progress:\n{}", cluster.logs());
-    let late = 12;
-    produce(&bootstrap, &cluster.input, (0..late).map(late_record));
+    cluster.produce_late(12);
     // p0 reads the late records of its partitions, and of its key groups,
     // while p1 still hangs; it takes p1's partitions over once the group's
     // session times out after the kill.
@@ -792,7 +801,7 @@ fn late_records_stay_late_while_a_process_hangs_and_once_its_partitions_are_take
     cluster.kill("p1");
     produce(&bootstrap, &cluster.input, (total / 2..total).map(record));
     produce(&bootstrap, &cluster.input, flush_records());
-    let (expected_counts, expected_windows) = reference_with_late(total, late);
+    let (expected_counts, expected_windows) = reference_with_late(total, cluster.late);
     let (counts, windows) = cluster.outputs(
         expected_counts.len(),
         expected_windows.len(),
@@ -908,16 +917,10 @@ fn three_processes_on_a_replicated_kafka_count_exactly_once_through_a_broker_cra
         });
     let total = 6_000;
     let third = total / 3;
-    produce(&bootstrap, &cluster.input, (0..third).map(record));
-    for instance in ["p0", "p1", &third_name] {
-        cluster.spawn(instance);
-    }
-    cluster.wait_for_shares(Duration::from_secs(120));
-    let (counts, _) = cluster.outputs(third / 2, 0, Duration::from_secs(120));
-    assert!(
-        counts.len() >= third / 2,
-        "no progress:\n{}",
-        cluster.logs()
+    cluster.start(
+        &["p0", "p1", &third_name],
+        0..third,
+        Duration::from_secs(120),
     );
     for topic in [
         cluster.input.clone(),
@@ -1367,33 +1370,17 @@ fn three_processes_count_through_two_repartitions_exactly_once_through_a_kill() 
     let mut cluster = Cluster::running(&bootstrap, "chain");
     let total = 3_000;
     let third = total / 3;
-    produce(&bootstrap, &cluster.input, (0..third).map(record));
-    for instance in ["p0", "p1", "p2"] {
-        cluster.spawn(instance);
-    }
-    cluster.wait_for_shares(Duration::from_secs(90));
-    let (counts, _) = cluster.outputs(third / 2, 0, Duration::from_secs(90));
-    assert!(
-        counts.len() >= third / 2,
-        "no progress:\n{}",
-        cluster.logs()
-    );
+    cluster.start(&["p0", "p1", "p2"], 0..third, Duration::from_secs(90));
     // Late for the second stage's windows, which closed long ago: dropped
     // there after the kill and the restart as in one process.
-    let input = cluster.input.clone();
-    let mut late = 0;
-    let mut produce_late = |n: usize| {
-        produce(&bootstrap, &input, (late..late + n).map(late_record));
-        late += n;
-    };
     produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
     std::thread::sleep(Duration::from_millis(700));
     cluster.kill("p1");
-    produce_late(6);
+    cluster.produce_late(6);
     produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
     std::thread::sleep(Duration::from_secs(3));
     cluster.spawn("p1");
-    produce_late(6);
+    cluster.produce_late(6);
     produce(&bootstrap, &cluster.input, flush_records());
     let reshared = cluster.wait_for_shares(Duration::from_secs(90));
     // Every process owns the same partitions of both repartition topics.
@@ -1409,7 +1396,7 @@ fn three_processes_count_through_two_repartitions_exactly_once_through_a_kill() 
         };
         assert_eq!(owned(0), owned(1), "{instance}: {partitions:?}");
     }
-    let (expected_counts, expected_windows) = chain_reference(total, late);
+    let (expected_counts, expected_windows) = chain_reference(total, cluster.late);
     let (counts, windows) = cluster.outputs(
         expected_counts.len(),
         expected_windows.len(),
@@ -1474,7 +1461,7 @@ fn drop_duplicates_runs_clustered_exactly_once_through_a_kill() {
     produce(&bootstrap, &cluster.input, (0..total / 2).map(record));
     cluster.kill("p2");
     produce(&bootstrap, &cluster.input, (total / 2..total).map(record));
-    produce(&bootstrap, &cluster.input, (0..6).map(late_record));
+    cluster.produce_late(6);
     std::thread::sleep(Duration::from_secs(2));
     cluster.spawn("p2");
     produce(&bootstrap, &cluster.input, flush_records());

@@ -72,39 +72,37 @@ pub struct UpstreamProgress {
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WriterProgress {
-    watermark: Option<EventTime>,
-    idle: bool,
-    told_watermark: Option<EventTime>,
-    told_idle: bool,
+    /// The input now.
+    input: WriterInput,
+    /// The input as told last.
+    told: WriterInput,
 }
 
 impl WriterProgress {
     /// The input's watermark is `watermark`: it is active.
     pub fn watermark(&mut self, watermark: EventTime) {
-        self.watermark = Some(watermark);
-        self.idle = false;
+        self.input.watermark(watermark);
     }
 
     /// The input went idle.
     pub fn idle(&mut self) {
-        self.idle = true;
+        self.input.idle();
     }
 
     /// What to tell since the last call, in order: a watermark (`Some`),
     /// then whether the input went idle (`None`).
     pub fn to_tell(&mut self) -> Vec<Option<EventTime>> {
+        let (now, told) = (self.input, std::mem::replace(&mut self.told, self.input));
         let mut tell = Vec::new();
-        let resumed = self.told_idle && !self.idle;
-        if let Some(watermark) = self.watermark {
-            if resumed || self.told_watermark != Some(watermark) {
+        let resumed = told.idle && !now.idle;
+        if let Some(watermark) = now.watermark {
+            if resumed || told.watermark != Some(watermark) {
                 tell.push(Some(watermark));
             }
         }
-        if self.idle && !self.told_idle {
+        if now.idle && !told.idle {
             tell.push(None);
         }
-        self.told_watermark = self.watermark;
-        self.told_idle = self.idle;
         tell
     }
 }
