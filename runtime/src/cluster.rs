@@ -439,7 +439,7 @@ impl UpstreamWatermarks {
     /// The least watermark over the source partitions heard of lately that
     /// are not idle, whether or not every source partition was heard of: a
     /// source partition restored, or told of last, before another one was
-    /// told of [`STALE_AFTER`] times since is left out.
+    /// told of three times since is left out.
     ///
     /// ```
     /// use rtflow_runtime::cluster::{UpstreamProgress, UpstreamWatermarks};
