@@ -366,6 +366,7 @@ impl<T: Data> Stream<T> {
             delay,
             idle_timeout,
             tracker: None,
+            mark_behind: false,
         });
         stream.with_producer(WITH_WATERMARK, |node| node.watermark_delay = Some(delay));
         stream

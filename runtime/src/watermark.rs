@@ -70,38 +70,48 @@ impl WatermarkTracker {
         }
     }
 
-    /// A record of `partition` with `event_time` arrived at `now`: whether it
-    /// is behind its partition's own watermark (the largest event time the
-    /// partition delivered before, minus the delay, or the watermark handed
-    /// out if that is later). Records of partitions the tracker does not know
-    /// are taken as their own partition's.
+    /// A record of `partition` with `event_time` arrived at `now`. Records of
+    /// partitions the tracker does not know are taken as their own partition's.
+    #[inline]
+    pub fn observe(&mut self, partition: u32, event_time: EventTime, now: Nanos) {
+        let Some(slot) = self.slot(partition) else {
+            return;
+        };
+        let max = &mut self.max[slot];
+        if max.is_none_or(|m| event_time > m) {
+            *max = Some(event_time);
+        }
+        self.last_seen[slot] = now;
+    }
+
+    /// Whether a record of `partition` at `event_time` is behind the
+    /// partition's own watermark: the largest event time it delivered so far,
+    /// minus the delay, or the watermark handed out if that is later.
     ///
     /// ```
     /// use std::time::Duration;
     /// use rtflow_runtime::watermark::WatermarkTracker;
     /// let mut tracker = WatermarkTracker::new(&[0, 1], Duration::from_millis(10), None, None, 0);
-    /// assert!(!tracker.observe(0, 100, 0));
-    /// assert!(!tracker.observe(0, 90, 0), "within the delay");
-    /// assert!(tracker.observe(0, 89, 0));
-    /// assert!(!tracker.observe(1, 20, 0), "partition 1 is its own");
+    /// tracker.observe(0, 100, 0);
+    /// assert!(!tracker.is_behind(0, 90), "within the delay");
+    /// assert!(tracker.is_behind(0, 89));
+    /// assert!(!tracker.is_behind(1, 20), "partition 1 is its own");
     /// ```
     #[inline]
-    pub fn observe(&mut self, partition: u32, event_time: EventTime, now: Nanos) -> bool {
-        let Some(&slot) = self
-            .slots
+    pub fn is_behind(&self, partition: u32, event_time: EventTime) -> bool {
+        let own = self
+            .slot(partition)
+            .and_then(|slot| self.max[slot])
+            .map(|max| max.saturating_sub(self.delay));
+        own.max(self.current).is_some_and(|w| event_time < w)
+    }
+
+    #[inline]
+    fn slot(&self, partition: u32) -> Option<usize> {
+        self.slots
             .get(partition as usize)
-            .filter(|s| **s != usize::MAX)
-        else {
-            return false;
-        };
-        let max = &mut self.max[slot];
-        let own = max.map(|m| m.saturating_sub(self.delay));
-        let behind = own.max(self.current).is_some_and(|w| event_time < w);
-        if max.is_none_or(|m| event_time > m) {
-            *max = Some(event_time);
-        }
-        self.last_seen[slot] = now;
-        behind
+            .copied()
+            .filter(|s| *s != usize::MAX)
     }
 
     /// What to tell downstream at `now`: the watermark if it advanced (or, after
@@ -167,6 +177,9 @@ pub(crate) struct AssignWatermarks<T> {
     pub(crate) delay: Duration,
     pub(crate) idle_timeout: Option<Duration>,
     pub(crate) tracker: Option<WatermarkTracker>,
+    /// Whether to mark records behind their partition's watermark
+    /// (`RecordMeta::behind`): only a clustered query's repartition reads it.
+    pub(crate) mark_behind: bool,
 }
 
 impl<T: Send + 'static> Operator<T, T> for AssignWatermarks<T> {
@@ -182,6 +195,7 @@ impl<T: Send + 'static> Operator<T, T> for AssignWatermarks<T> {
             ctx.state.restored_watermark(),
             crate::record::now_nanos(),
         ));
+        self.mark_behind = ctx.state.is_clustered();
         Ok(())
     }
 
@@ -192,11 +206,11 @@ impl<T: Send + 'static> Operator<T, T> for AssignWatermarks<T> {
             .tracker
             .as_mut()
             .expect("started before the first record");
-        record.meta.behind = tracker.observe(
-            record.meta.partition,
-            record.meta.event_time,
-            record.meta.ingest_time,
-        );
+        let (partition, event_time) = (record.meta.partition, record.meta.event_time);
+        if self.mark_behind {
+            record.meta.behind = tracker.is_behind(partition, event_time);
+        }
+        tracker.observe(partition, event_time, record.meta.ingest_time);
         out.emit_record(record)
     }
 

@@ -33,7 +33,36 @@ pub fn topic(bootstrap: &str, name: &str, partitions: i32) -> String {
         .unwrap()
         .create_topic(&topic, partitions)
         .unwrap();
+    await_metadata(bootstrap, &topic, partitions);
     topic
+}
+
+/// Waits until the broker's metadata holds `topic` with its partitions: a
+/// query started right after the topic was made once found none ("does not
+/// exist") on a broker that had just started.
+fn await_metadata(bootstrap: &str, topic: &str, partitions: i32) {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let known = consumer
+            .fetch_metadata(Some(topic), Duration::from_secs(5))
+            .ok()
+            .and_then(|metadata| {
+                let entry = metadata.topics().iter().find(|t| t.name() == topic)?;
+                Some(entry.error().is_none() && entry.partitions().len() == partitions as usize)
+            });
+        if known == Some(true) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "topic '{topic}' never showed in the metadata"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// A new one-partition compacted topic (an exactly-once sink's commit topic)

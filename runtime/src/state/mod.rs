@@ -214,6 +214,12 @@ impl StateContext {
         (0..self.restored.key_groups as u32).filter(|group| self.owns_key_group(*group))
     }
 
+    /// Whether the instance runs in a clustered query, whose records may
+    /// cross processes ([`ClusterLink`](crate::cluster::ClusterLink)).
+    pub fn is_clustered(&self) -> bool {
+        self.restored.cluster.is_some()
+    }
+
     /// How many key groups the query's keys hash into
     /// ([`QueryConfig::max_key_groups`](crate::QueryConfig::max_key_groups)).
     pub fn key_group_count(&self) -> usize {
