@@ -428,33 +428,12 @@ fn start(
 /// with the key, value and headers it was read with. One thread polls the
 /// consumer and serves the producer, as a minimal hand-written relay does.
 fn relay(args: &Args, input: &str, output: &str, stop: &AtomicBool) -> BenchResult<()> {
-    let settings = |config: &mut ClientConfig| {
-        config
-            .set("bootstrap.servers", &args.bootstrap)
-            .set("socket.nagle.disable", "true");
-        for (key, value) in &args.relay_options {
-            config.set(key, value);
-        }
-    };
-    let mut config = ClientConfig::new();
-    config
-        .set("group.id", "rtflow-bench-relay")
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "false")
-        .set("fetch.wait.max.ms", "5");
-    settings(&mut config);
-    let consumer: BaseConsumer = config.create()?;
-    let mut assignment = TopicPartitionList::new();
-    for partition in 0..args.partitions as i32 {
-        assignment.add_partition_offset(input, partition, Offset::Beginning)?;
-    }
-    consumer.assign(&assignment)?;
-    let mut config = ClientConfig::new();
-    config
-        .set("linger.ms", "1")
-        .set("max.in.flight.requests.per.connection", "5");
-    settings(&mut config);
-    let producer: BaseProducer = config.create()?;
+    let (consumer, producer) = relay_clients(
+        args,
+        input,
+        &[("group.id", "rtflow-bench-relay".to_owned())],
+        &[],
+    )?;
     while !stop.load(Ordering::Acquire) {
         producer.poll(Duration::ZERO);
         let Some(message) = consumer.poll(Duration::from_millis(1)) else {
@@ -464,6 +443,56 @@ fn relay(args: &Args, input: &str, output: &str, stop: &AtomicBool) -> BenchResu
     }
     producer.flush(Duration::from_secs(30))?;
     Ok(())
+}
+
+/// A relay's consumer of every partition of `input` from the beginning, and
+/// its producer: the settings both relays use, then `consumer` and
+/// `producer`, then `--relay-option`s.
+fn relay_clients(
+    args: &Args,
+    input: &str,
+    consumer: &[(&str, String)],
+    producer: &[(&str, String)],
+) -> BenchResult<(BaseConsumer, BaseProducer)> {
+    let config = |base: &[(&str, &str)], extra: &[(&str, String)]| {
+        let mut config = ClientConfig::new();
+        for (key, value) in base {
+            config.set(*key, *value);
+        }
+        for (key, value) in extra {
+            config.set(*key, value);
+        }
+        config
+            .set("bootstrap.servers", &args.bootstrap)
+            .set("socket.nagle.disable", "true");
+        for (key, value) in &args.relay_options {
+            config.set(key, value);
+        }
+        config
+    };
+    let consumer: BaseConsumer = config(
+        &[
+            ("enable.auto.commit", "false"),
+            ("enable.partition.eof", "false"),
+            ("fetch.wait.max.ms", "5"),
+        ],
+        consumer,
+    )
+    .create()?;
+    let mut assignment = TopicPartitionList::new();
+    for partition in 0..args.partitions as i32 {
+        assignment.add_partition_offset(input, partition, Offset::Beginning)?;
+    }
+    consumer.assign(&assignment)?;
+    let producer: BaseProducer = config(
+        &[
+            ("linger.ms", "1"),
+            ("max.in.flight.requests.per.connection", "5"),
+        ],
+        producer,
+    )
+    .create()?;
+    Ok((consumer, producer))
 }
 
 /// Produces `message` to the same partition of `output`, with the key, value
@@ -504,38 +533,18 @@ fn relay_exactly_once(
     output: &str,
     stop: &AtomicBool,
 ) -> BenchResult<()> {
-    let settings = |config: &mut ClientConfig| {
-        config
-            .set("bootstrap.servers", &args.bootstrap)
-            .set("socket.nagle.disable", "true");
-        for (key, value) in &args.relay_options {
-            config.set(key, value);
-        }
-    };
-    let mut config = ClientConfig::new();
-    config
-        .set("group.id", format!("rtflow-bench-relay-{}", now_us()))
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "false")
-        .set("isolation.level", "read_committed")
-        .set("fetch.wait.max.ms", "5");
-    settings(&mut config);
-    let consumer: BaseConsumer = config.create()?;
-    let mut assignment = TopicPartitionList::new();
-    for partition in 0..args.partitions as i32 {
-        assignment.add_partition_offset(input, partition, Offset::Beginning)?;
-    }
-    consumer.assign(&assignment)?;
-    let mut config = ClientConfig::new();
-    config
-        .set(
+    let (consumer, producer) = relay_clients(
+        args,
+        input,
+        &[
+            ("group.id", format!("rtflow-bench-relay-{}", now_us())),
+            ("isolation.level", "read_committed".to_owned()),
+        ],
+        &[(
             "transactional.id",
             format!("rtflow-bench-relay-{}", now_us()),
-        )
-        .set("linger.ms", "1")
-        .set("max.in.flight.requests.per.connection", "5");
-    settings(&mut config);
-    let producer: BaseProducer = config.create()?;
+        )],
+    )?;
     let timeout = Duration::from_secs(30);
     producer.init_transactions(timeout)?;
     producer.begin_transaction()?;
