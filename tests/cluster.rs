@@ -651,6 +651,22 @@ impl Cluster {
         logs
     }
 
+    /// Waits up to two minutes until both outputs hold as many records as
+    /// `expected_counts` and `expected_windows`, then stops every process
+    /// and checks them ([`stop_and_check`](Self::stop_and_check)).
+    fn await_and_check(
+        &mut self,
+        expected_counts: &BTreeMap<String, usize>,
+        expected_windows: &BTreeMap<String, usize>,
+    ) {
+        let (counts, windows) = self.outputs(
+            expected_counts.len(),
+            expected_windows.len(),
+            Duration::from_secs(120),
+        );
+        self.stop_and_check(&counts, &windows, expected_counts, expected_windows);
+    }
+
     /// Stops every process, then checks that both outputs, `counts` and
     /// `windows` as read so far plus whatever the last commits added, equal
     /// the references exactly once.
@@ -773,12 +789,7 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     eprintln!("partitions before the kill {shares:?}, after one was added back {reshared:?}");
 
     let (expected_counts, expected_windows) = reference_with_late(total, cluster.late);
-    let (counts, windows) = cluster.outputs(
-        expected_counts.len(),
-        expected_windows.len(),
-        Duration::from_secs(120),
-    );
-    cluster.stop_and_check(&counts, &windows, &expected_counts, &expected_windows);
+    cluster.await_and_check(&expected_counts, &expected_windows);
 }
 
 /// A process that hangs (its first commit never ends) leaves the event time
@@ -811,12 +822,7 @@ fn late_records_stay_late_while_a_process_hangs_and_once_its_partitions_are_take
     produce(&bootstrap, &cluster.input, (total / 2..total).map(record));
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected_counts, expected_windows) = reference_with_late(total, cluster.late);
-    let (counts, windows) = cluster.outputs(
-        expected_counts.len(),
-        expected_windows.len(),
-        Duration::from_secs(120),
-    );
-    cluster.stop_and_check(&counts, &windows, &expected_counts, &expected_windows);
+    cluster.await_and_check(&expected_counts, &expected_windows);
 }
 
 /// The bootstrap servers of the replicated three-broker cluster, if one runs.
@@ -1406,12 +1412,7 @@ fn three_processes_count_through_two_repartitions_exactly_once_through_a_kill() 
         assert_eq!(owned(0), owned(1), "{instance}: {partitions:?}");
     }
     let (expected_counts, expected_windows) = chain_reference(total, cluster.late);
-    let (counts, windows) = cluster.outputs(
-        expected_counts.len(),
-        expected_windows.len(),
-        Duration::from_secs(120),
-    );
-    cluster.stop_and_check(&counts, &windows, &expected_counts, &expected_windows);
+    cluster.await_and_check(&expected_counts, &expected_windows);
 }
 
 #[test]
@@ -1450,8 +1451,7 @@ fn the_four_stream_joins_run_clustered_exactly_once() {
     }
     assert!(expected.keys().any(|line| line.ends_with("|-")));
     assert!(expected.keys().any(|line| line.contains("|-|")));
-    let (lines, _) = cluster.outputs(expected.len(), 0, Duration::from_secs(120));
-    cluster.stop_and_check(&lines, &[], &expected, &BTreeMap::new());
+    cluster.await_and_check(&expected, &BTreeMap::new());
 }
 
 #[test]
@@ -1476,12 +1476,7 @@ fn drop_duplicates_runs_clustered_exactly_once_through_a_kill() {
     produce(&bootstrap, &cluster.input, flush_records());
     cluster.wait_for_shares(Duration::from_secs(90));
     let (expected_rows, expected_seconds) = dedup_reference(total);
-    let (rows, seconds) = cluster.outputs(
-        expected_rows.len(),
-        expected_seconds.len(),
-        Duration::from_secs(120),
-    );
-    cluster.stop_and_check(&rows, &seconds, &expected_rows, &expected_seconds);
+    cluster.await_and_check(&expected_rows, &expected_seconds);
 }
 
 #[test]
@@ -1843,8 +1838,7 @@ fn run_pipeline(bootstrap: &str, pipeline: &Pipeline, changes: &[Change]) {
     produce(bootstrap, &right, flush_records());
     cluster.wait_for_shares(Duration::from_secs(90));
     let expected = pipeline.reference(n, m);
-    let (lines, _) = cluster.outputs(expected.len(), 0, Duration::from_secs(120));
-    cluster.stop_and_check(&lines, &[], &expected, &BTreeMap::new());
+    cluster.await_and_check(&expected, &BTreeMap::new());
 }
 
 #[test]
