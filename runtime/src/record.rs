@@ -30,11 +30,12 @@ pub struct RecordMeta {
     /// The source partition the record was read from (watermarks are tracked per
     /// partition).
     pub partition: u32,
-    /// Behind the watermark of its own source partition when `with_watermark`
-    /// saw it: earlier than the latest event time its partition delivered
-    /// before, minus the delay. One process judges lateness by the watermark of
-    /// all partitions alone; a clustered query's repartition also passes this
-    /// on, so that its readers can judge the record ([`late`](Self::late)).
+    /// Behind the watermark it was written under: in a clustered query,
+    /// `with_watermark` marks a record earlier than the latest event time its
+    /// partition delivered before, minus the delay, and a repartition passes
+    /// the mark on, so that its readers can judge the record
+    /// ([`late`](Self::late)). One process judges lateness by the watermark of
+    /// all partitions alone and leaves it unset.
     pub behind: bool,
     /// Judged late on its way already: a clustered query's repartition reader
     /// found it behind the watermark it crossed the repartition under, which

@@ -36,8 +36,9 @@ enum Wire {
     Record {
         event_time: EventTime,
         source_time: Nanos,
-        /// Whether the record was behind its writer's input watermark, or
-        /// judged late before: readers judge it by [`late_across`].
+        /// Whether the record was behind its own partition's watermark
+        /// (`RecordMeta::behind`) or its writer's input watermark, or judged
+        /// late before: readers judge it by [`late_across`].
         behind: bool,
         payload: Vec<u8>,
     },
