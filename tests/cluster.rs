@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use common::kafka::{bootstrap, consume, produce, topic};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseProducer, Producer};
-use rdkafka::ClientConfig;
+use rdkafka::{ClientConfig, TopicPartitionList};
 use rtflow::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -703,8 +703,9 @@ impl Cluster {
                         break;
                     }
                     None if Instant::now() > deadline => {
+                        let stacks = thread_stacks(child.id());
                         child.kill().unwrap();
-                        panic!("{instance} did not stop:\n{}", self.logs());
+                        panic!("{instance} did not stop:\n{}\n{stacks}", self.logs());
                     }
                     None => std::thread::sleep(Duration::from_millis(50)),
                 }
@@ -719,6 +720,30 @@ impl Drop for Cluster {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+}
+
+/// The stacks of every thread of process `pid`, as gdb prints them, to show
+/// where a process that did not stop waits; a note when gdb is not there.
+fn thread_stacks(pid: u32) -> String {
+    let gdb = Command::new("timeout")
+        .args(["60", "gdb", "-p", &pid.to_string(), "-batch", "-nx"])
+        .args(["-ex", "thread apply all bt"])
+        .stdin(Stdio::null())
+        .output();
+    match gdb {
+        Ok(out) if out.status.success() => {
+            format!(
+                "--- threads of {pid}\n{}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        }
+        Ok(out) => format!(
+            "--- no threads of {pid}: gdb {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(error) => format!("--- no threads of {pid}: {error}"),
     }
 }
 
@@ -840,36 +865,48 @@ fn replicated_bootstrap() -> Option<String> {
 /// Runs `scripts/kafka.sh <args>` on the replicated cluster whose first
 /// broker listens at the first address of `bootstrap`.
 fn kafka_sh(bootstrap: &str, args: &[&str]) {
+    assert!(
+        kafka_sh_succeeds(bootstrap, args),
+        "kafka.sh {args:?} failed"
+    );
+}
+
+/// Whether `scripts/kafka.sh <args>` succeeds, as [`kafka_sh`] runs it.
+fn kafka_sh_succeeds(bootstrap: &str, args: &[&str]) -> bool {
     let port = bootstrap
         .split(',')
         .next()
         .and_then(|address| address.rsplit(':').next())
         .expect("a bootstrap address with a port");
-    let status = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kafka.sh"))
+    Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kafka.sh"))
         .args(args)
         .env("RTFLOW_KAFKA_NODES", "3")
         .env("RTFLOW_KAFKA_PORT", port)
         .stdout(Stdio::null())
         .status()
-        .expect("scripts/kafka.sh runs");
-    assert!(status.success(), "kafka.sh {args:?} failed");
+        .expect("scripts/kafka.sh runs")
+        .success()
 }
 
 /// Hands every partition back to its preferred leader, so that leadership
-/// is spread over the brokers again after an earlier crash moved it.
+/// is spread over the brokers again after an earlier crash moved it. A
+/// broker that restarted lately may not be back in every partition's
+/// in-sync replicas yet, which fails the election: it is tried for a minute.
 fn elect_preferred_leaders(bootstrap: &str) {
-    kafka_sh(
+    let args = [
+        "tool",
+        "org.apache.kafka.tools.LeaderElectionCommand",
+        "--bootstrap-server",
         bootstrap,
-        &[
-            "tool",
-            "org.apache.kafka.tools.LeaderElectionCommand",
-            "--bootstrap-server",
-            bootstrap,
-            "--election-type",
-            "PREFERRED",
-            "--all-topic-partitions",
-        ],
-    );
+        "--election-type",
+        "PREFERRED",
+        "--all-topic-partitions",
+    ];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !kafka_sh_succeeds(bootstrap, &args) {
+        assert!(Instant::now() < deadline, "kafka.sh {args:?} failed");
+        std::thread::sleep(Duration::from_secs(2));
+    }
 }
 
 /// The leader of each partition of `topic`, by partition.
@@ -886,11 +923,26 @@ fn leaders(client: &BaseConsumer, topic: &str) -> Vec<i32> {
     partitions.into_iter().map(|(_, leader)| leader).collect()
 }
 
-/// The partition of `__transaction_state` (4 partitions, scripts/kafka.sh)
-/// whose leader coordinates `transactional_id`'s transactions, as Kafka
+/// The first name `{prefix}{i}` whose id (`id_of` the name) broker `victim`
+/// coordinates, given the leaders of the coordinators' topic by partition.
+fn coordinated_by(
+    victim: i32,
+    coordinators: &[i32],
+    prefix: &str,
+    id_of: impl Fn(&str) -> String,
+) -> String {
+    (0..1000)
+        .map(|i| format!("{prefix}{i}"))
+        .find(|name| coordinators[coordinator_partition(&id_of(name))] == victim)
+        .unwrap_or_else(|| panic!("broker {victim} coordinates none: leaders {coordinators:?}"))
+}
+
+/// The partition of `__transaction_state` or `__consumer_offsets` (4
+/// partitions each, scripts/kafka.sh) whose leader coordinates the
+/// transactions of the transactional id `id`, or the group `id`, as Kafka
 /// picks it: Java's `String.hashCode`, made positive, modulo the count.
-fn transaction_state_partition(transactional_id: &str) -> usize {
-    let hash = transactional_id
+fn coordinator_partition(id: &str) -> usize {
+    let hash = id
         .encode_utf16()
         .fold(0i32, |h, c| h.wrapping_mul(31).wrapping_add(i32::from(c)));
     let positive = if hash == i32::MIN { 0 } else { hash.abs() };
@@ -907,29 +959,40 @@ fn three_processes_on_a_replicated_kafka_count_exactly_once_through_a_broker_cra
         .set("bootstrap.servers", &bootstrap)
         .create()
         .unwrap();
-    // The transaction state topic exists once a transactional producer began.
-    let warm: BaseProducer = ClientConfig::new()
+    // The transaction state topic exists once a transactional producer
+    // began, the group metadata topic once a group's offsets were asked for.
+    let warm = format!("{}-warm", cluster.input);
+    let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", &bootstrap)
-        .set("transactional.id", format!("{}-warm", cluster.query))
+        .set("transactional.id", &warm)
         .create()
         .unwrap();
-    warm.init_transactions(Duration::from_secs(60)).unwrap();
-    drop(warm);
+    producer.init_transactions(Duration::from_secs(60)).unwrap();
+    drop(producer);
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .set("group.id", &warm)
+        .create()
+        .unwrap();
+    let mut input_partition = TopicPartitionList::new();
+    input_partition.add_partition(&cluster.input, 0);
+    consumer
+        .committed_offsets(input_partition, Duration::from_secs(60))
+        .unwrap();
+    drop(consumer);
     elect_preferred_leaders(&bootstrap);
-    // The broker to kill leads the output, and coordinates the transactions of
-    // the process named for it.
+    // The broker to kill leads the output, and coordinates the query's
+    // group and the transactions of the process named for it.
     let victim = leaders(&client, &cluster.counts)[0];
-    let coordinators = leaders(&client, "__transaction_state");
-    let coordinated = |instance: &str| {
-        coordinators[transaction_state_partition(&format!("rtflow-{}-{instance}", cluster.query))]
-            == victim
-    };
-    let third_name = (0..1000)
-        .map(|i| format!("p2-{i}"))
-        .find(|name| coordinated(name))
-        .unwrap_or_else(|| {
-            panic!("broker {victim} coordinates no transactions: leaders {coordinators:?}")
-        });
+    let groups = leaders(&client, "__consumer_offsets");
+    let query = coordinated_by(victim, &groups, &format!("{}-q", cluster.input), |query| {
+        format!("rtflow-{query}")
+    });
+    cluster.query = query;
+    let transactions = leaders(&client, "__transaction_state");
+    let third_name = coordinated_by(victim, &transactions, "p2-", |instance| {
+        format!("rtflow-{}-{instance}", cluster.query)
+    });
     let total = 6_000;
     let third = total / 3;
     cluster.start(

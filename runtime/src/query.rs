@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use crate::config::QueryConfig;
 use crate::coordinator::{
-    CheckpointNow, Coordinator, Crash, Location, StartClaim, Startup, StopQuery,
+    Abandon, CheckpointNow, Coordinator, Location, StartClaim, Startup, StopQuery,
 };
 use crate::endpoint::{register, Registration};
 use crate::error::{Result, RtflowError};
@@ -363,16 +363,19 @@ impl StreamingQuery {
         }
     }
 
-    /// Test support: stops the query the way a killed process stops. Every actor
-    /// is cancelled at once, no epoch commits after the last committed one and no
-    /// final checkpoint is written; the query terminates with
+    /// Abandons the query: it stops the way a killed process stops. Every
+    /// actor is cancelled at once, no epoch commits after the last committed
+    /// one and no final checkpoint is written; the query terminates with
     /// [`RtflowError::Cancelled`]. Restarting on the same checkpoint location
-    /// recovers from the last committed checkpoint. Returns once every thread is
-    /// joined. `rtflow::testing` is built on it.
-    #[doc(hidden)]
-    pub fn crash(&self) {
+    /// recovers from the last committed checkpoint. Returns once every thread
+    /// is joined.
+    ///
+    /// A clustered process abandons its run when the group took its
+    /// partitions away without asking (its session expired); `rtflow::testing`
+    /// crashes queries with it.
+    pub fn abandon(&self) {
         if self.is_active() {
-            self.coordinator.do_send(Crash);
+            self.coordinator.do_send(Abandon);
         }
         self.shared.wait(None);
         self.join_coordinator();

@@ -387,7 +387,7 @@ impl<In: Data, Out: Data> DataflowHarness<In, Out> {
         let Some(query) = self.query.take() else {
             return Ok(());
         };
-        query.crash();
+        query.abandon();
         self.ended(query)
     }
 
@@ -409,7 +409,7 @@ impl<In: Data, Out: Data> DataflowHarness<In, Out> {
         self.start()?;
         let query = self.query.take().expect("started above");
         if !query.await_termination(Some(self.timeout))? {
-            query.crash();
+            query.abandon();
             return Err(self.timed_out("the query to drain its input"));
         }
         self.ended(query)
@@ -665,7 +665,7 @@ fn resumed_offsets(recovery: &Recovery) -> BTreeMap<usize, usize> {
 impl<In, Out> Drop for DataflowHarness<In, Out> {
     fn drop(&mut self) {
         if let Some(query) = self.query.take() {
-            query.crash();
+            query.abandon();
         }
         let _ = std::fs::remove_dir_all(&self.location);
     }

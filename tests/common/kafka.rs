@@ -181,7 +181,9 @@ fn to_read(message: &BorrowedMessage<'_>) -> Read {
 }
 
 /// Reads `topic` from the beginning (read_committed) until `count` records arrived
-/// or `timeout` passed.
+/// or `timeout` passed. A broker that cannot be reached for a while (it
+/// restarts, or a test crashed it) only delays the read: the consumer's errors
+/// are printed and it polls on.
 pub fn consume(
     bootstrap: &str,
     topic: &str,
@@ -193,8 +195,10 @@ pub fn consume(
     let deadline = Instant::now() + timeout;
     let mut read = Vec::new();
     while read.len() < count && Instant::now() < deadline {
-        if let Some(message) = consumer.poll(Duration::from_millis(100)) {
-            read.push(to_read(&message.unwrap()));
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(message)) => read.push(to_read(&message)),
+            Some(Err(error)) => eprintln!("reading {topic}: {error}; polling on"),
+            None => {}
         }
     }
     read

@@ -61,11 +61,11 @@ pub(crate) struct StopQuery;
 #[rtype(result = "()")]
 pub(crate) struct CheckpointNow(pub(crate) mpsc::Sender<Epoch>);
 
-/// `StreamingQuery::crash()`: cancel every actor at once, as a killed process
+/// `StreamingQuery::abandon()`: cancel every actor at once, as a killed process
 /// would stop, with no final checkpoint.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub(crate) struct Crash;
+pub(crate) struct Abandon;
 
 /// A checkpoint report from an actor.
 #[derive(Message)]
@@ -749,11 +749,11 @@ impl Handler<CheckpointNow> for Coordinator {
     }
 }
 
-impl Handler<Crash> for Coordinator {
+impl Handler<Abandon> for Coordinator {
     type Result = ();
 
-    fn handle(&mut self, _: Crash, _ctx: &mut Context<Self>) {
-        tracing::warn!(query = %self.shared.name, "crashing on request: no final checkpoint");
+    fn handle(&mut self, _: Abandon, _ctx: &mut Context<Self>) {
+        tracing::warn!(query = %self.shared.name, "abandoned: no final checkpoint");
         self.fail(RtflowError::Cancelled);
     }
 }

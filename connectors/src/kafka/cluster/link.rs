@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use rdkafka::config::FromClientConfigAndContext;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, ConsumerGroupMetadata};
-use rdkafka::error::KafkaError;
+use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::producer::{Producer, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientContext;
@@ -495,11 +495,11 @@ fn parse_watermarks(metadata: &str) -> Vec<(String, i64)> {
 pub(crate) struct Transactions {
     /// Renewed after a failed transaction: a fresh producer (the same
     /// transactional id, initialised again) leaves no error state behind.
-    producer: Mutex<ThreadedProducer<Deliveries>>,
+    producer: Mutex<Arc<ThreadedProducer<Deliveries>>>,
     staged: Mutex<BTreeMap<Epoch, Vec<Batch>>>,
     /// Each group's metadata as of its latest generation: offsets committed
     /// with an older generation are refused.
-    groups: Mutex<BTreeMap<String, ConsumerGroupMetadata>>,
+    groups: Mutex<BTreeMap<String, Arc<ConsumerGroupMetadata>>>,
     config: ClientConfig,
     timeout: Duration,
     name: String,
@@ -513,9 +513,8 @@ pub(crate) struct Batch {
     pub(crate) messages: Vec<KafkaMessage>,
 }
 
-/// How often a commit refused for a group generation that just ended is
-/// tried again with the next one, and how long apart.
-const GENERATION_RETRIES: u32 = 50;
+/// How long apart a commit refused for a group generation that just ended
+/// is tried again with the next one (for at most the operation timeout).
 const GENERATION_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
 /// How one attempt at a transaction failed.
@@ -535,7 +534,7 @@ impl Transactions {
         let config = producer_config(settings, &settings.transactional_id());
         let producer = initialised(&config, settings.operation_timeout, &name)?;
         Ok(Self {
-            producer: Mutex::new(producer),
+            producer: Mutex::new(Arc::new(producer)),
             staged: Mutex::default(),
             groups: Mutex::default(),
             config,
@@ -555,7 +554,7 @@ impl Transactions {
     pub(crate) fn set_group(&self, group: &str, metadata: Option<ConsumerGroupMetadata>) {
         let mut groups = lock(&self.groups);
         match metadata {
-            Some(metadata) => groups.insert(group.to_owned(), metadata),
+            Some(metadata) => groups.insert(group.to_owned(), Arc::new(metadata)),
             None => groups.remove(group),
         };
     }
@@ -567,11 +566,15 @@ impl Transactions {
     }
 
     /// Commits the records staged for epochs up to `epoch`, the changelog's
-    /// `changes` and the offsets `positions` (by group) in one transaction. A rebalance that
-    /// starts a new generation while it commits makes the broker refuse the
-    /// offsets: the transaction is aborted and made again with the new
-    /// generation, which still owns the partitions (a revocation stops the
-    /// run, and so its commits, before it takes effect).
+    /// `changes` and the offsets `positions` (by group) in one transaction.
+    ///
+    /// A rebalance that starts a new generation while it commits makes the
+    /// broker refuse the offsets (`ILLEGAL_GENERATION`): the transaction is
+    /// aborted and made again with the new generation, which still owns the
+    /// partitions (a cooperative revocation stops the run, and so its
+    /// commits, before it takes effect). A member the group removed
+    /// (`UNKNOWN_MEMBER_ID`: its session expired) owns nothing any more: its
+    /// partitions may already run elsewhere, so that commit fails for good.
     fn commit(
         &self,
         epoch: Epoch,
@@ -587,23 +590,18 @@ impl Transactions {
                 .collect()
         };
         staged.push(changes);
-        let mut attempts = 0;
+        let deadline = std::time::Instant::now() + self.timeout;
         loop {
             let failed = match self.attempt(epoch, &staged, positions) {
                 Ok(()) => return Ok(()),
                 Err(failed) => failed,
             };
             let renewed = self.renew();
-            attempts += 1;
-            if !failed.generation || attempts >= GENERATION_RETRIES {
+            if !failed.generation || std::time::Instant::now() >= deadline {
                 return Err(failed.error);
             }
             renewed?;
-            tracing::debug!(
-                epoch,
-                attempts,
-                "the group's generation changed; committing again"
-            );
+            tracing::debug!(epoch, "the group's generation changed; committing again");
             std::thread::sleep(GENERATION_RETRY_PAUSE);
         }
     }
@@ -636,19 +634,19 @@ impl Transactions {
             }
         }
         for (group, positions) in positions {
-            let groups = lock(&self.groups);
-            let metadata = groups.get(group).ok_or_else(|| {
+            // Cloned out of the lock, which the members' threads take to
+            // hand on each new generation.
+            let metadata = lock(&self.groups).get(group).cloned().ok_or_else(|| {
                 failed("commit", &format!("the process is not in group '{group}'"))
             })?;
-            producer
-                .send_offsets_to_transaction(positions, metadata, self.timeout)
+            self.send_offsets(&producer, positions, metadata)
+                .map_err(|unanswered| failed("add the offsets to", &unanswered))?
                 .map_err(|e| Failed {
                     generation: matches!(
                         e.rdkafka_error_code(),
                         Some(
                             RDKafkaErrorCode::IllegalGeneration
                                 | RDKafkaErrorCode::RebalanceInProgress
-                                | RDKafkaErrorCode::UnknownMemberId
                         )
                     ),
                     ..failed("add the offsets to", &e)
@@ -670,8 +668,38 @@ impl Transactions {
     fn renew(&self) -> Result<()> {
         let mut producer = lock(&self.producer);
         let _ = producer.abort_transaction(self.timeout);
-        *producer = initialised(&self.config, self.timeout, &self.name)?;
+        *producer = Arc::new(initialised(&self.config, self.timeout, &self.name)?);
         Ok(())
+    }
+
+    /// Adds `positions` of the group `metadata` names to the open transaction.
+    ///
+    /// librdkafka may never return from this call when the group's
+    /// coordinator died (its timeout is not enforced while it looks for the
+    /// coordinator: confluentinc/librdkafka#5456, #5511), which would hold the
+    /// commit, the run and the process's stop for good. The call therefore
+    /// runs on a thread of its own, and one that outlasts the operation
+    /// timeout fails the attempt: the producer is renewed, which fences the
+    /// stuck one, and the thread ends whenever librdkafka lets it go.
+    fn send_offsets(
+        &self,
+        producer: &Arc<ThreadedProducer<Deliveries>>,
+        positions: &TopicPartitionList,
+        metadata: Arc<ConsumerGroupMetadata>,
+    ) -> std::result::Result<KafkaResult<()>, String> {
+        let (producer, positions, timeout) = (producer.clone(), positions.clone(), self.timeout);
+        let (reply, answer) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("rtflow-txn-offsets".into())
+            .spawn(move || {
+                let _ = reply
+                    .send(producer.send_offsets_to_transaction(&positions, &metadata, timeout));
+            })
+            .map_err(|e| format!("could not start its thread: {e}"))?;
+        // librdkafka caps the call's own timeout at the transaction timeout.
+        answer
+            .recv_timeout(timeout)
+            .map_err(|_| format!("librdkafka did not return within {timeout:?}"))
     }
 }
 

@@ -7,7 +7,10 @@
 //! group's rebalance goes on while the other's callback waits. When a group
 //! takes partitions away, the rebalance callback stops the run with a final
 //! checkpoint before it returns, so the next owner resumes exactly where this
-//! one committed. When partitions arrive, the run is restarted over the new
+//! one committed. Partitions lost (the group dropped the process when its
+//! session expired) may already run elsewhere: their run is abandoned with
+//! no final checkpoint, and the next owner redoes what it did since its last
+//! commit. When partitions arrive, the run is restarted over the new
 //! set once the groups settle. Processes the rebalance leaves alone keep
 //! their run.
 
@@ -94,6 +97,17 @@ impl Shared {
             self.transactions.discard();
         }
         result
+    }
+
+    /// Ends the run, if one is running, without a final checkpoint: what it
+    /// did since its last commit is dropped, and redone by the partitions'
+    /// next owner.
+    fn abandon_run(&self) {
+        let _transition = lock(&self.transition);
+        if let Some(run) = lock(&self.run).take() {
+            run.query.abandon();
+        }
+        self.transactions.discard();
     }
 
     fn changed(&self, group: &str) {
@@ -221,19 +235,40 @@ struct Member {
 
 impl ClientContext for Member {}
 
+impl Member {
+    /// Hands the group's current generation to the commits. A member whose
+    /// assignment was lost (its session expired) hands none: the broker takes
+    /// offsets committed without a generation from anyone, and the lost
+    /// partitions may already run elsewhere.
+    fn publish_generation(&self, consumer: &BaseConsumer<Self>) {
+        let metadata = if consumer.assignment_lost() {
+            None
+        } else {
+            consumer.group_metadata()
+        };
+        self.shared.transactions.set_group(&self.group, metadata);
+    }
+}
+
 impl ConsumerContext for Member {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(revoked) = rebalance {
-            self.shared
-                .transactions
-                .set_group(&self.group, consumer.group_metadata());
-            // The final checkpoint commits the offsets of the partitions
-            // revoked: only then may the next owner read them.
+            self.publish_generation(consumer);
             let stopping = Instant::now();
-            if let Err(error) = self.shared.stop_run() {
-                tracing::warn!(%error, "the run did not stop cleanly; its partitions resume from their last commit");
+            if consumer.assignment_lost() {
+                // The group dropped this process and may have handed its
+                // partitions on already: a final checkpoint now would commit
+                // beside their next owner.
+                self.shared.abandon_run();
+                tracing::warn!(group = %self.group, lost = revoked.count(), took = ?stopping.elapsed(), "partitions lost: the run ended without a final checkpoint");
+            } else {
+                // The final checkpoint commits the offsets of the partitions
+                // revoked: only then may the next owner read them.
+                if let Err(error) = self.shared.stop_run() {
+                    tracing::warn!(%error, "the run did not stop cleanly; its partitions resume from their last commit");
+                }
+                tracing::info!(group = %self.group, revoked = revoked.count(), took = ?stopping.elapsed(), "partitions revoked");
             }
-            tracing::info!(group = %self.group, revoked = revoked.count(), took = ?stopping.elapsed(), "partitions revoked");
             let mut assignment = lock(&self.shared.assignment);
             for element in revoked.elements() {
                 assignment.remove(&(element.topic().to_owned(), element.partition()));
@@ -259,9 +294,7 @@ impl ConsumerContext for Member {
             Rebalance::Revoke(_) => {}
             Rebalance::Error(error) => tracing::warn!(%error, "rebalance failed"),
         }
-        self.shared
-            .transactions
-            .set_group(&self.group, consumer.group_metadata());
+        self.publish_generation(consumer);
     }
 }
 
@@ -409,9 +442,7 @@ fn hold_membership(shared: &Shared, member: BaseConsumer<Member>) -> Result<()> 
         }
         // A rebalance that moved nothing from this process still starts a
         // new generation, which the next commit must name.
-        shared
-            .transactions
-            .set_group(&member.context().group, member.group_metadata());
+        member.context().publish_generation(&member);
     }
     Ok(())
 }
