@@ -610,6 +610,17 @@ impl Cluster {
         }
     }
 
+    /// Sends `instance` the signal `signal`: `STOP` freezes it, `CONT` thaws
+    /// it.
+    fn signal(&self, instance: &str, signal: &str) {
+        let pid = self.children[instance].id().to_string();
+        let sent = Command::new("kill")
+            .args([&format!("-{signal}"), &pid])
+            .status()
+            .expect("kill runs");
+        assert!(sent.success(), "could not send {signal} to {instance}");
+    }
+
     fn kill(&mut self, instance: &str) {
         let mut child = self.children.remove(instance).unwrap();
         child.kill().unwrap();
@@ -814,6 +825,47 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     eprintln!("partitions before the kill {shares:?}, after one was added back {reshared:?}");
 
     let (expected_counts, expected_windows) = reference_with_late(total, cluster.late);
+    cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
+/// A process frozen (SIGSTOP) for longer than the group's session timeout is
+/// dropped from the group, which hands its partitions to the others. When it
+/// thaws, what its run did before the freeze must not commit, since those
+/// partitions run elsewhere now: it abandons the run, rejoins and takes a
+/// share again, and every record counts once.
+#[test]
+fn a_process_frozen_past_its_session_abandons_what_it_lost_and_rejoins() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let total = 6_000;
+    let third = total / 3;
+    cluster.start(&["p0", "p1", "p2"], 0..third, Duration::from_secs(90));
+    produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
+    std::thread::sleep(Duration::from_millis(700));
+    let (frozen_runs, _) = cluster.status("p1");
+    cluster.signal("p1", "STOP");
+    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
+    // The session timeout is 6 s: p0 and p2 take p1's partitions over.
+    std::thread::sleep(Duration::from_secs(10));
+    cluster.signal("p1", "CONT");
+    produce(&bootstrap, &cluster.input, flush_records());
+    // Thawed, p1 learns that its session expired, abandons its run and
+    // starts a new one over the share the group gives it back.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let (runs, share) = cluster.status("p1");
+        let log = std::fs::read_to_string(cluster.dir.join("p1.log")).unwrap_or_default();
+        if runs > frozen_runs && !share.is_empty() && log.contains("partitions lost") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "p1 did not lose its partitions and rejoin:\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);
 }
 
