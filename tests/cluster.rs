@@ -961,6 +961,21 @@ fn elect_preferred_leaders(bootstrap: &str) {
     }
 }
 
+/// Calls `attempt` until it succeeds, for at most a minute.
+fn until_ok<T, E: std::fmt::Debug>(what: &str, mut attempt: impl FnMut() -> Result<T, E>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match attempt() {
+            Ok(value) => return value,
+            Err(error) if Instant::now() < deadline => {
+                eprintln!("{what}: {error:?}, retrying");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            Err(error) => panic!("{what}: {error:?} for a minute"),
+        }
+    }
+}
+
 /// The leader of each partition of `topic`, by partition.
 fn leaders(client: &BaseConsumer, topic: &str) -> Vec<i32> {
     let metadata = client
@@ -1013,13 +1028,17 @@ fn three_processes_on_a_replicated_kafka_count_exactly_once_through_a_broker_cra
         .unwrap();
     // The transaction state topic exists once a transactional producer
     // began, the group metadata topic once a group's offsets were asked for.
+    // On a fresh cluster both are created by these calls, and their
+    // coordinators answer NOT_COORDINATOR until they have loaded.
     let warm = format!("{}-warm", cluster.input);
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", &bootstrap)
         .set("transactional.id", &warm)
         .create()
         .unwrap();
-    producer.init_transactions(Duration::from_secs(60)).unwrap();
+    until_ok("init_transactions", || {
+        producer.init_transactions(Duration::from_secs(10))
+    });
     drop(producer);
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", &bootstrap)
@@ -1028,9 +1047,9 @@ fn three_processes_on_a_replicated_kafka_count_exactly_once_through_a_broker_cra
         .unwrap();
     let mut input_partition = TopicPartitionList::new();
     input_partition.add_partition(&cluster.input, 0);
-    consumer
-        .committed_offsets(input_partition, Duration::from_secs(60))
-        .unwrap();
+    until_ok("committed_offsets", || {
+        consumer.committed_offsets(input_partition.clone(), Duration::from_secs(10))
+    });
     drop(consumer);
     elect_preferred_leaders(&bootstrap);
     // The broker to kill leads the output, and coordinates the query's
