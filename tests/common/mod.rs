@@ -13,13 +13,16 @@ use rtflow::prelude::*;
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A valid configuration with a checkpoint directory of its own: a location
-/// holds one running query at a time.
+/// holds one running query at a time. A directory of the same name left by
+/// an earlier test process that had the same process id is removed: its
+/// checkpoints would be restored.
 pub fn config(name: &str) -> QueryConfig {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir()
         .join("rtflow-tests")
         .join(std::process::id().to_string())
         .join(format!("{name}-{}", NEXT.fetch_add(1, Ordering::Relaxed)));
+    let _ = std::fs::remove_dir_all(&dir);
     QueryConfig::new(name).checkpoint_location(dir)
 }
 
