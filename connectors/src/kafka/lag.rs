@@ -17,8 +17,6 @@ use rdkafka::{Offset, TopicPartitionList};
 use rtflow_runtime::metrics::PartitionLag;
 use rtflow_runtime::{Result, RtflowError};
 
-use super::closing::ClosingConsumer;
-
 /// How often the ends are looked up: once per scrape of a 1 s scrape interval.
 const REFRESH: Duration = Duration::from_secs(1);
 
@@ -48,7 +46,7 @@ impl LagWatch {
     /// `consumer` (made only then), each answer awaited for at most `timeout`.
     pub(super) fn shared(
         current: &Mutex<Weak<LagWatch>>,
-        consumer: impl FnOnce() -> Result<ClosingConsumer>,
+        consumer: impl FnOnce() -> Result<BaseConsumer>,
         timeout: Duration,
     ) -> Result<Arc<LagWatch>> {
         let mut current = lock(current);

@@ -28,7 +28,6 @@ use serde::{Deserialize, Serialize};
 
 use super::link::{Batch, KafkaLink, Transactions};
 use super::{ClusterSettings, WATERMARK_MARK};
-use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::KafkaMessage;
 
 /// What a repartition record holds.
@@ -366,7 +365,7 @@ impl Source<Exchanged> for ExchangeSource {
         }
         consumer.assign(&assignment).map_err(|e| error(&e))?;
         Ok(Box::new(ExchangeReader {
-            consumer: ClosingConsumer::new(consumer),
+            consumer,
             topic: self.topic.clone(),
             source: self.description(),
             partitions: readers,
@@ -385,7 +384,7 @@ struct Partition {
 }
 
 struct ExchangeReader {
-    consumer: ClosingConsumer,
+    consumer: BaseConsumer,
     topic: String,
     source: String,
     partitions: Vec<Partition>,
