@@ -486,40 +486,68 @@ impl UpstreamWatermarks {
     }
 }
 
-/// What a reader of several repartition partitions knows of event time.
+/// What a reader of several partitions of one repartition knows of event
+/// time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventTimeAcross {
-    /// The least watermark over the partitions that are not idle.
+    /// The least watermark over the partitions.
     Watermark(EventTime),
-    /// Every partition is idle.
-    Idle,
-    /// A partition that is not idle has not heard of every source partition.
+    /// Every partition is idle, after the least watermark they heard, if any.
+    Idle(Option<EventTime>),
+    /// A partition has not heard of every source partition.
     Unknown,
 }
 
 impl EventTimeAcross {
     /// The event time across `partitions`, each one's table.
     ///
+    /// Every partition of a repartition hears the same words from each
+    /// writer, in the same order: partitions that disagree were read to
+    /// different points. A partition whose every source partition is idle
+    /// while another's are not is behind or ahead of it, and the records
+    /// still to be read from it may come before the other's watermark, as
+    /// they did on their writer's lane. So an idle partition holds the others
+    /// back at its last watermark (at none, if it never heard one) until
+    /// every partition is idle: another's watermark never passes records it
+    /// still holds, which one process would count.
+    ///
     /// ```
     /// use rtflow_runtime::cluster::{EventTimeAcross, UpstreamProgress, UpstreamWatermarks};
-    /// let table = |watermark| {
+    /// let told = |words: &[Option<i64>]| {
     ///     let mut table = UpstreamWatermarks::default();
-    ///     table.update(&UpstreamProgress { upstream: 1, partitions: vec![0], watermark });
+    ///     for watermark in words {
+    ///         table.update(&UpstreamProgress { upstream: 1, partitions: vec![0], watermark: *watermark });
+    ///     }
     ///     table
     /// };
-    /// let tables = [table(Some(30)), table(Some(20)), table(None)];
+    /// let tables = [told(&[Some(30)]), told(&[Some(20)])];
     /// assert_eq!(EventTimeAcross::of(&tables), EventTimeAcross::Watermark(20));
-    /// assert_eq!(EventTimeAcross::of(&tables[2..]), EventTimeAcross::Idle);
+    /// let tables = [told(&[Some(30)]), told(&[Some(20), None])];
+    /// assert_eq!(EventTimeAcross::of(&tables), EventTimeAcross::Watermark(20), "idle at 20");
+    /// assert_eq!(EventTimeAcross::of(&tables[1..]), EventTimeAcross::Idle(Some(20)));
+    /// let tables = [told(&[None, Some(30)]), told(&[None])];
+    /// assert_eq!(EventTimeAcross::of(&tables), EventTimeAcross::Unknown, "the second is behind");
     /// ```
     pub fn of<'a>(partitions: impl IntoIterator<Item = &'a UpstreamWatermarks>) -> Self {
         let mut least: Option<EventTime> = None;
-        for partition in partitions.into_iter().filter(|p| !p.is_idle()) {
-            match partition.watermark() {
+        let (mut active, mut unknown) = (false, false);
+        for partition in partitions {
+            let watermark = if partition.is_idle() {
+                partition.watermarks.values().min().copied()
+            } else {
+                active = true;
+                partition.watermark()
+            };
+            match watermark {
                 Some(w) => least = Some(least.map_or(w, |l| l.min(w))),
-                None => return Self::Unknown,
+                None => unknown = true,
             }
         }
-        least.map_or(Self::Idle, Self::Watermark)
+        match (active, unknown, least) {
+            (false, _, _) => Self::Idle(least),
+            (true, false, Some(watermark)) => Self::Watermark(watermark),
+            _ => Self::Unknown,
+        }
     }
 }
 
@@ -762,7 +790,51 @@ mod tests {
             EventTimeAcross::of([&heard, &partly]),
             EventTimeAcross::Watermark(50)
         );
-        assert_eq!(EventTimeAcross::of([]), EventTimeAcross::Idle);
+        assert_eq!(EventTimeAcross::of([]), EventTimeAcross::Idle(None));
+    }
+
+    #[test]
+    fn a_partition_gone_idle_holds_the_others_back_until_they_go_idle_too() {
+        // Both partitions hear: 0, 1 and 2 at 50, then idle, then 0 at 90.
+        let mut ahead = UpstreamWatermarks::default();
+        let mut behind = UpstreamWatermarks::default();
+        for table in [&mut ahead, &mut behind] {
+            table.update(&told(&[0, 1, 2], Some(50)));
+            table.update(&told(&[0, 1, 2], None));
+        }
+        ahead.update(&told(&[0], Some(90)));
+        assert_eq!(
+            EventTimeAcross::of([&ahead, &behind]),
+            EventTimeAcross::Watermark(50),
+            "records of the second before 0's 90 may still come"
+        );
+        behind.update(&told(&[0], Some(90)));
+        assert_eq!(
+            EventTimeAcross::of([&ahead, &behind]),
+            EventTimeAcross::Watermark(90)
+        );
+        for table in [&mut ahead, &mut behind] {
+            table.update(&told(&[0], None));
+        }
+        assert_eq!(
+            EventTimeAcross::of([&ahead, &behind]),
+            EventTimeAcross::Idle(Some(50)),
+            "the least watermark heard of a source partition"
+        );
+    }
+
+    #[test]
+    fn a_partition_idle_before_it_heard_any_watermark_holds_the_others_back() {
+        let mut ahead = UpstreamWatermarks::default();
+        let mut behind = UpstreamWatermarks::default();
+        for table in [&mut ahead, &mut behind] {
+            table.update(&told(&[0, 1, 2], None));
+        }
+        ahead.update(&told(&[0], Some(90)));
+        assert_eq!(
+            EventTimeAcross::of([&ahead, &behind]),
+            EventTimeAcross::Unknown
+        );
     }
 
     fn input(watermark: Option<EventTime>, idle: bool) -> WriterInput {

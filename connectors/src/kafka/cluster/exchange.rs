@@ -391,27 +391,29 @@ struct ExchangeReader {
     emitted: Option<EventTime>,
     /// Whether the restored watermark is still to be passed on.
     restored: bool,
+    /// Whether the reader declared its lane idle: only one with no partition
+    /// does.
     idle: bool,
 }
 
 impl ExchangeReader {
     /// Passes on the event time across the reader's partitions, if it moved.
+    ///
+    /// When every source partition went idle, the lane stays at the last
+    /// watermark rather than going idle: the operators after the readers
+    /// take the least watermark over their lanes and leave idle lanes out,
+    /// so another reader's watermark, read first, would pass records this
+    /// reader still holds from before the same word, which came before it on
+    /// their writer's lane and count in one process.
     fn tell(&mut self, out: &mut SourceOutput<Exchanged>) {
-        match EventTimeAcross::of(self.partitions.iter().map(|p| &p.watermarks)) {
-            EventTimeAcross::Idle => {
-                if !self.idle {
-                    out.idle();
-                    self.idle = true;
-                }
-            }
-            EventTimeAcross::Watermark(watermark) => {
-                if self.idle || self.emitted.is_none_or(|e| watermark > e) {
-                    out.watermark(watermark);
-                    self.emitted = Some(self.emitted.map_or(watermark, |e| e.max(watermark)));
-                    self.idle = false;
-                }
-            }
-            EventTimeAcross::Unknown => {}
+        let watermark = match EventTimeAcross::of(self.partitions.iter().map(|p| &p.watermarks)) {
+            EventTimeAcross::Watermark(watermark) => watermark,
+            EventTimeAcross::Idle(Some(watermark)) => watermark,
+            EventTimeAcross::Idle(None) | EventTimeAcross::Unknown => return,
+        };
+        if self.emitted.is_none_or(|e| watermark > e) {
+            out.watermark(watermark);
+            self.emitted = Some(watermark);
         }
     }
 }
