@@ -17,6 +17,8 @@ use rdkafka::{Offset, TopicPartitionList};
 use rtflow_runtime::metrics::PartitionLag;
 use rtflow_runtime::{Result, RtflowError};
 
+use super::closing::ClosingConsumer;
+
 /// How often the ends are looked up: once per scrape of a 1 s scrape interval.
 const REFRESH: Duration = Duration::from_secs(1);
 
@@ -46,7 +48,7 @@ impl LagWatch {
     /// `consumer` (made only then), each answer awaited for at most `timeout`.
     pub(super) fn shared(
         current: &Mutex<Weak<LagWatch>>,
-        consumer: impl FnOnce() -> Result<BaseConsumer>,
+        consumer: impl FnOnce() -> Result<ClosingConsumer>,
         timeout: Duration,
     ) -> Result<Arc<LagWatch>> {
         let mut current = lock(current);

@@ -18,6 +18,7 @@
 //! they override rtflow's low-latency defaults.
 
 mod admin;
+mod closing;
 mod cluster;
 mod exactly_once;
 mod lag;

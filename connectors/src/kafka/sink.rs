@@ -14,6 +14,7 @@ use rtflow_runtime::{
     Data, Epoch, Record, Result, RtflowError, Sink, SinkContext, SinkWriter, StateSnapshot,
 };
 
+use super::closing::ClosingConsumer;
 use super::cluster;
 use super::exactly_once::TransactionalWriter;
 use super::producer::{send, topic_of, Deliveries, KafkaMessage, ProducerSettings, Serialize};
@@ -169,6 +170,7 @@ impl<T: Data> KafkaSink<T> {
             .config()?
             .create()
             .map_err(|e| self.error(format!("could not create a client: {e}")))?;
+        let consumer = ClosingConsumer::new(consumer);
         let metadata = consumer
             .fetch_metadata(Some(topic), DEFAULT_METADATA_TIMEOUT)
             .map_err(|e| {

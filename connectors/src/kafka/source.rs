@@ -19,6 +19,7 @@ use rtflow_runtime::{
     Result, RtflowError, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
 };
 
+use super::closing::ClosingConsumer;
 use super::lag::LagWatch;
 use super::{KafkaRecord, Options, TimestampType, DEFAULT_METADATA_TIMEOUT};
 
@@ -216,7 +217,7 @@ impl KafkaSource {
         RtflowError::source(format!("kafka {}", self.bootstrap_servers), message)
     }
 
-    fn consumer(&self) -> Result<BaseConsumer> {
+    fn consumer(&self) -> Result<ClosingConsumer> {
         let reset = if self.fail_on_data_loss {
             "error"
         } else {
@@ -248,6 +249,7 @@ impl KafkaSource {
                 ],
             )?
             .create()
+            .map(ClosingConsumer::new)
             .map_err(|e| self.error(format!("could not create the consumer: {e}")))
     }
 
@@ -531,7 +533,7 @@ impl Source<KafkaRecord> for KafkaSource {
 }
 
 struct KafkaReader {
-    consumer: BaseConsumer,
+    consumer: ClosingConsumer,
     source: String,
     partitions: Vec<(String, i32)>,
     /// Each partition's number in the source ([`SourceContext::partitions`]),

@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use super::link::{Batch, KafkaLink, Transactions};
 use super::{ClusterSettings, WATERMARK_MARK};
+use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::KafkaMessage;
 
 /// What a repartition record holds.
@@ -365,7 +366,7 @@ impl Source<Exchanged> for ExchangeSource {
         }
         consumer.assign(&assignment).map_err(|e| error(&e))?;
         Ok(Box::new(ExchangeReader {
-            consumer,
+            consumer: ClosingConsumer::new(consumer),
             topic: self.topic.clone(),
             source: self.description(),
             partitions: readers,
@@ -384,7 +385,7 @@ struct Partition {
 }
 
 struct ExchangeReader {
-    consumer: BaseConsumer,
+    consumer: ClosingConsumer,
     topic: String,
     source: String,
     partitions: Vec<Partition>,

@@ -27,6 +27,7 @@ use super::exchange::{ExchangeSink, ExchangeSource};
 use super::local::Image;
 use super::{ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
+use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::{send, Deliveries, KafkaMessage};
 
 /// A `(topic, partition)`.
@@ -278,6 +279,7 @@ impl KafkaLink {
             .committed_reader(group)
             .create()
             .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
+        let consumer = ClosingConsumer::new(consumer);
         let committed = consumer
             .committed_offsets(list, self.settings.operation_timeout)
             .map_err(|e| self.error(format!("could not read the committed offsets: {e}")))?;
@@ -317,6 +319,7 @@ impl KafkaLink {
             .set("fetch.wait.max.ms", "10")
             .create_with_context(EndsExpected)
             .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
+        let consumer = ClosingConsumer::new(consumer);
         let mut list = TopicPartitionList::new();
         let mut images: BTreeMap<i32, Image> = BTreeMap::new();
         for partition in partitions {

@@ -21,6 +21,7 @@ use rtflow_runtime::{Result, RtflowError};
 
 use super::ClusterSettings;
 use crate::kafka::admin::KafkaAdmin;
+use crate::kafka::closing::ClosingConsumer;
 
 /// Separates a member's instance from its fingerprint in its client id.
 const FINGERPRINT_MARK: &str = ".shape-";
@@ -70,6 +71,7 @@ impl Shape {
             .set("group.id", format!("{}-shapes", settings.group()))
             .create()
             .map_err(|e| shape_error(format!("could not create a consumer: {e}")))?;
+        let consumer = ClosingConsumer::new(consumer);
         let groups = list_group(&consumer, &settings.group(), settings.operation_timeout)
             .map_err(|e| shape_error(format!("could not list the group's members: {e}")))?;
         let other = groups
