@@ -9,15 +9,12 @@
 //! its prefetch queue is full) every [`REFRESH`], and never a reader.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 use rtflow_runtime::metrics::PartitionLag;
 use rtflow_runtime::{Result, RtflowError};
-
-use super::closing::ClosingConsumer;
 
 /// How often the ends are looked up: once per scrape of a 1 s scrape interval.
 const REFRESH: Duration = Duration::from_secs(1);
@@ -26,10 +23,9 @@ const REFRESH: Duration = Duration::from_secs(1);
 const LAG_THREAD: &str = "rtflow-kafka-lag";
 
 /// The thread that looks up the ends of the partitions the source's readers
-/// read. Each reader holds it; the last one dropped stops and joins it.
+/// read. Each reader holds it; the last one dropped tells it to stop.
 pub(super) struct LagWatch {
     watched: Arc<Watched>,
-    thread: Option<JoinHandle<()>>,
 }
 
 #[derive(Default)]
@@ -48,7 +44,7 @@ impl LagWatch {
     /// `consumer` (made only then), each answer awaited for at most `timeout`.
     pub(super) fn shared(
         current: &Mutex<Weak<LagWatch>>,
-        consumer: impl FnOnce() -> Result<ClosingConsumer>,
+        consumer: impl FnOnce() -> Result<BaseConsumer>,
         timeout: Duration,
     ) -> Result<Arc<LagWatch>> {
         let mut current = lock(current);
@@ -57,7 +53,7 @@ impl LagWatch {
         }
         let consumer = consumer()?;
         let watched = Arc::new(Watched::default());
-        let thread = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name(LAG_THREAD.into())
             .spawn({
                 let watched = watched.clone();
@@ -68,10 +64,7 @@ impl LagWatch {
                     "could not start the thread that looks up Kafka consumer lag: {error}"
                 ))
             })?;
-        let watch = Arc::new(LagWatch {
-            watched,
-            thread: Some(thread),
-        });
+        let watch = Arc::new(LagWatch { watched });
         *current = Arc::downgrade(&watch);
         Ok(watch)
     }
@@ -84,11 +77,11 @@ impl LagWatch {
 
 impl Drop for LagWatch {
     fn drop(&mut self) {
+        // Not joined: while a broker is away, the thread may sit in a lookup
+        // for up to its timeout (10 s by default), and a query's stop must not
+        // wait for a figure nobody reads any more. It ends after that lookup.
         *lock(&self.watched.stop) = true;
         self.watched.stopped.notify_all();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
     }
 }
 

@@ -497,11 +497,7 @@ impl Source<KafkaRecord> for KafkaSource {
             .collect();
         let consumer = self.shared.get(|| self.consumer())?;
         let mut offsets = Vec::with_capacity(partitions.len());
-        let watch = LagWatch::shared(
-            &self.lag,
-            || self.consumer().map(ClosingConsumer::new),
-            self.metadata_timeout,
-        )?;
+        let watch = LagWatch::shared(&self.lag, || self.consumer(), self.metadata_timeout)?;
         let mut lags = Vec::with_capacity(partitions.len());
         for (topic, partition) in &partitions {
             let offset = self.start_offset(&consumer, &ctx.start_offsets, topic, *partition)?;
