@@ -1289,6 +1289,18 @@ fn windows_with_idleness(flow: &Dataflow, bootstrap: &str, input: &str, _: &str,
     ));
 }
 
+/// One process "a" running [`windows_with_idleness`].
+fn start_windows_with_idleness(bootstrap: &str, cluster: &Cluster) -> ClusteredQuery {
+    start_here(
+        bootstrap,
+        cluster,
+        "a",
+        free_address(),
+        windows_with_idleness,
+    )
+    .unwrap()
+}
+
 /// An input record: its partition, key and event time.
 fn at(partition: i32, key: &str, time: i64) -> (i32, String, Vec<u8>) {
     (partition, key.to_owned(), time.to_string().into_bytes())
@@ -1307,14 +1319,7 @@ fn a_silent_partition_goes_idle_and_lets_the_watermark_through_the_repartition()
         &cluster.input,
         (0..5).flat_map(|p| [at(p, "k1", 100), at(p, "k2", 10_000)]),
     );
-    let running = start_here(
-        &bootstrap,
-        &cluster,
-        "a",
-        free_address(),
-        windows_with_idleness,
-    )
-    .unwrap();
+    let running = start_windows_with_idleness(&bootstrap, &cluster);
     let read = |n: usize| cluster.read(&cluster.windows, n, Duration::from_secs(60));
     assert_eq!(read(10).len(), 10, "the first records were counted");
     // Once the watermark has reached 10 000 (partition 5 idle), a record of
@@ -1354,14 +1359,7 @@ fn a_silent_partition_goes_idle_and_lets_the_watermark_through_the_repartition()
 fn records_ahead_of_their_partitions_watermark_count_whichever_repartition_reader_reads_first() {
     let Some(bootstrap) = bootstrap() else { return };
     let cluster = Cluster::new(&bootstrap);
-    let running = start_here(
-        &bootstrap,
-        &cluster,
-        "a",
-        free_address(),
-        windows_with_idleness,
-    )
-    .unwrap();
+    let running = start_windows_with_idleness(&bootstrap, &cluster);
     let deadline = Instant::now() + Duration::from_secs(60);
     while running.last_progress().is_none() {
         assert!(Instant::now() < deadline, "the query never reported");
