@@ -370,7 +370,7 @@ pub trait ClusterLink: Send + Sync + 'static {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct UpstreamWatermarks {
     upstream: u32,
-    /// The latest watermark per source partition; idle ones are left out.
+    /// The latest watermark per source partition, idle ones included.
     watermarks: BTreeMap<u32, EventTime>,
     idle: BTreeSet<u32>,
     /// How many times writers told, counting from 1.
@@ -458,6 +458,33 @@ impl UpstreamWatermarks {
             let told = self.told.get(&partition).map_or(0, |told| told[0]);
             told >= self.stale_before
         })
+    }
+
+    /// Whether a record of source partition `partition` at `event_time`,
+    /// read after what the partition's writers told of it, is behind the
+    /// watermark they told: it was behind when written, whether or not its
+    /// writer knew.
+    ///
+    /// A process that takes a source partition over, or restarts its run,
+    /// starts its watermarks from nothing, so its `with_watermark` and its
+    /// writers would not mark (`behind`) a record its partition had passed
+    /// before. What the earlier run told, every reader heard before the
+    /// record: it was committed first, and every partition of a repartition
+    /// hears every word.
+    ///
+    /// ```
+    /// use rtflow_runtime::cluster::{UpstreamProgress, UpstreamWatermarks};
+    /// let mut partition = UpstreamWatermarks::default();
+    /// partition.update(&UpstreamProgress { upstream: 2, partitions: vec![0], watermark: Some(900) });
+    /// assert!(partition.is_behind(0, 500));
+    /// assert!(!partition.is_behind(0, 900));
+    /// assert!(!partition.is_behind(1, 500), "nothing told of source partition 1");
+    /// ```
+    #[inline]
+    pub fn is_behind(&self, partition: u32, event_time: EventTime) -> bool {
+        self.watermarks
+            .get(&partition)
+            .is_some_and(|watermark| event_time < *watermark)
     }
 
     fn least(&self, counts: impl Fn(u32) -> bool) -> Option<EventTime> {
@@ -678,6 +705,27 @@ mod tests {
         assert!(
             !late_across([&table, &behind], 25),
             "each partition read counts"
+        );
+    }
+
+    #[test]
+    fn a_record_its_restarted_writer_did_not_mark_is_behind_what_the_earlier_run_told() {
+        let mut table = UpstreamWatermarks::default();
+        table.update(&told(&[0, 1], Some(20_000)));
+        table.update(&told(&[2], Some(19_000)));
+        // Source partition 0's new run starts from no watermark: its first
+        // record, at 500, reaches the writer unmarked.
+        assert!(table.is_behind(0, 500));
+        assert!(late_across([&table], 500), "and behind every partition");
+        assert!(table.is_behind(0, 19_500));
+        assert!(
+            !late_across([&table], 19_500),
+            "behind its own partition, not partition 2: one process counts it"
+        );
+        table.update(&told(&[0], None));
+        assert!(
+            table.is_behind(0, 500),
+            "an idle partition's last watermark still bounds its records"
         );
     }
 

@@ -41,6 +41,10 @@ enum Wire {
         /// (`RecordMeta::behind`) or its writer's input watermark, or judged
         /// late before: readers judge it by [`late_across`].
         behind: bool,
+        /// The source partition it came from, numbered as the writers'
+        /// progress numbers them: readers judge it by what earlier runs told
+        /// of that partition too ([`UpstreamWatermarks::is_behind`]).
+        partition: u32,
         payload: Vec<u8>,
     },
     Progress(UpstreamProgress),
@@ -242,6 +246,7 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
             event_time,
             source_time: record.meta.source_time,
             behind: record.meta.behind || record.meta.late || self.input.is_behind(event_time),
+            partition: record.meta.partition,
             payload: record.value.payload,
         });
         self.staging.push(KafkaMessage {
@@ -489,6 +494,7 @@ impl SourceReader<Exchanged> for ExchangeReader {
                             event_time,
                             source_time,
                             behind,
+                            partition: source_partition,
                             payload,
                         } => {
                             out.set_partition(partition.number);
@@ -496,6 +502,8 @@ impl SourceReader<Exchanged> for ExchangeReader {
                                 key_hash: 0,
                                 payload,
                             };
+                            let behind = behind
+                                || partition.watermarks.is_behind(source_partition, event_time);
                             let tables = self.partitions.iter().map(|p| &p.watermarks);
                             let late = behind && late_across(tables, event_time);
                             out.push_behind_at(record, source_time, event_time, behind, late);

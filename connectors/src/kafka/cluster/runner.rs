@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
-use rdkafka::ClientContext;
+use rdkafka::{ClientContext, TopicPartitionList};
 use rtflow_runtime::{
     guard, Dataflow, QueryConfig, Result, RtflowError, StreamingQuery, StreamingQueryProgress,
 };
@@ -89,6 +89,10 @@ impl Shared {
     /// Stops the run, if one is running, with a final checkpoint.
     fn stop_run(&self) -> Result<()> {
         let _transition = lock(&self.transition);
+        self.stop_run_within_transition()
+    }
+
+    fn stop_run_within_transition(&self) -> Result<()> {
         let Some(run) = lock(&self.run).take() else {
             return Ok(());
         };
@@ -99,15 +103,26 @@ impl Shared {
         result
     }
 
-    /// Ends the run, if one is running, without a final checkpoint: what it
-    /// did since its last commit is dropped, and redone by the partitions'
-    /// next owner.
-    fn abandon_run(&self) {
+    /// Lets the `revoked` partitions go: they leave the assignment and the
+    /// run that holds them ends, in one transition, so that no run starts
+    /// over them in between. The run stops with a final checkpoint, unless
+    /// the partitions were `lost`: then what it did since its last commit is
+    /// dropped, and redone by the partitions' next owner.
+    fn let_go(&self, revoked: &TopicPartitionList, lost: bool) -> Result<()> {
         let _transition = lock(&self.transition);
+        let mut assignment = lock(&self.assignment);
+        for element in revoked.elements() {
+            assignment.remove(&(element.topic().to_owned(), element.partition()));
+        }
+        drop(assignment);
+        if !lost {
+            return self.stop_run_within_transition();
+        }
         if let Some(run) = lock(&self.run).take() {
             run.query.abandon();
         }
         self.transactions.discard();
+        Ok(())
     }
 
     fn changed(&self, group: &str) {
@@ -255,23 +270,18 @@ impl ConsumerContext for Member {
         if let Rebalance::Revoke(revoked) = rebalance {
             self.publish_generation(consumer);
             let stopping = Instant::now();
-            if consumer.assignment_lost() {
-                // The group dropped this process and may have handed its
-                // partitions on already: a final checkpoint now would commit
-                // beside their next owner.
-                self.shared.abandon_run();
+            // Lost, the group dropped this process and may have handed its
+            // partitions on already: a final checkpoint now would commit
+            // beside their next owner. Revoked, the final checkpoint commits
+            // their offsets: only then may the next owner read them.
+            let lost = consumer.assignment_lost();
+            if let Err(error) = self.shared.let_go(revoked, lost) {
+                tracing::warn!(%error, "the run did not stop cleanly; its partitions resume from their last commit");
+            }
+            if lost {
                 tracing::warn!(group = %self.group, lost = revoked.count(), took = ?stopping.elapsed(), "partitions lost: the run ended without a final checkpoint");
             } else {
-                // The final checkpoint commits the offsets of the partitions
-                // revoked: only then may the next owner read them.
-                if let Err(error) = self.shared.stop_run() {
-                    tracing::warn!(%error, "the run did not stop cleanly; its partitions resume from their last commit");
-                }
                 tracing::info!(group = %self.group, revoked = revoked.count(), took = ?stopping.elapsed(), "partitions revoked");
-            }
-            let mut assignment = lock(&self.shared.assignment);
-            for element in revoked.elements() {
-                assignment.remove(&(element.topic().to_owned(), element.partition()));
             }
             self.shared.changed(&self.group);
         }
