@@ -12,8 +12,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{Message, Offset, TopicPartitionList};
+use rdkafka::Message;
 use rtflow_runtime::cluster::{
     late_across, EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks, WriterInput,
     WritersProgress,
@@ -28,8 +27,8 @@ use serde::{Deserialize, Serialize};
 
 use super::link::{Batch, KafkaLink, Transactions};
 use super::{ClusterSettings, WATERMARK_MARK};
-use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::KafkaMessage;
+use crate::kafka::queues::{stray, PartitionQueues, SharedConsumer};
 
 /// What a repartition record holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -292,11 +291,21 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
 
 /// The reading side of a repartition.
 pub(crate) struct ExchangeSource {
-    pub(crate) settings: Arc<ClusterSettings>,
-    pub(crate) topic: String,
+    settings: Arc<ClusterSettings>,
+    topic: String,
+    /// The consumer the readers share.
+    shared: SharedConsumer,
 }
 
 impl ExchangeSource {
+    pub(crate) fn new(settings: Arc<ClusterSettings>, topic: String) -> Self {
+        Self {
+            settings,
+            topic,
+            shared: SharedConsumer::default(),
+        }
+    }
+
     fn partition_list(&self) -> Vec<(String, i32)> {
         (0..self.settings.repartition_partitions as i32)
             .map(|p| (self.topic.clone(), p))
@@ -328,17 +337,16 @@ impl Source<Exchanged> for ExchangeSource {
         let error = |e: &dyn std::fmt::Display| {
             RtflowError::source(self.description(), format!("could not read: {e}"))
         };
-        let mut consumer: BaseConsumer = self
-            .settings
-            .committed_reader(&self.settings.group_of(&self.topic))
-            .set("enable.auto.offset.store", "false")
-            .set("fetch.wait.max.ms", "5")
-            .create()
-            .map_err(|e| error(&e))?;
-        let waker = ctx.waker.clone();
-        consumer.set_nonempty_callback(move || waker.wake());
-        let mut assignment = TopicPartitionList::new();
-        let mut readers = Vec::new();
+        let consumer = self.shared.get(|| {
+            self.settings
+                .committed_reader(&self.settings.group_of(&self.topic))
+                .set("enable.auto.offset.store", "false")
+                .set("fetch.wait.max.ms", "5")
+                .create()
+                .map_err(|e| error(&e))
+        })?;
+        let mut offsets = Vec::with_capacity(ctx.partitions.len());
+        let mut readers = Vec::with_capacity(ctx.partitions.len());
         for number in &ctx.partitions {
             let partition = *number as i32;
             let label = format!("{}-{partition}", self.topic);
@@ -359,9 +367,7 @@ impl Source<Exchanged> for ExchangeSource {
                     }
                 }
             }
-            assignment
-                .add_partition_offset(&self.topic, partition, Offset::Offset(offset))
-                .map_err(|e| error(&e))?;
+            offsets.push((self.topic.as_str(), partition, offset));
             readers.push(Partition {
                 number: *number,
                 partition,
@@ -369,9 +375,10 @@ impl Source<Exchanged> for ExchangeSource {
                 watermarks: UpstreamWatermarks::restore(upstream, watermarks),
             });
         }
-        consumer.assign(&assignment).map_err(|e| error(&e))?;
+        let queues =
+            PartitionQueues::assign(consumer, &offsets, &ctx.waker).map_err(|e| error(&e))?;
         Ok(Box::new(ExchangeReader {
-            consumer: ClosingConsumer::new(consumer),
+            queues,
             topic: self.topic.clone(),
             source: self.description(),
             partitions: readers,
@@ -390,7 +397,8 @@ struct Partition {
 }
 
 struct ExchangeReader {
-    consumer: ClosingConsumer,
+    /// The queues of `partitions`, in their order.
+    queues: PartitionQueues,
     topic: String,
     source: String,
     partitions: Vec<Partition>,
@@ -461,16 +469,12 @@ impl SourceReader<Exchanged> for ExchangeReader {
         }
         let mut waited = max_wait.is_zero();
         while out.remaining() > 0 {
-            match self.consumer.poll(Duration::ZERO) {
+            match self.queues.poll() {
                 None if waited => break,
                 None => std::thread::park_timeout(max_wait),
-                Some(Ok(message)) => {
-                    let Some(index) = self
-                        .partitions
-                        .iter()
-                        .position(|p| p.partition == message.partition())
-                    else {
-                        continue;
+                Some((index, Ok(message))) => {
+                    let Some(index) = index else {
+                        return Err(stray(&self.source, &message));
                     };
                     let partition = &mut self.partitions[index];
                     partition.position = message.offset() + 1;
@@ -518,7 +522,7 @@ impl SourceReader<Exchanged> for ExchangeReader {
                         }
                     }
                 }
-                Some(Err(error)) => {
+                Some((_, Err(error))) => {
                     tracing::warn!(source = %self.source, %error, "kafka consumer error; retrying");
                     break;
                 }

@@ -157,10 +157,7 @@ impl ClusterLink for KafkaLink {
         }
         Ok((
             Box::new(ExchangeSink::new(self.settings.clone(), topic.clone())),
-            Box::new(ExchangeSource {
-                settings: self.settings.clone(),
-                topic,
-            }),
+            Box::new(ExchangeSource::new(self.settings.clone(), topic)),
         ))
     }
 
