@@ -36,6 +36,8 @@ use serde::{Deserialize, Serialize};
 /// `bootstrap query input counts windows instance stop-file dataflow`, the
 /// last one of [`dataflow_named`]'s names.
 const CHILD_SPEC: &str = "RTFLOW_CLUSTER_CHILD";
+/// How many standby replicas a child keeps (`KafkaCluster::standby_replicas`).
+const CHILD_STANDBY: &str = "RTFLOW_CLUSTER_STANDBY";
 
 const PARTITIONS: i32 = 6;
 const KEYS: usize = 10;
@@ -432,9 +434,14 @@ fn cluster_child() {
     let (b, i, c, w) = (bootstrap.clone(), input, counts, windows);
     // Each process keeps its changelog copies in a location of its own.
     let location = PathBuf::from(&stop).with_file_name(format!("{instance}.checkpoints"));
+    let standby_replicas = std::env::var(CHILD_STANDBY)
+        .ok()
+        .and_then(|replicas| replicas.parse().ok())
+        .unwrap_or(0);
     let running = KafkaCluster::new(&bootstrap)
         .instance(&instance)
         .repartition_partitions(PARTITIONS as usize)
+        .standby_replicas(standby_replicas)
         .start(config(&query).checkpoint_location(location), move |flow| {
             build(flow, &b, &i, &c, &w);
             Ok(())
@@ -447,6 +454,10 @@ fn cluster_child() {
             "the child failed: {:?}",
             running.stop()
         );
+        if let Some(restore) = running.last_restore() {
+            let read = format!("{} {}", restore.changelog_bytes, restore.local_bytes);
+            std::fs::write(status.with_extension("restore"), read).unwrap();
+        }
         let owned = format!("{} {}", running.runs(), running.partitions().join(","));
         std::fs::write(status.with_extension("tmp"), owned).unwrap();
         std::fs::rename(status.with_extension("tmp"), &status).unwrap();
@@ -489,6 +500,8 @@ struct Cluster {
     children: BTreeMap<String, Child>,
     /// How many late records ([`late_record`]) were produced.
     late: usize,
+    /// How many standby replicas the children keep.
+    standby_replicas: usize,
 }
 
 impl Cluster {
@@ -510,6 +523,7 @@ impl Cluster {
             dataflow: dataflow.to_owned(),
             children: BTreeMap::new(),
             late: 0,
+            standby_replicas: 0,
         }
     }
 
@@ -564,6 +578,7 @@ impl Cluster {
             .args(["--ignored", "--exact", "cluster_child", "--nocapture"])
             .env(CHILD_SPEC, spec)
             .env("FAILPOINTS", failpoints)
+            .env(CHILD_STANDBY, self.standby_replicas.to_string())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -825,6 +840,49 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     eprintln!("partitions before the kill {shares:?}, after one was added back {reshared:?}");
 
     let (expected_counts, expected_windows) = reference_with_late(total, cluster.late);
+    cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
+/// With a standby replica, the survivor of two processes keeps warm copies
+/// of the other's changelog partitions; when the other is SIGKILLed and never
+/// comes back, the survivor restores them from those copies plus the
+/// changelog's tail, and every count still comes out once.
+#[test]
+fn a_dead_process_partitions_restore_from_a_standby_copy_exactly_once() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    cluster.standby_replicas = 1;
+    let total = 4_000;
+    let half = total / 2;
+    let shares = cluster.start(&["p0", "p1"], 0..half, Duration::from_secs(90));
+    produce(&bootstrap, &cluster.input, (half..total).map(record));
+    // Past the standby's save interval, so that its copies hold most of
+    // p1's partitions.
+    std::thread::sleep(Duration::from_secs(3));
+    cluster.kill("p1");
+    produce(&bootstrap, &cluster.input, flush_records());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while cluster.status("p0").1.len() < 2 * PARTITIONS as usize {
+        assert!(
+            Instant::now() < deadline,
+            "p0 did not take p1's partitions over:\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The restore of the run that took over read its state from the copies;
+    // without them it reads every changelog partition from its start (tens
+    // of kilobytes here against a state of about ten).
+    let restore = std::fs::read_to_string(cluster.dir.join("p0.restore")).unwrap();
+    let (changelog, local) = restore.split_once(' ').unwrap();
+    let (changelog, local): (u64, u64) = (changelog.parse().unwrap(), local.parse().unwrap());
+    assert!(
+        local > 0 && changelog < local,
+        "p0 restored {changelog} bytes from the changelog and {local} from its copies \
+         (partitions before the kill {shares:?}):\n{}",
+        cluster.logs()
+    );
+    let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);
 }
 

@@ -148,10 +148,11 @@ impl KafkaAdmin {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn broker() -> Option<String> {
+    /// The test broker's address, or `None` (skip) outside CI.
+    pub(crate) fn broker() -> Option<String> {
         let bootstrap = std::env::var("RTFLOW_KAFKA_BOOTSTRAP");
         if bootstrap.is_err() {
             assert!(

@@ -50,7 +50,7 @@ pub(crate) struct LocalCopies {
     db: sled::Db,
 }
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)

@@ -25,7 +25,10 @@
 //! - a process that died is fenced by those that stay as soon as the group
 //!   drops it, so that the transaction it left open is aborted at once
 //!   (`departures`);
-//! - processes check that they run the same dataflow (`shape`).
+//! - processes check that they run the same dataflow (`shape`);
+//! - with standby replicas, a process keeps warm copies of changelog
+//!   partitions others own, so that a failover restores only a tail
+//!   (`standby`).
 
 mod changelog;
 mod departures;
@@ -35,6 +38,7 @@ mod local;
 mod runner;
 mod settle;
 mod shape;
+mod standby;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -88,6 +92,7 @@ pub struct KafkaCluster {
     instance: Option<String>,
     repartition_partitions: Option<usize>,
     session_timeout: Duration,
+    standby_replicas: usize,
     options: Options,
 }
 
@@ -99,6 +104,7 @@ impl KafkaCluster {
             instance: None,
             repartition_partitions: None,
             session_timeout: Duration::from_secs(6),
+            standby_replicas: 0,
             options: Options::default(),
         }
     }
@@ -129,6 +135,29 @@ impl KafkaCluster {
         self
     }
 
+    /// How many processes besides its owner keep a warm copy of each
+    /// changelog partition (Kafka Streams' `num.standby.replicas`); none by
+    /// default. A process that takes a partition over after a failure then
+    /// restores it from its copy and reads only the changelog written since,
+    /// instead of the whole partition. The copies live at the query's
+    /// checkpoint location, which this needs; each costs the process a
+    /// consumer of the changelog and the partition's state in memory.
+    ///
+    /// ```no_run
+    /// use rtflow_connectors::kafka::KafkaCluster;
+    /// use rtflow_runtime::QueryConfig;
+    /// let config = QueryConfig::new("clicks-per-user").checkpoint_location("/var/lib/rtflow/clicks");
+    /// let query = KafkaCluster::new("127.0.0.1:9092")
+    ///     .instance("host-a")
+    ///     .standby_replicas(1)
+    ///     .start(config, |flow| Ok(()))?;
+    /// # Ok::<(), rtflow_runtime::RtflowError>(())
+    /// ```
+    pub fn standby_replicas(mut self, replicas: usize) -> Self {
+        self.standby_replicas = replicas;
+        self
+    }
+
     /// Sets a librdkafka setting for every client of the cluster:
     /// `.option("kafka.<key>", value)`.
     pub fn option(mut self, key: &str, value: impl ToString) -> Self {
@@ -155,6 +184,13 @@ impl KafkaCluster {
     {
         let batch_duration = config.trigger.batch_duration()?;
         self.options.client_config("KafkaCluster", &[])?;
+        if self.standby_replicas > 0 && config.checkpoint_location.is_none() {
+            return Err(RtflowError::InvalidConfiguration(format!(
+                "KafkaCluster: {} standby replicas need a checkpoint location, where the \
+                 process keeps its copies of the changelog",
+                self.standby_replicas
+            )));
+        }
         let settings = ClusterSettings {
             query: config.name.clone(),
             bootstrap_servers: self.bootstrap_servers,
@@ -167,6 +203,7 @@ impl KafkaCluster {
             transaction_timeout: (batch_duration * 3).max(Duration::from_secs(10)),
             operation_timeout: Duration::from_secs(30),
             restore_timeout: Duration::from_secs(300),
+            standby_replicas: self.standby_replicas,
             copies: config
                 .checkpoint_location
                 .as_deref()
@@ -194,6 +231,9 @@ pub(crate) struct ClusterSettings {
     pub(crate) transaction_timeout: Duration,
     pub(crate) operation_timeout: Duration,
     pub(crate) restore_timeout: Duration,
+    /// How many processes besides a changelog partition's owner keep a
+    /// warm copy of it (`standby`).
+    pub(crate) standby_replicas: usize,
     /// Local copies of changelog partitions, kept at the checkpoint location
     /// when the query has one.
     pub(crate) copies: Option<local::LocalCopies>,
@@ -311,9 +351,21 @@ mod tests {
             transaction_timeout: Duration::from_secs(10),
             operation_timeout: Duration::from_secs(30),
             restore_timeout: Duration::from_secs(300),
+            standby_replicas: 0,
             copies: None,
             options: Options::default(),
         }
+    }
+
+    #[test]
+    fn standby_replicas_without_a_checkpoint_location_are_refused() {
+        let error = KafkaCluster::new("127.0.0.1:1")
+            .standby_replicas(1)
+            .start(QueryConfig::new("q"), |_| Ok(()))
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(error.error_class(), "INVALID_CONFIGURATION", "{error}");
+        assert!(error.to_string().contains("checkpoint location"), "{error}");
     }
 
     #[test]

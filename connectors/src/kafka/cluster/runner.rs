@@ -30,6 +30,7 @@ use super::departures::{live_instances, Departures};
 use super::link::{fence, KafkaLink, Mode, RestoreStats, TopicPartition, Transactions};
 use super::settle::{must_restart, Settling};
 use super::shape::Shape;
+use super::standby::{placement, Standby};
 use super::ClusterSettings;
 
 /// The threads of a process's part, as errors name them.
@@ -74,6 +75,8 @@ struct Shared {
     stages: usize,
     lister: BaseConsumer,
     departures: Mutex<Departures>,
+    /// The process's standby replicas, if it keeps any.
+    standby: Option<Standby>,
 }
 
 struct Run {
@@ -130,10 +133,12 @@ impl Shared {
         self.generation.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// Fences the processes that left the groups since the last run started
-    /// without leaving cleanly. A failure only costs time (their open
-    /// transactions then time out), so it is logged, not raised.
-    fn fence_departed(&self) {
+    /// After a rebalance, with the process to own `owned`: fences the
+    /// processes that left the groups since the last run started without
+    /// leaving cleanly, and tells the standby replicas what to keep. A
+    /// failure only costs time (open transactions of the processes gone then
+    /// time out; copies stay as they are), so it is logged, not raised.
+    fn after_rebalance(&self, owned: &BTreeSet<TopicPartition>) {
         let settings = &self.settings;
         let live = match live_instances(
             settings,
@@ -147,6 +152,26 @@ impl Shared {
                 return;
             }
         };
+        if let Some(standby) = &self.standby {
+            let first = settings.repartition_topic(0);
+            let owns = owned
+                .iter()
+                .filter(|(topic, _)| *topic == first)
+                .map(|(_, partition)| *partition)
+                .collect();
+            standby.keep(placement(
+                settings.repartition_partitions,
+                &live,
+                &settings.instance,
+                settings.standby_replicas,
+                &owns,
+            ));
+        }
+        self.fence_departed(live);
+    }
+
+    fn fence_departed(&self, live: BTreeSet<String>) {
+        let settings = &self.settings;
         let gone = lock(&self.departures).departed(live, &settings.instance);
         for instance in gone {
             let fencing = Instant::now();
@@ -364,6 +389,9 @@ where
         stages,
         lister,
         departures: Mutex::default(),
+        standby: (settings.standby_replicas > 0)
+            .then(|| Standby::start(settings.clone()))
+            .transpose()?,
     });
     let members = groups
         .into_iter()
@@ -396,6 +424,9 @@ where
             // The run ends with a final commit while the process is still a
             // member; leaving the groups then revokes what is left.
             let stopped = runner.stop_run();
+            if let Some(standby) = &runner.standby {
+                standby.stop();
+            }
             runner.leave.store(true, Ordering::SeqCst);
             for poller in pollers {
                 let _ = poller.join();
@@ -505,7 +536,7 @@ where
             // A process gone is fenced by the first live instance, which
             // may be this one even when its share stays: the open
             // transaction of the one gone holds back what every run reads.
-            shared.fence_departed();
+            shared.after_rebalance(&owned);
             running = Some(seen);
             continue;
         }
@@ -514,8 +545,9 @@ where
         // one starts: the next run reads its committed offsets
         // `require_stable`, which waits until the fencing aborts the open
         // transaction of the one gone, not until that transaction times out.
+        // The standby replicas meanwhile save what the next run restores.
         let started = std::thread::scope(|scope| {
-            scope.spawn(|| shared.fence_departed());
+            scope.spawn(|| shared.after_rebalance(&owned));
             let stopping = Instant::now();
             shared.stop_run()?;
             tracing::info!(took = ?stopping.elapsed(), "the previous run stopped");

@@ -1,0 +1,358 @@
+//! Standby replicas (Kafka Streams' `num.standby.replicas`): a process keeps
+//! warm copies of changelog partitions that other processes own, so that
+//! when one of those dies and the group hands its partitions over, the new
+//! owner restores from its copy and reads only the changelog's tail.
+//!
+//! The copies are the local copies a restore keeps anyway (`local`): a
+//! thread of the process tails the changelog partitions [`placement`] gives
+//! it, read_committed, folds them into images, and saves each one at most
+//! every [`SAVE_EVERY`]. A partition the process comes to own is saved and
+//! let go before its run restores it, which then finds the copy at the
+//! changelog's end, or close to it. An image is a committed prefix of its
+//! partition, whenever it was saved, so a restore that finds an older one
+//! only reads a longer tail.
+//!
+//! Which processes keep which partition needs no word between them: the live
+//! instances, sorted by name, deal every partition `p` to the `replicas + 1`
+//! of them from rank `p` on. Its owner may be one of them, so every
+//! partition has at least `replicas` standbys while the cluster has that many
+//! processes besides its owner. A process keeps its own partitions' copies
+//! warm too: the run's state lives in its operators, and the copy a restore
+//! saved would otherwise age until the next restore.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use rtflow_runtime::{Result, RtflowError};
+
+use super::local::Image;
+use super::ClusterSettings;
+
+/// How often a copy that changed is saved.
+pub(crate) const SAVE_EVERY: Duration = Duration::from_secs(2);
+
+/// The changelog partitions (of `partitions`) that instance `me` keeps warm
+/// copies of, given the `live` instances and the partitions it `owns`: its
+/// own too, so that a restart of its run (every rebalance that changes its
+/// share) also reads only a tail of them.
+pub(crate) fn placement(
+    partitions: usize,
+    live: &BTreeSet<String>,
+    me: &str,
+    replicas: usize,
+    owns: &BTreeSet<i32>,
+) -> BTreeSet<i32> {
+    let mut live = live.clone();
+    live.insert(me.to_owned());
+    let count = live.len();
+    let rank = live.iter().position(|name| name == me).unwrap_or(0);
+    let keepers = (replicas + 1).min(count);
+    (0..partitions)
+        .filter(|p| (0..keepers).any(|k| (p + k) % count == rank))
+        .map(|p| p as i32)
+        .chain(owns.iter().copied())
+        .collect()
+}
+
+/// A process's standby thread and how to tell it what to keep.
+pub(crate) struct Standby {
+    keep: Sender<(BTreeSet<i32>, Sender<()>)>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Standby {
+    /// Starts the thread, keeping nothing yet.
+    pub(crate) fn start(settings: Arc<ClusterSettings>) -> Result<Self> {
+        let consumer: BaseConsumer = settings
+            .committed_reader(&format!("{}-standby", settings.group()))
+            .create()
+            .map_err(|e| {
+                RtflowError::InvalidConfiguration(format!(
+                    "could not create the standby replicas' consumer: {e}"
+                ))
+            })?;
+        let (keep, told) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("rtflow-standby".into())
+            .spawn(move || {
+                let mut replicas = Replicas {
+                    settings,
+                    consumer,
+                    images: BTreeMap::new(),
+                    saved: Instant::now(),
+                    changed: false,
+                };
+                replicas.run(&told, &stopping);
+            })
+            .map_err(|e| {
+                RtflowError::InvalidConfiguration(format!(
+                    "could not start the standby replicas' thread: {e}"
+                ))
+            })?;
+        Ok(Self {
+            keep,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Keeps copies of `partitions` from now on; the copies of those let go
+    /// are saved before it returns (or after a second at most), for a run
+    /// about to restore them.
+    pub(crate) fn keep(&self, partitions: BTreeSet<i32>) {
+        let (done, saved) = mpsc::channel();
+        if self.keep.send((partitions, done)).is_ok() {
+            let _ = saved.recv_timeout(Duration::from_secs(1));
+        }
+    }
+}
+
+impl Standby {
+    /// Tells the thread to save its copies and end.
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Standby {
+    fn drop(&mut self) {
+        self.stop();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+struct Replicas {
+    settings: Arc<ClusterSettings>,
+    consumer: BaseConsumer,
+    images: BTreeMap<i32, Image>,
+    saved: Instant,
+    changed: bool,
+}
+
+impl Replicas {
+    fn run(&mut self, told: &Receiver<(BTreeSet<i32>, Sender<()>)>, stop: &AtomicBool) {
+        while !stop.load(Ordering::SeqCst) {
+            if let Some((partitions, done)) = told.try_iter().last() {
+                if let Err(error) = self.keep(partitions) {
+                    tracing::warn!(%error, "standby replicas: could not change what they keep");
+                }
+                let _ = done.send(());
+            }
+            match self.consumer.poll(Duration::from_millis(100)) {
+                Some(Ok(message)) => {
+                    if let (Some(key), Some(image)) =
+                        (message.key(), self.images.get_mut(&message.partition()))
+                    {
+                        image.apply(key, message.payload());
+                        image.offset = message.offset() + 1;
+                        self.changed = true;
+                    }
+                }
+                Some(Err(error)) => tracing::debug!(%error, "standby replicas: consumer error"),
+                None => {}
+            }
+            if self.changed && self.saved.elapsed() >= SAVE_EVERY {
+                self.save_all();
+            }
+        }
+        self.save_all();
+    }
+
+    /// Saves and lets go the partitions not in `partitions`, and starts on
+    /// those new to it from their local copy, or from the changelog's start.
+    fn keep(&mut self, partitions: BTreeSet<i32>) -> Result<()> {
+        let changelog = self.settings.changelog_topic();
+        let copies = self.settings.copies.as_ref().ok_or_else(|| {
+            RtflowError::InvalidConfiguration("standby replicas need a checkpoint location".into())
+        })?;
+        let gone: Vec<i32> = self
+            .images
+            .keys()
+            .filter(|p| !partitions.contains(p))
+            .copied()
+            .collect();
+        for partition in gone {
+            if let Some(mut image) = self.images.remove(&partition) {
+                copies.save(&changelog, partition, &mut image)?;
+            }
+        }
+        for partition in &partitions {
+            if self.images.contains_key(partition) {
+                continue;
+            }
+            let (low, high) = self
+                .consumer
+                .fetch_watermarks(&changelog, *partition, self.settings.operation_timeout)
+                .map_err(|e| RtflowError::Checkpoint(format!("standby replicas: {e}")))?;
+            let image = copies
+                .load(&changelog, *partition)
+                .filter(|image| (low..=high).contains(&image.offset))
+                .unwrap_or(Image {
+                    offset: low,
+                    ..Image::default()
+                });
+            self.images.insert(*partition, image);
+        }
+        let mut list = TopicPartitionList::new();
+        for (partition, image) in &self.images {
+            list.add_partition_offset(&changelog, *partition, Offset::Offset(image.offset))
+                .map_err(|e| RtflowError::Checkpoint(format!("standby replicas: {e}")))?;
+        }
+        self.consumer
+            .assign(&list)
+            .map_err(|e| RtflowError::Checkpoint(format!("standby replicas: {e}")))
+    }
+
+    fn save_all(&mut self) {
+        let (Some(copies), changelog) = (
+            self.settings.copies.as_ref(),
+            self.settings.changelog_topic(),
+        ) else {
+            return;
+        };
+        for (partition, image) in &mut self.images {
+            if let Err(error) = copies.save(&changelog, *partition, image) {
+                tracing::warn!(%error, "standby replicas: could not save a copy");
+            }
+        }
+        self.saved = Instant::now();
+        self.changed = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn live(names: &[&str]) -> BTreeSet<String> {
+        names.iter().map(|n| n.to_string()).collect()
+    }
+
+    #[test]
+    fn every_partition_has_its_replicas_besides_its_owner() {
+        let names = ["a", "b", "c"];
+        let nobody = BTreeSet::new();
+        for replicas in 1..=2 {
+            for partition in 0..6 {
+                let keepers = names
+                    .iter()
+                    .filter(|me| {
+                        placement(6, &live(&names), me, replicas, &nobody).contains(&partition)
+                    })
+                    .count();
+                assert_eq!(keepers, replicas + 1, "{partition}, {replicas} replicas");
+            }
+        }
+    }
+
+    #[test]
+    fn a_process_keeps_copies_of_what_it_owns_too() {
+        let owns = BTreeSet::from([0, 4]);
+        let kept = placement(6, &live(&["a", "b", "c"]), "a", 0, &owns);
+        assert_eq!(kept, BTreeSet::from([0, 3, 4]), "rank 0 of 3 keeps 0 and 3");
+        let alone = placement(6, &live(&[]), "a", 1, &owns);
+        assert_eq!(
+            alone,
+            (0..6).collect(),
+            "alone, it is every partition's keeper"
+        );
+    }
+
+    /// The copy a standby keeps follows its changelog partition, deletions
+    /// included, and a standby that picks the partition up again starts
+    /// from its copy.
+    #[test]
+    fn a_standby_copy_follows_its_changelog_partition_to_the_end() {
+        use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+
+        use crate::kafka::admin::{tests::broker, KafkaAdmin};
+        use crate::kafka::cluster::local::LocalCopies;
+        use crate::kafka::Options;
+
+        let Some(bootstrap) = broker() else { return };
+        let unique = format!(
+            "standby-{}-{}",
+            std::process::id(),
+            super::super::local::now_ms()
+        );
+        let dir = std::env::temp_dir().join(format!("rtflow-{unique}"));
+        let settings = Arc::new(ClusterSettings {
+            query: unique,
+            bootstrap_servers: bootstrap.clone(),
+            instance: "a".into(),
+            repartition_partitions: 2,
+            key_groups: 2,
+            session_timeout: Duration::from_secs(6),
+            transaction_timeout: Duration::from_secs(10),
+            operation_timeout: Duration::from_secs(30),
+            restore_timeout: Duration::from_secs(300),
+            standby_replicas: 1,
+            copies: Some(LocalCopies::open(&dir).unwrap()),
+            options: Options::default(),
+        });
+        let changelog = settings.changelog_topic();
+        KafkaAdmin::new(&bootstrap)
+            .unwrap()
+            .create_compacted_topic_of(&changelog, 2)
+            .unwrap();
+        let producer: BaseProducer = settings.client_config().create().unwrap();
+        let write = |key: &str, value: Option<&str>| {
+            let mut record = BaseRecord::<str, str>::to(&changelog).key(key).partition(1);
+            if let Some(value) = value {
+                record = record.payload(value);
+            }
+            producer.send(record).unwrap();
+            producer.flush(Duration::from_secs(10)).unwrap();
+        };
+        let standby = Standby::start(settings.clone()).unwrap();
+        // Kept, then let go: the copy it saves then.
+        let copy_at_end = |end: i64| {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                standby.keep(BTreeSet::from([1]));
+                std::thread::sleep(Duration::from_millis(300));
+                standby.keep(BTreeSet::new());
+                let copies = settings.copies.as_ref().unwrap();
+                if let Some(image) = copies.load(&changelog, 1).filter(|i| i.offset == end) {
+                    return image;
+                }
+                assert!(Instant::now() < deadline, "the copy did not reach {end}");
+            }
+        };
+        write("a", Some("1"));
+        write("b", Some("2"));
+        write("b", None);
+        let image = copy_at_end(3);
+        assert_eq!(image.records.len(), 1, "b was deleted");
+        assert_eq!(image.records[b"a".as_slice()], b"1");
+        write("a", Some("3"));
+        write("c", Some("4"));
+        let image = copy_at_end(5);
+        assert_eq!(image.records.len(), 2);
+        assert_eq!(image.records[b"a".as_slice()], b"3");
+        drop(standby);
+        KafkaAdmin::new(&bootstrap)
+            .unwrap()
+            .delete_topic(&changelog)
+            .unwrap();
+        drop(settings);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_process_missing_from_the_live_list_counts_itself() {
+        let kept = placement(4, &live(&["b", "c"]), "a", 1, &BTreeSet::new());
+        assert_eq!(kept, BTreeSet::from([0, 2, 3]), "rank 0 of a, b, c");
+    }
+}
