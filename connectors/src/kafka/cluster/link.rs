@@ -451,12 +451,7 @@ fn positions<'a>(
     for (tp, offset) in next {
         let metadata = watermarks
             .get(&tp)
-            .map(|w| {
-                w.iter()
-                    .map(|(upstream, watermark)| format!("{upstream}={watermark}"))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            })
+            .map(|w| encode_watermarks(w))
             .unwrap_or_default();
         let list = lists.entry(group_of(&tp.0)).or_default();
         let mut element = list.add_partition(&tp.0, tp.1);
@@ -480,14 +475,85 @@ fn parse_label(label: &str) -> Result<TopicPartition> {
         })
 }
 
-fn parse_watermarks(metadata: &str) -> Vec<(String, i64)> {
+/// Marks metadata written by [`encode_watermarks`], against the
+/// `upstream=watermark,...` pairs of earlier versions.
+const GROUPED: char = '#';
+
+/// A repartition partition's watermark table as offset metadata, which the
+/// broker bounds (`offset.metadata.max.bytes`, 4 KiB by default): grouped by
+/// watermark, since the writers of one process tell one watermark for all
+/// its source partitions, and runs of consecutive partitions as ranges:
+/// `#900=0-2,5;950=3-4;6=upstream`. About 4 bytes per source partition, so
+/// 4 KiB hold some 800 of them, against some 200 as pairs.
+fn encode_watermarks(entries: &[(String, i64)]) -> String {
+    let mut groups: BTreeMap<i64, (Vec<u32>, Vec<&str>)> = BTreeMap::new();
+    for (upstream, watermark) in entries {
+        let group = groups.entry(*watermark).or_default();
+        match upstream.parse() {
+            Ok(partition) => group.0.push(partition),
+            Err(_) => group.1.push(upstream),
+        }
+    }
+    let mut metadata = String::from(GROUPED);
+    for (watermark, (mut partitions, names)) in groups {
+        if metadata.len() > 1 {
+            metadata.push(';');
+        }
+        partitions.sort_unstable();
+        let mut keys: Vec<String> = Vec::new();
+        let mut rest = partitions.as_slice();
+        while let [first, ..] = rest {
+            let run = rest
+                .iter()
+                .zip(*first..)
+                .take_while(|(partition, expected)| **partition == *expected)
+                .count();
+            let last = rest[run - 1];
+            keys.push(if run == 1 {
+                first.to_string()
+            } else {
+                format!("{first}-{last}")
+            });
+            rest = &rest[run..];
+        }
+        keys.extend(names.into_iter().map(str::to_owned));
+        metadata.push_str(&format!("{watermark}={}", keys.join(",")));
+    }
     metadata
-        .split(',')
-        .filter_map(|pair| {
-            let (upstream, watermark) = pair.split_once('=')?;
-            Some((upstream.to_owned(), watermark.parse().ok()?))
-        })
-        .collect()
+}
+
+/// The entries [`encode_watermarks`] wrote, or pairs of an earlier version.
+fn parse_watermarks(metadata: &str) -> Vec<(String, i64)> {
+    let Some(grouped) = metadata.strip_prefix(GROUPED) else {
+        return metadata
+            .split(',')
+            .filter_map(|pair| {
+                let (upstream, watermark) = pair.split_once('=')?;
+                Some((upstream.to_owned(), watermark.parse().ok()?))
+            })
+            .collect();
+    };
+    let mut entries = Vec::new();
+    for group in grouped.split(';') {
+        let Some((watermark, keys)) = group.split_once('=') else {
+            continue;
+        };
+        let Ok(watermark) = watermark.parse::<i64>() else {
+            continue;
+        };
+        for key in keys.split(',') {
+            let range = key
+                .split_once('-')
+                .and_then(|(first, last)| Some((first.parse::<u32>().ok()?, last.parse().ok()?)));
+            match range {
+                Some((first, last)) => {
+                    entries.extend((first..=last).map(|p| (p.to_string(), watermark)))
+                }
+                None => entries.push((key.to_owned(), watermark)),
+            }
+        }
+    }
+    entries
 }
 
 /// The process's transactional producer and the records its sinks staged,
@@ -771,10 +837,48 @@ mod tests {
             .find_partition("rtflow-q-0-repartition", 1)
             .unwrap();
         assert_eq!(repartition.offset(), Offset::Offset(40));
+        let mut watermarks = parse_watermarks(repartition.metadata());
+        watermarks.sort();
         assert_eq!(
-            parse_watermarks(repartition.metadata()),
+            watermarks,
             vec![("0".to_owned(), 900), ("upstream".to_owned(), 3)]
         );
+    }
+
+    #[test]
+    fn watermark_tables_are_grouped_by_watermark_with_ranges_of_partitions() {
+        let entries: Vec<(String, i64)> = [(0, 900), (1, 900), (2, 900), (5, 900), (3, 950)]
+            .into_iter()
+            .map(|(p, w)| (p.to_string(), w))
+            .chain([("4".to_owned(), 950), ("upstream".to_owned(), 6)])
+            .collect();
+        let metadata = encode_watermarks(&entries);
+        assert_eq!(metadata, "#6=upstream;900=0-2,5;950=3-4");
+        let mut parsed = parse_watermarks(&metadata);
+        parsed.sort();
+        let mut expected = entries.clone();
+        expected.sort();
+        assert_eq!(parsed, expected);
+        assert_eq!(
+            parse_watermarks("0=900,upstream=3"),
+            [("0".to_owned(), 900), ("upstream".to_owned(), 3)],
+            "as earlier versions wrote it"
+        );
+        assert_eq!(encode_watermarks(&[]), "#");
+        assert!(parse_watermarks("#").is_empty());
+    }
+
+    #[test]
+    fn eight_hundred_source_partitions_fit_the_brokers_default_metadata_bound() {
+        // Three processes' writers told three watermarks, their partitions
+        // dealt round-robin: no two neighbours share one.
+        let entries: Vec<(String, i64)> = (0..800)
+            .map(|p: i64| (p.to_string(), 1_796_290_500_000 + p % 3))
+            .chain([("upstream".to_owned(), 800)])
+            .collect();
+        let metadata = encode_watermarks(&entries);
+        assert!(metadata.len() <= 4096, "{} bytes", metadata.len());
+        assert_eq!(parse_watermarks(&metadata).len(), entries.len());
     }
 
     #[test]
