@@ -43,17 +43,11 @@ impl<C: ConsumerContext + 'static> DerefMut for ClosingConsumer<C> {
 impl<C: ConsumerContext + 'static> Drop for ClosingConsumer<C> {
     fn drop(&mut self) {
         if let Some(consumer) = self.0.take() {
-            drop_off_thread(consumer);
+            // Should the thread not start, the closure is dropped here, and
+            // with it the consumer: closed in place, as before.
+            let _ = std::thread::Builder::new()
+                .name(CLOSE_THREAD.into())
+                .spawn(move || drop(consumer));
         }
     }
-}
-
-/// Drops `client` (a consumer, or what holds the last handle on one) on a
-/// thread of its own.
-pub(super) fn drop_off_thread<T: Send + 'static>(client: T) {
-    // Should the thread not start, the closure is dropped here, and with it
-    // the client: closed in place.
-    let _ = std::thread::Builder::new()
-        .name(CLOSE_THREAD.into())
-        .spawn(move || drop(client));
 }

@@ -1,10 +1,9 @@
 //! Apache Kafka source and sink, through rdkafka (librdkafka).
 //!
 //! - [`KafkaSource`] reads topics (a list, a pattern, or explicit partitions) with
-//!   one long-running reader actor per topic partition by default, all sharing
-//!   one consumer, each polling its partitions' queues (`queues`). Partitions
-//!   are assigned manually and offsets are tracked by rtflow: there is no
-//!   consumer group and no rebalancing.
+//!   one long-running reader actor per topic partition by default. Partitions are
+//!   assigned manually and offsets are tracked by rtflow: there is no consumer
+//!   group and no rebalancing.
 //! - [`KafkaSink`] writes records to a fixed topic or to the topic each record
 //!   names, with `linger.ms=0` and one request in flight by default (records keep
 //!   their order on retries); at-least-once, or exactly-once through Kafka
@@ -24,7 +23,6 @@ mod cluster;
 mod exactly_once;
 mod lag;
 mod producer;
-mod queues;
 mod sink;
 mod source;
 

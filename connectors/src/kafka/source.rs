@@ -21,7 +21,6 @@ use rtflow_runtime::{
 
 use super::closing::ClosingConsumer;
 use super::lag::LagWatch;
-use super::queues::{stray, PartitionQueues, SharedConsumer};
 use super::{KafkaRecord, Options, TimestampType, DEFAULT_METADATA_TIMEOUT};
 
 /// Where readers start in each partition.
@@ -107,8 +106,6 @@ pub struct KafkaSource {
     assigned: Mutex<Vec<(String, i32)>>,
     /// What looks up the ends of the readers' partitions, while a reader holds it.
     lag: Mutex<Weak<LagWatch>>,
-    /// The consumer the readers share.
-    shared: SharedConsumer,
 }
 
 impl KafkaSource {
@@ -126,7 +123,6 @@ impl KafkaSource {
             options: Options::default(),
             assigned: Mutex::default(),
             lag: Mutex::default(),
-            shared: SharedConsumer::default(),
         }
     }
 
@@ -495,23 +491,36 @@ impl Source<KafkaRecord> for KafkaSource {
             .iter()
             .map(|i| assigned[*i].clone())
             .collect();
-        let consumer = self.shared.get(|| self.consumer())?;
-        let mut offsets = Vec::with_capacity(partitions.len());
+        let mut consumer = ClosingConsumer::new(self.consumer()?);
+        // The reader waits parked, not inside librdkafka: a barrier's unpark
+        // must end the wait at once, and `BaseConsumer::poll` waits out its
+        // whole timeout. librdkafka calls this from its own threads when the
+        // consumer's queue goes from empty to holding an event. A poll that
+        // consumed one of librdkafka's own events (a log line) returns nothing
+        // even if messages follow it; those wait until the reader's sleep
+        // ends (`max_wait`, 20 ms in a query), as rare as such events are.
+        let waker = ctx.waker.clone();
+        consumer.set_nonempty_callback(move || waker.wake());
+        let mut assignment = TopicPartitionList::new();
+        let mut positions = Vec::with_capacity(partitions.len());
         let watch = LagWatch::shared(&self.lag, || self.consumer(), self.metadata_timeout)?;
         let mut lags = Vec::with_capacity(partitions.len());
         for (topic, partition) in &partitions {
             let offset = self.start_offset(&consumer, &ctx.start_offsets, topic, *partition)?;
-            offsets.push((topic.as_str(), *partition, offset));
+            assignment
+                .add_partition_offset(topic, *partition, Offset::Offset(offset))
+                .map_err(|e| self.error(e))?;
+            positions.push(offset);
             let lag = ctx.lag.partition(topic, &partition.to_string());
             lag.set_position(offset);
             watch.watch(topic, *partition, lag.clone());
             lags.push(lag);
         }
-        let queues = PartitionQueues::assign(consumer, &offsets, &ctx.waker)
+        consumer
+            .assign(&assignment)
             .map_err(|e| self.error(format!("could not assign partitions: {e}")))?;
-        let positions = offsets.iter().map(|(_, _, offset)| *offset).collect();
         Ok(Box::new(KafkaReader {
-            queues,
+            consumer,
             source: format!("kafka {}", self.bootstrap_servers),
             partitions,
             numbers: ctx.partitions.clone(),
@@ -523,8 +532,7 @@ impl Source<KafkaRecord> for KafkaSource {
 }
 
 struct KafkaReader {
-    /// The queues of `partitions`, in their order.
-    queues: PartitionQueues,
+    consumer: ClosingConsumer,
     source: String,
     partitions: Vec<(String, i32)>,
     /// Each partition's number in the source ([`SourceContext::partitions`]),
@@ -605,36 +613,34 @@ impl SourceReader<KafkaRecord> for KafkaReader {
     ) -> Result<SourceStatus> {
         let mut waited = max_wait.is_zero();
         while out.remaining() > 0 {
-            let (index, polled) = match self.queues.poll() {
-                Some(polled) => polled,
+            match self.consumer.poll(Duration::ZERO) {
                 None if waited => break,
-                None => {
-                    std::thread::park_timeout(max_wait);
-                    waited = true;
-                    continue;
+                None => std::thread::park_timeout(max_wait),
+                Some(Ok(message)) => {
+                    let (topic, partition) = (message.topic(), message.partition());
+                    if let Some(i) = self
+                        .partitions
+                        .iter()
+                        .position(|(t, p)| *p == partition && t == topic)
+                    {
+                        self.positions[i] = message.offset() + 1;
+                        out.set_partition(self.numbers[i]);
+                    }
+                    let (record, timestamp) = record(&message);
+                    match timestamp {
+                        Some(ms) => out.push_at(record, ms as u64 * 1_000_000, ms),
+                        None => out.push(record, now_nanos()),
+                    }
                 }
-            };
-            waited = true;
-            let message = match polled {
-                Ok(message) => message,
-                Err(error) => {
+                Some(Err(error)) => {
                     if let Some(fatal) = self.fatal(&error) {
                         return Err(fatal);
                     }
                     tracing::warn!(source = %self.source, %error, "kafka consumer error; retrying");
                     break;
                 }
-            };
-            let Some(i) = index else {
-                return Err(stray(&self.source, &message));
-            };
-            self.positions[i] = message.offset() + 1;
-            out.set_partition(self.numbers[i]);
-            let (record, timestamp) = record(&message);
-            match timestamp {
-                Some(ms) => out.push_at(record, ms as u64 * 1_000_000, ms),
-                None => out.push(record, now_nanos()),
             }
+            waited = true;
         }
         for (lag, position) in self.lags.iter().zip(&self.positions) {
             lag.set_position(*position);

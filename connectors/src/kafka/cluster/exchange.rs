@@ -12,7 +12,8 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use rdkafka::Message;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::cluster::{
     late_across, EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks, WriterInput,
     WritersProgress,
@@ -27,8 +28,8 @@ use serde::{Deserialize, Serialize};
 
 use super::link::{Batch, KafkaLink, Transactions};
 use super::{ClusterSettings, WATERMARK_MARK};
+use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::KafkaMessage;
-use crate::kafka::queues::{stray, PartitionQueues, SharedConsumer};
 
 /// What a repartition record holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -291,21 +292,11 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
 
 /// The reading side of a repartition.
 pub(crate) struct ExchangeSource {
-    settings: Arc<ClusterSettings>,
-    topic: String,
-    /// The consumer the readers share.
-    shared: SharedConsumer,
+    pub(crate) settings: Arc<ClusterSettings>,
+    pub(crate) topic: String,
 }
 
 impl ExchangeSource {
-    pub(crate) fn new(settings: Arc<ClusterSettings>, topic: String) -> Self {
-        Self {
-            settings,
-            topic,
-            shared: SharedConsumer::default(),
-        }
-    }
-
     fn partition_list(&self) -> Vec<(String, i32)> {
         (0..self.settings.repartition_partitions as i32)
             .map(|p| (self.topic.clone(), p))
@@ -337,16 +328,17 @@ impl Source<Exchanged> for ExchangeSource {
         let error = |e: &dyn std::fmt::Display| {
             RtflowError::source(self.description(), format!("could not read: {e}"))
         };
-        let consumer = self.shared.get(|| {
-            self.settings
-                .committed_reader(&self.settings.group_of(&self.topic))
-                .set("enable.auto.offset.store", "false")
-                .set("fetch.wait.max.ms", "5")
-                .create()
-                .map_err(|e| error(&e))
-        })?;
-        let mut offsets = Vec::with_capacity(ctx.partitions.len());
-        let mut readers = Vec::with_capacity(ctx.partitions.len());
+        let mut consumer: BaseConsumer = self
+            .settings
+            .committed_reader(&self.settings.group_of(&self.topic))
+            .set("enable.auto.offset.store", "false")
+            .set("fetch.wait.max.ms", "5")
+            .create()
+            .map_err(|e| error(&e))?;
+        let waker = ctx.waker.clone();
+        consumer.set_nonempty_callback(move || waker.wake());
+        let mut assignment = TopicPartitionList::new();
+        let mut readers = Vec::new();
         for number in &ctx.partitions {
             let partition = *number as i32;
             let label = format!("{}-{partition}", self.topic);
@@ -367,7 +359,9 @@ impl Source<Exchanged> for ExchangeSource {
                     }
                 }
             }
-            offsets.push((self.topic.as_str(), partition, offset));
+            assignment
+                .add_partition_offset(&self.topic, partition, Offset::Offset(offset))
+                .map_err(|e| error(&e))?;
             readers.push(Partition {
                 number: *number,
                 partition,
@@ -375,10 +369,9 @@ impl Source<Exchanged> for ExchangeSource {
                 watermarks: UpstreamWatermarks::restore(upstream, watermarks),
             });
         }
-        let queues =
-            PartitionQueues::assign(consumer, &offsets, &ctx.waker).map_err(|e| error(&e))?;
+        consumer.assign(&assignment).map_err(|e| error(&e))?;
         Ok(Box::new(ExchangeReader {
-            queues,
+            consumer: ClosingConsumer::new(consumer),
             topic: self.topic.clone(),
             source: self.description(),
             partitions: readers,
@@ -397,8 +390,7 @@ struct Partition {
 }
 
 struct ExchangeReader {
-    /// The queues of `partitions`, in their order.
-    queues: PartitionQueues,
+    consumer: ClosingConsumer,
     topic: String,
     source: String,
     partitions: Vec<Partition>,
@@ -469,12 +461,16 @@ impl SourceReader<Exchanged> for ExchangeReader {
         }
         let mut waited = max_wait.is_zero();
         while out.remaining() > 0 {
-            match self.queues.poll() {
+            match self.consumer.poll(Duration::ZERO) {
                 None if waited => break,
                 None => std::thread::park_timeout(max_wait),
-                Some((index, Ok(message))) => {
-                    let Some(index) = index else {
-                        return Err(stray(&self.source, &message));
+                Some(Ok(message)) => {
+                    let Some(index) = self
+                        .partitions
+                        .iter()
+                        .position(|p| p.partition == message.partition())
+                    else {
+                        continue;
                     };
                     let partition = &mut self.partitions[index];
                     partition.position = message.offset() + 1;
@@ -522,7 +518,7 @@ impl SourceReader<Exchanged> for ExchangeReader {
                         }
                     }
                 }
-                Some((_, Err(error))) => {
+                Some(Err(error)) => {
                     tracing::warn!(source = %self.source, %error, "kafka consumer error; retrying");
                     break;
                 }

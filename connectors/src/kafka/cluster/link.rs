@@ -157,7 +157,10 @@ impl ClusterLink for KafkaLink {
         }
         Ok((
             Box::new(ExchangeSink::new(self.settings.clone(), topic.clone())),
-            Box::new(ExchangeSource::new(self.settings.clone(), topic)),
+            Box::new(ExchangeSource {
+                settings: self.settings.clone(),
+                topic,
+            }),
         ))
     }
 
