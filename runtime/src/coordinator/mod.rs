@@ -676,6 +676,15 @@ impl Actor for Coordinator {
                 ctx.run_interval(batch_duration, |coordinator, ctx| {
                     coordinator.guarded(ctx, |coordinator, _| coordinator.trigger_checkpoint())
                 });
+                // A clustered run's first epoch ends sooner: a run restarted
+                // by a rebalance starts on the backlog of its pause, which
+                // only a commit makes visible downstream, once per
+                // repartition stage.
+                if self.shared.cluster.is_some() {
+                    ctx.run_later(batch_duration / 4, |coordinator, ctx| {
+                        coordinator.guarded(ctx, |coordinator, _| coordinator.trigger_checkpoint())
+                    });
+                }
             }
             Err(error) => {
                 // Whatever started before the failure stops again.
