@@ -24,7 +24,7 @@ use rtflow_runtime::{Epoch, Result, RtflowError, Sink, Source};
 
 use super::changelog::{self, Fold};
 use super::exchange::{ExchangeSink, ExchangeSource};
-use super::local::Image;
+use super::local::{self, Image};
 use super::{ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
@@ -326,16 +326,8 @@ impl KafkaLink {
             let (low, high) = consumer
                 .fetch_watermarks(changelog, *partition, self.settings.operation_timeout)
                 .map_err(|e| self.error(format!("could not read the changelog's end: {e}")))?;
-            let copy = self
-                .settings
-                .copies
-                .as_ref()
-                .and_then(|copies| copies.load(changelog, *partition))
-                .filter(|image| (low..=high).contains(&image.offset));
-            let image = copy.unwrap_or(Image {
-                offset: low,
-                ..Image::default()
-            });
+            let copies = self.settings.copies.as_ref();
+            let image = local::resume(copies, changelog, *partition, (low, high));
             read.local_bytes += image.bytes();
             if image.offset < high {
                 list.add_partition_offset(changelog, *partition, Offset::Offset(image.offset))

@@ -46,6 +46,24 @@ impl Image {
     }
 }
 
+/// Where a reader of `partition` of `topic`, whose offsets now span `low` to
+/// `high`, starts: its copy in `copies`, if one lies in that span, else an
+/// empty image at `low`.
+pub(crate) fn resume(
+    copies: Option<&LocalCopies>,
+    topic: &str,
+    partition: i32,
+    (low, high): (i64, i64),
+) -> Image {
+    copies
+        .and_then(|copies| copies.load(topic, partition))
+        .filter(|image| (low..=high).contains(&image.offset))
+        .unwrap_or(Image {
+            offset: low,
+            ..Image::default()
+        })
+}
+
 pub(crate) struct LocalCopies {
     db: sled::Db,
 }

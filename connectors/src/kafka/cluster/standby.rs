@@ -31,7 +31,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::{Result, RtflowError};
 
-use super::local::Image;
+use super::local::{self, Image};
 use super::ClusterSettings;
 
 /// How often a copy that changed is saved.
@@ -89,7 +89,7 @@ impl Standby {
                     consumer,
                     images: BTreeMap::new(),
                     saved: Instant::now(),
-                    changed: false,
+                    changed: BTreeSet::new(),
                 };
                 replicas.run(&told, &stopping);
             })
@@ -114,9 +114,7 @@ impl Standby {
             let _ = saved.recv_timeout(Duration::from_secs(1));
         }
     }
-}
 
-impl Standby {
     /// Tells the thread to save its copies and end.
     pub(crate) fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
@@ -137,7 +135,8 @@ struct Replicas {
     consumer: BaseConsumer,
     images: BTreeMap<i32, Image>,
     saved: Instant,
-    changed: bool,
+    /// The partitions whose images changed since they were last saved.
+    changed: BTreeSet<i32>,
 }
 
 impl Replicas {
@@ -156,17 +155,17 @@ impl Replicas {
                     {
                         image.apply(key, message.payload());
                         image.offset = message.offset() + 1;
-                        self.changed = true;
+                        self.changed.insert(message.partition());
                     }
                 }
                 Some(Err(error)) => tracing::debug!(%error, "standby replicas: consumer error"),
                 None => {}
             }
-            if self.changed && self.saved.elapsed() >= SAVE_EVERY {
-                self.save_all();
+            if !self.changed.is_empty() && self.saved.elapsed() >= SAVE_EVERY {
+                self.save_changed();
             }
         }
-        self.save_all();
+        self.save_changed();
     }
 
     /// Saves and lets go the partitions not in `partitions`, and starts on
@@ -184,24 +183,20 @@ impl Replicas {
             .collect();
         for partition in gone {
             if let Some(mut image) = self.images.remove(&partition) {
-                copies.save(&changelog, partition, &mut image)?;
+                if self.changed.remove(&partition) {
+                    copies.save(&changelog, partition, &mut image)?;
+                }
             }
         }
         for partition in &partitions {
             if self.images.contains_key(partition) {
                 continue;
             }
-            let (low, high) = self
+            let span = self
                 .consumer
                 .fetch_watermarks(&changelog, *partition, self.settings.operation_timeout)
                 .map_err(|e| RtflowError::Checkpoint(format!("standby replicas: {e}")))?;
-            let image = copies
-                .load(&changelog, *partition)
-                .filter(|image| (low..=high).contains(&image.offset))
-                .unwrap_or(Image {
-                    offset: low,
-                    ..Image::default()
-                });
+            let image = local::resume(Some(copies), &changelog, *partition, span);
             self.images.insert(*partition, image);
         }
         let mut list = TopicPartitionList::new();
@@ -214,20 +209,23 @@ impl Replicas {
             .map_err(|e| RtflowError::Checkpoint(format!("standby replicas: {e}")))
     }
 
-    fn save_all(&mut self) {
+    /// Saves the images that changed since they were last saved.
+    fn save_changed(&mut self) {
         let (Some(copies), changelog) = (
             self.settings.copies.as_ref(),
             self.settings.changelog_topic(),
         ) else {
             return;
         };
-        for (partition, image) in &mut self.images {
-            if let Err(error) = copies.save(&changelog, *partition, image) {
+        for partition in std::mem::take(&mut self.changed) {
+            let Some(image) = self.images.get_mut(&partition) else {
+                continue;
+            };
+            if let Err(error) = copies.save(&changelog, partition, image) {
                 tracing::warn!(%error, "standby replicas: could not save a copy");
             }
         }
         self.saved = Instant::now();
-        self.changed = false;
     }
 }
 
