@@ -11,13 +11,16 @@
 //! dead process's open transaction holds back every partition it wrote to,
 //! so every key can stall, not only those it owned), beside the longest gap
 //! before the kill and the session timeout (6 s) that bounds how soon the
-//! group drops a dead process. Median and range of `--runs` (default 3),
-//! the scenarios interleaved; JSON lines on stdout, a summary on stderr.
+//! group drops a dead process. The processes are static members of the
+//! groups (a restart under its name takes its partitions back without a
+//! rebalance); `--memberships static,dynamic` measures dynamic members too.
+//! Median and range of `--runs` (default 3), the scenarios interleaved; JSON
+//! lines on stdout, a summary on stderr.
 //!
 //! ```text
 //! scripts/kafka.sh start
 //! cargo bench --bench cluster_failover
-//! cargo bench --bench cluster_failover -- --bootstrap 127.0.0.1:9092 --keys 40 --runs 3
+//! cargo bench --bench cluster_failover -- --bootstrap 127.0.0.1:9092 --keys 40 --runs 3 --memberships static,dynamic
 //! ```
 
 #[path = "common/cluster.rs"]
@@ -28,11 +31,26 @@ use std::time::{Duration, Instant};
 
 use cluster::*;
 
+#[derive(clap::Parser)]
+#[command(about = "Stalls of a KafkaCluster query's keys after a process is SIGKILLed")]
+struct Args {
+    #[command(flatten)]
+    paced: PacedArgs,
+    /// How the processes join the groups; each is measured, interleaved.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "static")]
+    memberships: Vec<Membership>,
+}
+
 fn main() -> BenchResult<()> {
-    main_of(|args: PacedArgs| {
+    main_of(|args: Args| {
+        let memberships: Vec<&str> = args.memberships.iter().map(|m| m.name()).collect();
         eprintln!(
-            "command: cargo bench --bench cluster_failover -- --bootstrap {} --keys {} --runs {}",
-            args.common.bootstrap, args.keys, args.common.runs,
+            "command: cargo bench --bench cluster_failover -- --bootstrap {} --keys {} --runs {} \
+             --memberships {}",
+            args.paced.common.bootstrap,
+            args.paced.keys,
+            args.paced.common.runs,
+            memberships.join(","),
         );
         failovers(&args)
     })
@@ -49,12 +67,14 @@ struct Failover {
     steady: f64,
 }
 
-/// Three processes count keys updated every [`TICK`]; `p1` is killed,
-/// and with `restart` started again at once under its name.
-fn failover(args: &PacedArgs, restart: bool) -> BenchResult<Failover> {
+/// Three processes, members of the groups as `membership` says, count keys
+/// updated every [`TICK`]; `p1` is killed, and with `restart` started again
+/// at once under its name.
+fn failover(args: &PacedArgs, restart: bool, membership: Membership) -> BenchResult<Failover> {
     let scenario = if restart { "restart" } else { "gone" };
     let topics = Topics::create(&args.common.bootstrap, &format!("failover-{scenario}"))?;
     let mut processes = Processes::new(&args.common.bootstrap, &topics)?;
+    processes.membership = membership;
     let (stop, pacer) = pace(&args.common.bootstrap, &topics.input, args.keys);
     for p in 0..3 {
         processes.spawn(&format!("p{p}"))?;
@@ -82,13 +102,22 @@ fn failover(args: &PacedArgs, restart: bool) -> BenchResult<Failover> {
     Ok(Failover { stalls, steady })
 }
 
-/// Each scenario `--runs` times, interleaved.
-fn failovers(args: &PacedArgs) -> BenchResult<Vec<String>> {
+/// Each scenario and membership `--runs` times, interleaved.
+fn failovers(
+    Args {
+        paced: args,
+        memberships,
+    }: &Args,
+) -> BenchResult<Vec<String>> {
     let mut summary = Vec::new();
-    let mut runs: [Vec<Failover>; 2] = Default::default();
+    let cases: Vec<(&str, bool, Membership)> = [("restart", true), ("gone", false)]
+        .into_iter()
+        .flat_map(|(scenario, restart)| memberships.iter().map(move |m| (scenario, restart, *m)))
+        .collect();
+    let mut runs: Vec<Vec<Failover>> = cases.iter().map(|_| Vec::new()).collect();
     for _ in 0..args.common.runs {
-        for (restart, runs) in [true, false].into_iter().zip(&mut runs) {
-            runs.push(failover(args, restart)?);
+        for ((_, restart, membership), runs) in cases.iter().zip(&mut runs) {
+            runs.push(failover(args, *restart, *membership)?);
         }
     }
     summary.push(format!(
@@ -103,12 +132,13 @@ fn failovers(args: &PacedArgs) -> BenchResult<Vec<String>> {
         "{:<28}{:>22}{:>22}{:>22}{:>22}",
         "scenario", "p50", "p99", "max", "before the kill"
     ));
-    for (scenario, runs) in ["restart", "gone"].into_iter().zip(&runs) {
+    for ((scenario, _, membership), runs) in cases.iter().zip(&runs) {
         let stalls = Gaps::of(runs.iter().map(|r| r.stalls.clone()));
         let steady = Spread::of(runs.iter().map(|r| r.steady));
+        let membership = membership.name();
         println!(
             "{{\"bench\":\"cluster_failover\",\"pipeline\":\"failover\",\"scenario\":\"{scenario}\",\
-             \"keys\":{},\"runs\":{},\"session_timeout_s\":{},{},{}}}",
+             \"membership\":\"{membership}\",\"keys\":{},\"runs\":{},\"session_timeout_s\":{},{},{}}}",
             args.keys,
             args.common.runs,
             SESSION_TIMEOUT.as_secs(),
@@ -117,7 +147,7 @@ fn failovers(args: &PacedArgs) -> BenchResult<Vec<String>> {
         );
         summary.push(format!(
             "{:<28}{}{:>22}",
-            format!("SIGKILL, {scenario}"),
+            format!("SIGKILL, {scenario}, {membership}"),
             stalls.columns(),
             steady.text(2)
         ));

@@ -38,6 +38,8 @@ use serde::{Deserialize, Serialize};
 const CHILD_SPEC: &str = "RTFLOW_CLUSTER_CHILD";
 /// How many standby replicas a child keeps (`KafkaCluster::standby_replicas`).
 const CHILD_STANDBY: &str = "RTFLOW_CLUSTER_STANDBY";
+/// A child's group session timeout in ms, when not the default.
+const CHILD_SESSION: &str = "RTFLOW_CLUSTER_SESSION_MS";
 
 const PARTITIONS: i32 = 6;
 const KEYS: usize = 10;
@@ -438,17 +440,25 @@ fn cluster_child() {
         .ok()
         .and_then(|replicas| replicas.parse().ok())
         .unwrap_or(0);
-    let running = KafkaCluster::new(&bootstrap)
+    let mut cluster = KafkaCluster::new(&bootstrap)
         .instance(&instance)
         .repartition_partitions(PARTITIONS as usize)
-        .standby_replicas(standby_replicas)
+        .standby_replicas(standby_replicas);
+    if let Some(ms) = std::env::var(CHILD_SESSION)
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+    {
+        cluster = cluster.session_timeout(Duration::from_millis(ms));
+    }
+    let running = cluster
         .start(config(&query).checkpoint_location(location), move |flow| {
             build(flow, &b, &i, &c, &w);
             Ok(())
         })
         .expect("the child joins the cluster");
     let status = PathBuf::from(&stop).with_file_name(format!("{instance}.status"));
-    while !PathBuf::from(&stop).exists() {
+    let stop_me = status.with_extension("stop");
+    while !PathBuf::from(&stop).exists() && !stop_me.exists() {
         assert!(
             running.is_active(),
             "the child failed: {:?}",
@@ -502,6 +512,8 @@ struct Cluster {
     late: usize,
     /// How many standby replicas the children keep.
     standby_replicas: usize,
+    /// The children's group session timeout, if not the default.
+    session_timeout: Option<Duration>,
 }
 
 impl Cluster {
@@ -524,6 +536,7 @@ impl Cluster {
             children: BTreeMap::new(),
             late: 0,
             standby_replicas: 0,
+            session_timeout: None,
         }
     }
 
@@ -574,11 +587,17 @@ impl Cluster {
         .map(|s| s.as_str())
         .join(" ");
         let log = std::fs::File::create(self.dir.join(format!("{instance}.log"))).unwrap();
-        let child = Command::new(std::env::current_exe().unwrap())
+        let _ = std::fs::remove_file(self.dir.join(format!("{instance}.stop")));
+        let mut child = Command::new(std::env::current_exe().unwrap());
+        child
             .args(["--ignored", "--exact", "cluster_child", "--nocapture"])
             .env(CHILD_SPEC, spec)
             .env("FAILPOINTS", failpoints)
-            .env(CHILD_STANDBY, self.standby_replicas.to_string())
+            .env(CHILD_STANDBY, self.standby_replicas.to_string());
+        if let Some(timeout) = self.session_timeout {
+            child.env(CHILD_SESSION, timeout.as_millis().to_string());
+        }
+        let child = child
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -597,6 +616,38 @@ impl Cluster {
             .map(str::to_owned)
             .collect();
         (runs.parse().unwrap_or(0), partitions)
+    }
+
+    /// Waits until none of `instances` started a run or changed its share
+    /// for `quiet`; their statuses then.
+    fn settled(
+        &self,
+        instances: &[&str],
+        quiet: Duration,
+        timeout: Duration,
+    ) -> BTreeMap<String, (u64, Vec<String>)> {
+        let deadline = Instant::now() + timeout;
+        let statuses = || {
+            instances
+                .iter()
+                .map(|instance| (instance.to_string(), self.status(instance)))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let (mut last, mut since) = (statuses(), Instant::now());
+        loop {
+            std::thread::sleep(Duration::from_millis(100));
+            let now = statuses();
+            if now != last {
+                (last, since) = (now, Instant::now());
+            } else if since.elapsed() >= quiet {
+                return last;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the processes did not settle: {last:?}\n{}",
+                self.logs()
+            );
+        }
     }
 
     /// Waits until every running process runs some of the input's partitions.
@@ -634,6 +685,15 @@ impl Cluster {
             .status()
             .expect("kill runs");
         assert!(sent.success(), "could not send {signal} to {instance}");
+    }
+
+    /// Tells `instance` alone to stop cleanly, and waits until it did.
+    fn stop_one(&mut self, instance: &str) {
+        std::fs::write(self.dir.join(format!("{instance}.stop")), b"").unwrap();
+        let mut child = self.children.remove(instance).unwrap();
+        let status = child.wait().unwrap();
+        assert!(status.success(), "{instance} failed:\n{}", self.logs());
+        let _ = std::fs::remove_file(self.dir.join(format!("{instance}.status")));
     }
 
     fn kill(&mut self, instance: &str) {
@@ -840,6 +900,81 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     eprintln!("partitions before the kill {shares:?}, after one was added back {reshared:?}");
 
     let (expected_counts, expected_windows) = reference_with_late(total, cluster.late);
+    cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
+/// A process SIGKILLed and restarted under its name before its session
+/// times out rejoins the groups as the static member it was: it takes back
+/// the partitions it had, the others run on without a rebalance (not one
+/// run restarted), and every count comes out once. The session timeout is
+/// five minutes: a restart the groups took for a newcomer would wait that
+/// long for the dead incarnation to time out before it got any partition.
+#[test]
+fn a_process_restarted_under_its_name_takes_its_partitions_back_without_a_rebalance() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    cluster.session_timeout = Some(Duration::from_secs(300));
+    let total = 6_000;
+    let half = total / 2;
+    let everyone = ["p0", "p1", "p2"];
+    cluster.start(&everyone, 0..half, Duration::from_secs(90));
+    let before = cluster.settled(&everyone, Duration::from_secs(3), Duration::from_secs(60));
+    cluster.kill("p1");
+    produce(&bootstrap, &cluster.input, (half..total).map(record));
+    cluster.spawn("p1");
+    produce(&bootstrap, &cluster.input, flush_records());
+    let (expected_counts, expected_windows) = reference(total);
+    let (counts, windows) = cluster.outputs(
+        expected_counts.len(),
+        expected_windows.len(),
+        Duration::from_secs(120),
+    );
+    assert!(
+        counts.len() >= expected_counts.len(),
+        "the output stalled after p1's restart:\n{}",
+        cluster.logs()
+    );
+    for instance in ["p0", "p2"] {
+        assert_eq!(
+            cluster.status(instance),
+            before[instance],
+            "{instance} restarted its run or changed its share:\n{}",
+            cluster.logs()
+        );
+    }
+    assert_eq!(
+        cluster.status("p1"),
+        (1, before["p1"].1.clone()),
+        "p1 did not take back what it had:\n{}",
+        cluster.logs()
+    );
+    cluster.stop_and_check(&counts, &windows, &expected_counts, &expected_windows);
+}
+
+/// A static member that stops leaves the groups all the same: the other
+/// process takes its partitions over long before its session (60 s) would
+/// time out, and every count comes out once.
+#[test]
+fn a_process_that_stops_hands_its_partitions_over_before_its_session_times_out() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    cluster.session_timeout = Some(Duration::from_secs(60));
+    let total = 4_000;
+    let half = total / 2;
+    cluster.start(&["p0", "p1"], 0..half, Duration::from_secs(90));
+    cluster.stop_one("p1");
+    let stopped = Instant::now();
+    produce(&bootstrap, &cluster.input, (half..total).map(record));
+    produce(&bootstrap, &cluster.input, flush_records());
+    while cluster.status("p0").1.len() < 2 * PARTITIONS as usize {
+        assert!(
+            stopped.elapsed() < Duration::from_secs(30),
+            "p0 did not take p1's partitions over:\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);
 }
 

@@ -31,6 +31,9 @@ use serde::{Deserialize, Serialize};
 /// What a child process runs, from this variable:
 /// `bootstrap query input output instance dir`.
 pub const CHILD_SPEC: &str = "RTFLOW_BENCH_CLUSTER_CHILD";
+/// How a child joins the groups, from this variable: `static` (the
+/// default) or `dynamic` ([`Membership`]).
+pub const CHILD_MEMBERSHIP: &str = "RTFLOW_BENCH_CLUSTER_MEMBERSHIP";
 /// Partitions of the input, the output and the repartition topic.
 pub const PARTITIONS: i32 = 6;
 
@@ -76,6 +79,26 @@ pub struct PacedArgs {
     /// Keys, each updated every 250 ms.
     #[arg(long, default_value_t = 40, value_parser = clap::value_parser!(u64).range(1..))]
     pub keys: u64,
+}
+
+/// How the processes join the query's groups
+/// (`KafkaCluster::static_membership`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Membership {
+    /// Under their instance names: a process restarted under its name takes
+    /// its partitions back without a rebalance.
+    Static,
+    /// As newcomers at every start.
+    Dynamic,
+}
+
+impl Membership {
+    pub fn name(self) -> &'static str {
+        match self {
+            Membership::Static => "static",
+            Membership::Dynamic => "dynamic",
+        }
+    }
 }
 
 /// The `main` of a cluster bench: a child process if [`CHILD_SPEC`] is set,
@@ -145,9 +168,11 @@ pub fn child(spec: &str) -> BenchResult<()> {
         .try_into()
         .map_err(|_| format!("{CHILD_SPEC} has not six fields: {spec}"))?;
     let (b, i, o) = (bootstrap.clone(), input, output);
+    let dynamic = std::env::var(CHILD_MEMBERSHIP).is_ok_and(|m| m == Membership::Dynamic.name());
     let running = KafkaCluster::new(&bootstrap)
         .instance(&instance)
         .repartition_partitions(PARTITIONS as usize)
+        .static_membership(!dynamic)
         .start(config(&query), move |flow: &Dataflow| {
             build(flow, &b, &i, &o);
             Ok(())
@@ -346,6 +371,8 @@ impl Topics {
 /// The child processes of one query.
 pub struct Processes {
     spec: String,
+    /// How the processes spawned from now on join the groups.
+    pub membership: Membership,
     /// Where the processes keep their status, stop files and logs.
     pub dir: PathBuf,
     children: Vec<(String, Child)>,
@@ -361,6 +388,7 @@ impl Processes {
         std::fs::create_dir_all(&dir)?;
         Ok(Self {
             spec: [bootstrap, &topics.query, &topics.input, &topics.output].join(" "),
+            membership: Membership::Static,
             dir,
             children: Vec::new(),
             stopping: Vec::new(),
@@ -374,6 +402,7 @@ impl Processes {
                 CHILD_SPEC,
                 format!("{} {instance} {}", self.spec, self.dir.display()),
             )
+            .env(CHILD_MEMBERSHIP, self.membership.name())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()?;

@@ -93,6 +93,7 @@ pub struct KafkaCluster {
     repartition_partitions: Option<usize>,
     session_timeout: Duration,
     standby_replicas: usize,
+    static_membership: bool,
     options: Options,
 }
 
@@ -105,6 +106,7 @@ impl KafkaCluster {
             repartition_partitions: None,
             session_timeout: Duration::from_secs(6),
             standby_replicas: 0,
+            static_membership: true,
             options: Options::default(),
         }
     }
@@ -113,8 +115,41 @@ impl KafkaCluster {
     /// each start). A process restarted under the same name fences its
     /// previous incarnation at once: the transaction that one left open is
     /// aborted, rather than timed out.
+    ///
+    /// A named process is also a static member of the query's groups
+    /// (Kafka's `group.instance.id`; see
+    /// [`static_membership`](Self::static_membership)): restarted under its
+    /// name within the session timeout, it takes back the partitions it had
+    /// without a rebalance, and the other processes run on untouched.
     pub fn instance(mut self, name: impl Into<String>) -> Self {
         self.instance = Some(name.into());
+        self
+    }
+
+    /// Whether a process named by [`instance`](Self::instance) is a static
+    /// member of the query's groups (KIP-345); yes by default.
+    ///
+    /// A static member that dies keeps its partitions until its session
+    /// times out, as any member does; restarted under its name before then,
+    /// it rejoins in place of its dead incarnation and gets the same
+    /// partitions back at once, with no rebalance of the others. A process
+    /// that stops ([`ClusteredQuery::stop`]) leaves the groups all the same,
+    /// so that its partitions move on at once. Turned off, a restarted
+    /// process joins as a newcomer: every process whose share changes
+    /// restarts its run, twice (when the group drops the dead incarnation,
+    /// then when the new one joins).
+    ///
+    /// ```no_run
+    /// use rtflow_connectors::kafka::KafkaCluster;
+    /// use rtflow_runtime::QueryConfig;
+    /// let query = KafkaCluster::new("127.0.0.1:9092")
+    ///     .instance("host-a")
+    ///     .static_membership(false)
+    ///     .start(QueryConfig::new("clicks-per-user"), |flow| Ok(()))?;
+    /// # Ok::<(), rtflow_runtime::RtflowError>(())
+    /// ```
+    pub fn static_membership(mut self, on: bool) -> Self {
+        self.static_membership = on;
         self
     }
 
@@ -191,12 +226,14 @@ impl KafkaCluster {
                 self.standby_replicas
             )));
         }
+        let static_member = self.static_membership && self.instance.is_some();
         let settings = ClusterSettings {
             query: config.name.clone(),
             bootstrap_servers: self.bootstrap_servers,
             instance: self
                 .instance
                 .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string()),
+            static_member,
             repartition_partitions: self.repartition_partitions.unwrap_or(config.max_key_groups),
             key_groups: config.max_key_groups,
             session_timeout: self.session_timeout,
@@ -225,6 +262,9 @@ pub(crate) struct ClusterSettings {
     pub(crate) query: String,
     pub(crate) bootstrap_servers: String,
     pub(crate) instance: String,
+    /// Whether the process joins the groups as a static member, under its
+    /// instance name.
+    pub(crate) static_member: bool,
     pub(crate) repartition_partitions: usize,
     pub(crate) key_groups: usize,
     pub(crate) session_timeout: Duration,
@@ -345,6 +385,7 @@ mod tests {
             query: "q-1".into(),
             bootstrap_servers: "127.0.0.1:1".into(),
             instance: "a".into(),
+            static_member: false,
             repartition_partitions: 4,
             key_groups: 8,
             session_timeout: Duration::from_secs(6),

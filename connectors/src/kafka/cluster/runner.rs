@@ -449,8 +449,8 @@ fn join(
     topics: &[String],
 ) -> Result<BaseConsumer<Member>> {
     let settings = &shared.settings;
-    let member: BaseConsumer<Member> = settings
-        .committed_reader(&group)
+    let mut config = settings.committed_reader(&group);
+    config
         .set("client.id", shape.client_id(settings))
         .set("partition.assignment.strategy", "cooperative-sticky")
         .set(
@@ -458,7 +458,11 @@ fn join(
             settings.session_timeout.as_millis().to_string(),
         )
         .set("heartbeat.interval.ms", "500")
-        .set("queued.max.messages.kbytes", "64")
+        .set("queued.max.messages.kbytes", "64");
+    if settings.static_member {
+        config.set("group.instance.id", &settings.instance);
+    }
+    let member: BaseConsumer<Member> = config
         .create_with_context(Member {
             shared: shared.clone(),
             group: group.clone(),
@@ -476,16 +480,38 @@ fn join(
 /// Polls one group's member until the process stops, then leaves the group.
 fn hold_membership(shared: &Shared, member: BaseConsumer<Member>) -> Result<()> {
     while !shared.leave.load(Ordering::SeqCst) {
-        // Records never arrive (the partitions are paused); the poll serves
-        // the group's callbacks.
-        if let Some(Err(error)) = member.poll(Duration::from_millis(50)) {
-            tracing::warn!(%error, "group member error");
-        }
-        // A rebalance that moved nothing from this process still starts a
-        // new generation, which the next commit must name.
-        member.context().publish_generation(&member);
+        poll_member(&member);
     }
+    leave(shared, &member);
     Ok(())
+}
+
+fn poll_member(member: &BaseConsumer<Member>) {
+    // Records never arrive (the partitions are paused); the poll serves the
+    // group's callbacks.
+    if let Some(Err(error)) = member.poll(Duration::from_millis(50)) {
+        tracing::warn!(%error, "group member error");
+    }
+    // A rebalance that moved nothing from this process still starts a new
+    // generation, which the next commit must name.
+    member.context().publish_generation(member);
+}
+
+/// Leaves the group by unsubscribing, and waits until the member let its
+/// partitions go. A static member closed while subscribed stays in the group
+/// until its session times out (KIP-345: it expects to be restarted); one
+/// that unsubscribes first sends its leave as any member does, so that its
+/// partitions move on at once.
+fn leave(shared: &Shared, member: &BaseConsumer<Member>) {
+    member.unsubscribe();
+    let deadline = Instant::now() + shared.settings.operation_timeout;
+    while Instant::now() < deadline
+        && member
+            .assignment()
+            .is_ok_and(|assignment| assignment.count() > 0)
+    {
+        poll_member(member);
+    }
 }
 
 /// Starts a run over the partitions the process owns each time the

@@ -289,6 +289,7 @@ mod tests {
             query: unique,
             bootstrap_servers: bootstrap.clone(),
             instance: "a".into(),
+            static_member: false,
             repartition_partitions: 2,
             key_groups: 2,
             session_timeout: Duration::from_secs(6),
