@@ -1,5 +1,7 @@
-//! Which processes left the cluster without a word, so that the ones that
-//! stay fence them (see [`link::fence`](super::link::fence)).
+//! Who is in the cluster: which processes left it without a word, so that
+//! the ones that stay fence them (see [`link::fence`](super::link::fence)),
+//! and which process owns each repartition partition, so that standby
+//! replicas go elsewhere.
 //!
 //! A process that stops leaves the group after its last commit; one that dies
 //! is dropped by the group only when its session times out, and the
@@ -10,7 +12,7 @@
 //! transactional id would only wait on each other. Fencing a process that
 //! stopped cleanly is harmless: it has nothing open.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use rdkafka::consumer::BaseConsumer;
@@ -42,14 +44,25 @@ impl Departures {
     }
 }
 
-/// The instances that are members of any of `groups` now.
-pub(crate) fn live_instances(
+/// The members of a clustered query's groups now.
+#[derive(Debug, Default)]
+pub(crate) struct Members {
+    /// The instances that are members of any of the groups.
+    pub(crate) live: BTreeSet<String>,
+    /// The instance each partition of the first repartition topic is
+    /// assigned to, as far as the group's members report it.
+    pub(crate) owners: BTreeMap<i32, String>,
+}
+
+/// The members of `groups` now.
+pub(crate) fn members(
     settings: &ClusterSettings,
     client: &BaseConsumer,
     groups: &[String],
     timeout: Duration,
-) -> Result<BTreeSet<String>> {
-    let mut live = BTreeSet::new();
+) -> Result<Members> {
+    let first = settings.repartition_topic(0);
+    let mut found = Members::default();
     for group in groups {
         let list = list_group(client, group, timeout).map_err(|e| {
             RtflowError::InvalidConfiguration(format!(
@@ -57,10 +70,49 @@ pub(crate) fn live_instances(
                 settings.bootstrap_servers
             ))
         })?;
-        let members = list.groups().iter().flat_map(|group| group.members());
-        live.extend(members.filter_map(|m| instance_of(m.client_id()).map(str::to_owned)));
+        for member in list.groups().iter().flat_map(|group| group.members()) {
+            let Some(instance) = instance_of(member.client_id()) else {
+                continue;
+            };
+            found.live.insert(instance.to_owned());
+            let assigned = member
+                .assignment()
+                .and_then(|bytes| assigned_partitions(bytes, &first))
+                .unwrap_or_default();
+            for partition in assigned {
+                found.owners.insert(partition, instance.to_owned());
+            }
+        }
     }
-    Ok(live)
+    Ok(found)
+}
+
+/// The partitions of `topic` in a member's assignment, as the consumer
+/// protocol encodes it (`ConsumerProtocolAssignment`: a version, then per
+/// topic its name and partitions, then user data); `None` if it does not
+/// parse.
+fn assigned_partitions(bytes: &[u8], topic: &str) -> Option<Vec<i32>> {
+    let mut rest = bytes;
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let (head, tail) = rest.split_at_checked(n)?;
+        rest = tail;
+        Some(head)
+    };
+    let _version = take(2)?;
+    let topics = i32::from_be_bytes(take(4)?.try_into().ok()?);
+    let mut partitions = Vec::new();
+    for _ in 0..topics.max(0) {
+        let length = i16::from_be_bytes(take(2)?.try_into().ok()?);
+        let name = take(length.max(0) as usize)?;
+        let count = i32::from_be_bytes(take(4)?.try_into().ok()?);
+        for _ in 0..count.max(0) {
+            let partition = i32::from_be_bytes(take(4)?.try_into().ok()?);
+            if name == topic.as_bytes() {
+                partitions.push(partition);
+            }
+        }
+    }
+    Some(partitions)
 }
 
 #[cfg(test)]
@@ -69,6 +121,39 @@ mod tests {
 
     fn set(names: &[&str]) -> BTreeSet<String> {
         names.iter().map(|n| n.to_string()).collect()
+    }
+
+    /// A consumer protocol assignment of `topics`, as Kafka encodes it.
+    fn assignment(topics: &[(&str, &[i32])]) -> Vec<u8> {
+        let mut bytes = 1i16.to_be_bytes().to_vec();
+        bytes.extend((topics.len() as i32).to_be_bytes());
+        for (topic, partitions) in topics {
+            bytes.extend((topic.len() as i16).to_be_bytes());
+            bytes.extend(topic.as_bytes());
+            bytes.extend((partitions.len() as i32).to_be_bytes());
+            partitions
+                .iter()
+                .for_each(|p| bytes.extend(p.to_be_bytes()));
+        }
+        bytes.extend((-1i32).to_be_bytes());
+        bytes
+    }
+
+    #[test]
+    fn a_members_assignment_gives_its_partitions_of_a_topic() {
+        let bytes = assignment(&[("orders", &[0, 3]), ("q-0-repartition", &[1, 4, 5])]);
+        assert_eq!(
+            assigned_partitions(&bytes, "q-0-repartition"),
+            Some(vec![1, 4, 5])
+        );
+        assert_eq!(assigned_partitions(&bytes, "orders"), Some(vec![0, 3]));
+        assert_eq!(assigned_partitions(&bytes, "other"), Some(vec![]));
+        assert_eq!(
+            assigned_partitions(&bytes[..9], "orders"),
+            None,
+            "cut short"
+        );
+        assert_eq!(assigned_partitions(&[], "orders"), None);
     }
 
     #[test]

@@ -26,7 +26,7 @@ use rtflow_runtime::{
     guard, Dataflow, QueryConfig, Result, RtflowError, StreamingQuery, StreamingQueryProgress,
 };
 
-use super::departures::{live_instances, Departures};
+use super::departures::{members, Departures};
 use super::link::{fence, KafkaLink, Mode, RestoreStats, TopicPartition, Transactions};
 use super::settle::{must_restart, Settling};
 use super::shape::Shape;
@@ -140,13 +140,13 @@ impl Shared {
     /// time out; copies stay as they are), so it is logged, not raised.
     fn after_rebalance(&self, owned: &BTreeSet<TopicPartition>) {
         let settings = &self.settings;
-        let live = match live_instances(
+        let members = match members(
             settings,
             &self.lister,
             &self.groups,
             settings.operation_timeout,
         ) {
-            Ok(live) => live,
+            Ok(members) => members,
             Err(error) => {
                 tracing::warn!(%error, "could not learn who left the cluster");
                 return;
@@ -159,15 +159,18 @@ impl Shared {
                 .filter(|(topic, _)| *topic == first)
                 .map(|(_, partition)| *partition)
                 .collect();
-            standby.keep(placement(
+            let keep = placement(
                 settings.repartition_partitions,
-                &live,
+                &members.live,
                 &settings.instance,
                 settings.standby_replicas,
                 &owns,
-            ));
+                &members.owners,
+            );
+            tracing::info!(?keep, owners = ?members.owners, "standby replicas");
+            standby.keep(keep);
         }
-        self.fence_departed(live);
+        self.fence_departed(members.live);
     }
 
     fn fence_departed(&self, live: BTreeSet<String>) {

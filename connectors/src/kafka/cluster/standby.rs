@@ -13,12 +13,14 @@
 //! only reads a longer tail.
 //!
 //! Which processes keep which partition needs no word between them: the live
-//! instances, sorted by name, deal every partition `p` to the `replicas + 1`
-//! of them from rank `p` on. Its owner may be one of them, so every
-//! partition has at least `replicas` standbys while the cluster has that many
-//! processes besides its owner. A process keeps its own partitions' copies
-//! warm too: the run's state lives in its operators, and the copy a restore
-//! saved would otherwise age until the next restore.
+//! instances, sorted by name, deal every partition `p` to the `replicas` of
+//! them from rank `p` on, its owner skipped, as the group's members report
+//! their assignments. A partition whose owner is not known (the report came
+//! between two rounds of a rebalance) goes to `replicas + 1` of them, so that
+//! it has `replicas` standbys besides its owner whichever process that is,
+//! while the cluster has that many. A process keeps its own partitions'
+//! copies warm too: the run's state lives in its operators, and the copy a
+//! restore saved would otherwise age until the next restore.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -38,23 +40,42 @@ use super::ClusterSettings;
 pub(crate) const SAVE_EVERY: Duration = Duration::from_secs(2);
 
 /// The changelog partitions (of `partitions`) that instance `me` keeps warm
-/// copies of, given the `live` instances and the partitions it `owns`: its
-/// own too, so that a restart of its run (every rebalance that changes its
-/// share) also reads only a tail of them.
+/// copies of, given the `live` instances, the partitions it `owns` and the
+/// `owners` of the others as far as they are known: its own too, so that a
+/// restart of its run (every rebalance that changes its share) also reads
+/// only a tail of them.
 pub(crate) fn placement(
     partitions: usize,
     live: &BTreeSet<String>,
     me: &str,
     replicas: usize,
     owns: &BTreeSet<i32>,
+    owners: &BTreeMap<i32, String>,
 ) -> BTreeSet<i32> {
-    let mut live = live.clone();
-    live.insert(me.to_owned());
-    let count = live.len();
-    let rank = live.iter().position(|name| name == me).unwrap_or(0);
-    let keepers = (replicas + 1).min(count);
+    let mut live: Vec<&str> = live.iter().map(String::as_str).collect();
+    if !live.contains(&me) {
+        live.push(me);
+        live.sort_unstable();
+    }
+    let keeps = |p: usize| {
+        let owner = if owns.contains(&(p as i32)) {
+            Some(me)
+        } else {
+            owners.get(&(p as i32)).map(String::as_str)
+        };
+        let wanted = if owner.is_some() {
+            replicas
+        } else {
+            replicas + 1
+        };
+        (0..live.len())
+            .map(|k| live[(p + k) % live.len()])
+            .filter(|keeper| Some(*keeper) != owner)
+            .take(wanted)
+            .any(|keeper| keeper == me)
+    };
     (0..partitions)
-        .filter(|p| (0..keepers).any(|k| (p + k) % count == rank))
+        .filter(|p| keeps(*p))
         .map(|p| p as i32)
         .chain(owns.iter().copied())
         .collect()
@@ -237,19 +258,64 @@ mod tests {
         names.iter().map(|n| n.to_string()).collect()
     }
 
-    #[test]
-    fn every_partition_has_its_replicas_besides_its_owner() {
-        let names = ["a", "b", "c"];
-        let nobody = BTreeSet::new();
-        for replicas in 1..=2 {
-            for partition in 0..6 {
-                let keepers = names
+    /// Who keeps each of 6 partitions among `names`, each told what it owns
+    /// of `owners` and the others' partitions as `known`.
+    fn keepers(
+        names: &[&str],
+        replicas: usize,
+        owners: &BTreeMap<i32, String>,
+        known: &BTreeMap<i32, String>,
+    ) -> Vec<BTreeSet<String>> {
+        (0..6)
+            .map(|partition| {
+                names
                     .iter()
                     .filter(|me| {
-                        placement(6, &live(&names), me, replicas, &nobody).contains(&partition)
+                        let owns = owners
+                            .iter()
+                            .filter(|(_, owner)| owner == *me)
+                            .map(|(p, _)| *p)
+                            .collect();
+                        placement(6, &live(names), me, replicas, &owns, known).contains(&partition)
                     })
-                    .count();
-                assert_eq!(keepers, replicas + 1, "{partition}, {replicas} replicas");
+                    .map(|me| me.to_string())
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_partition_has_its_replicas_besides_its_owner() {
+        let names = ["a", "b", "c", "d"];
+        let owners: BTreeMap<i32, String> = (0..6)
+            .map(|p| (p, names[(p as usize * 5 + 1) % 4].to_owned()))
+            .collect();
+        for replicas in 1..=3 {
+            for (partition, kept_by) in keepers(&names, replicas, &owners, &owners)
+                .iter()
+                .enumerate()
+            {
+                let owner = &owners[&(partition as i32)];
+                assert!(kept_by.contains(owner), "its owner keeps {partition}");
+                assert_eq!(
+                    kept_by.len(),
+                    replicas + 1,
+                    "{partition}, {replicas} replicas: {kept_by:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_partition_whose_owner_is_not_known_has_one_keeper_more() {
+        let names = ["a", "b", "c"];
+        let nobody = BTreeMap::new();
+        for replicas in 1..=2 {
+            for (partition, kept_by) in keepers(&names, replicas, &nobody, &nobody)
+                .iter()
+                .enumerate()
+            {
+                assert_eq!(kept_by.len(), replicas + 1, "{partition}: {kept_by:?}");
             }
         }
     }
@@ -257,9 +323,10 @@ mod tests {
     #[test]
     fn a_process_keeps_copies_of_what_it_owns_too() {
         let owns = BTreeSet::from([0, 4]);
-        let kept = placement(6, &live(&["a", "b", "c"]), "a", 0, &owns);
+        let nobody = BTreeMap::new();
+        let kept = placement(6, &live(&["a", "b", "c"]), "a", 0, &owns, &nobody);
         assert_eq!(kept, BTreeSet::from([0, 3, 4]), "rank 0 of 3 keeps 0 and 3");
-        let alone = placement(6, &live(&[]), "a", 1, &owns);
+        let alone = placement(6, &live(&[]), "a", 1, &owns, &nobody);
         assert_eq!(
             alone,
             (0..6).collect(),
@@ -351,7 +418,14 @@ mod tests {
 
     #[test]
     fn a_process_missing_from_the_live_list_counts_itself() {
-        let kept = placement(4, &live(&["b", "c"]), "a", 1, &BTreeSet::new());
+        let kept = placement(
+            4,
+            &live(&["b", "c"]),
+            "a",
+            1,
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+        );
         assert_eq!(kept, BTreeSet::from([0, 2, 3]), "rank 0 of a, b, c");
     }
 }
