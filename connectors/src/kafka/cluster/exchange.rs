@@ -3,7 +3,9 @@
 //!
 //! [`ExchangeSink`] writes each record to the partition of its key group, and
 //! at each barrier tells every partition the watermark of the source
-//! partitions behind it; [`ExchangeSource`] reads the partitions the group
+//! partitions behind it. Records travel in frames: a Kafka message holds the
+//! records a writer has for one partition, up to [`FRAME_RECORDS`], so that
+//! librdkafka and the broker handle a message per frame, not per record; [`ExchangeSource`] reads the partitions the group
 //! assigned to the process, `read_committed`, and passes on the least
 //! watermark over all source partitions ([`UpstreamWatermarks`]). Records and
 //! watermarks commit with the epoch's transaction, so a reader sees an epoch's
@@ -53,6 +55,70 @@ enum Wire {
 fn encode(wire: &Wire) -> Vec<u8> {
     bincode::serde::encode_to_vec(wire, bincode::config::standard())
         .expect("repartition records always encode")
+}
+
+/// The most records a frame holds. A reader passes a frame on whole within
+/// one poll (its offset is the frame's), so this bounds that poll too.
+const FRAME_RECORDS: usize = 256;
+/// A frame that reached this size goes out whatever its records.
+const FRAME_BYTES: usize = 64 * 1024;
+
+/// The records a writer has for one partition: their encodings one after
+/// the other, a message's value. A message of one record, as writers before
+/// frames wrote, is a frame of one; a word of the writers' progress travels
+/// as a message of its own.
+#[derive(Default)]
+struct Frame {
+    bytes: Vec<u8>,
+    records: usize,
+}
+
+impl Frame {
+    fn add(&mut self, wire: &Wire) {
+        bincode::serde::encode_into_std_write(wire, &mut self.bytes, bincode::config::standard())
+            .expect("repartition records always encode");
+        self.records += 1;
+    }
+
+    fn is_full(&self) -> bool {
+        self.records >= FRAME_RECORDS || self.bytes.len() >= FRAME_BYTES
+    }
+
+    /// The frame as a message to `partition`, if it holds any record.
+    fn take(&mut self, partition: usize) -> Option<KafkaMessage> {
+        if self.records == 0 {
+            return None;
+        }
+        self.records = 0;
+        Some(KafkaMessage {
+            topic: None,
+            partition: Some(partition as i32),
+            key: None,
+            value: Some(std::mem::take(&mut self.bytes).into()),
+            headers: Vec::new(),
+        })
+    }
+}
+
+/// The repartition records of one message, a frame, in order.
+fn decode_frame(mut bytes: &[u8]) -> impl Iterator<Item = std::result::Result<Wire, String>> + '_ {
+    std::iter::from_fn(move || {
+        if bytes.is_empty() {
+            return None;
+        }
+        let decoded =
+            bincode::serde::decode_from_slice::<Wire, _>(bytes, bincode::config::standard());
+        Some(match decoded {
+            Ok((wire, read)) => {
+                bytes = &bytes[read..];
+                Ok(wire)
+            }
+            Err(e) => {
+                bytes = &[];
+                Err(e.to_string())
+            }
+        })
+    })
 }
 
 /// The transactions of the process `ctx` runs in, for a writer that stages
@@ -183,6 +249,9 @@ impl Sink<Exchanged> for ExchangeSink {
             .join(&ctx.source_partitions);
         Ok(Box::new(ExchangeWriter {
             staging: Staging::new(transactions, Some(self.topic.clone()), ctx.first_epoch),
+            frames: std::iter::repeat_with(Frame::default)
+                .take(self.settings.repartition_partitions)
+                .collect(),
             partitions: self.settings.repartition_partitions as u32,
             key_groups: self.settings.key_groups,
             subtask: ctx.subtask,
@@ -196,6 +265,8 @@ impl Sink<Exchanged> for ExchangeSink {
 
 struct ExchangeWriter {
     staging: Staging,
+    /// The frame being filled for each partition.
+    frames: Vec<Frame>,
     partitions: u32,
     key_groups: usize,
     subtask: usize,
@@ -209,6 +280,15 @@ struct ExchangeWriter {
 }
 
 impl ExchangeWriter {
+    /// Stages every frame that holds records, before the epoch ends.
+    fn flush(&mut self) {
+        for (partition, frame) in self.frames.iter_mut().enumerate() {
+            if let Some(message) = frame.take(partition) {
+                self.staging.push(message);
+            }
+        }
+    }
+
     /// Tells every partition what the writers of this process tell together
     /// about epoch `epoch`, after the records this writer staged for it: each
     /// writer stages its records before it reports, so the last to report
@@ -241,21 +321,21 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
     #[inline]
     fn write(&mut self, record: Record<Exchanged>) -> Result<()> {
         let group = key_group(record.value.key_hash, self.key_groups) as u32;
+        let partition = (group % self.partitions) as usize;
         let event_time = record.meta.event_time;
-        let value = encode(&Wire::Record {
+        let frame = &mut self.frames[partition];
+        frame.add(&Wire::Record {
             event_time,
             source_time: record.meta.source_time,
             behind: record.meta.behind || record.meta.late || self.input.is_behind(event_time),
             partition: record.meta.partition,
             payload: record.value.payload,
         });
-        self.staging.push(KafkaMessage {
-            topic: None,
-            partition: Some((group % self.partitions) as i32),
-            key: None,
-            value: Some(value.into()),
-            headers: Vec::new(),
-        });
+        if frame.is_full() {
+            if let Some(message) = frame.take(partition) {
+                self.staging.push(message);
+            }
+        }
         Ok(())
     }
 
@@ -272,6 +352,7 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
     fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {
         // Records become visible downstream only when the epoch commits, so a
         // watermark told once per epoch, after its records, loses nothing.
+        self.flush();
         self.staging.end_epoch(epoch);
         self.report(epoch, false);
         self.epoch = epoch + 1;
@@ -283,6 +364,7 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
         // After a barrier nothing is left; at the end of the input, what is
         // left belongs to the final epoch, which commits next.
         if !std::mem::take(&mut self.barrier) {
+            self.flush();
             self.staging.end_input();
             self.report(self.epoch, true);
         }
@@ -474,48 +556,52 @@ impl SourceReader<Exchanged> for ExchangeReader {
                     };
                     let partition = &mut self.partitions[index];
                     partition.position = message.offset() + 1;
-                    let wire: Wire = bincode::serde::decode_from_slice(
-                        message.payload().unwrap_or_default(),
-                        bincode::config::standard(),
-                    )
-                    .map(|(wire, _)| wire)
-                    .map_err(|e| {
-                        RtflowError::source(
-                            &self.source,
-                            format!(
-                                "record {} of partition {} is no repartition record: {e}",
-                                message.offset(),
-                                message.partition()
-                            ),
-                        )
-                    })?;
-                    match wire {
-                        Wire::Record {
-                            event_time,
-                            source_time,
-                            behind,
-                            partition: source_partition,
-                            payload,
-                        } => {
-                            out.set_partition(partition.number);
-                            let record = Exchanged {
-                                key_hash: 0,
+                    let mut told = false;
+                    // A frame passes on whole: the checkpoint's offset is the
+                    // next frame's.
+                    for wire in decode_frame(message.payload().unwrap_or_default()) {
+                        let wire = wire.map_err(|e| {
+                            RtflowError::source(
+                                &self.source,
+                                format!(
+                                    "record {} of partition {} is no repartition record: {e}",
+                                    message.offset(),
+                                    message.partition()
+                                ),
+                            )
+                        })?;
+                        let partition = &mut self.partitions[index];
+                        match wire {
+                            Wire::Record {
+                                event_time,
+                                source_time,
+                                behind,
+                                partition: source_partition,
                                 payload,
-                            };
-                            let behind = behind
-                                || partition.watermarks.is_behind(source_partition, event_time);
-                            let tables = self.partitions.iter().map(|p| &p.watermarks);
-                            let late = behind && late_across(tables, event_time);
-                            out.push_behind_at(record, source_time, event_time, behind, late);
+                            } => {
+                                out.set_partition(partition.number);
+                                let record = Exchanged {
+                                    key_hash: 0,
+                                    payload,
+                                };
+                                let behind = behind
+                                    || partition.watermarks.is_behind(source_partition, event_time);
+                                let tables = self.partitions.iter().map(|p| &p.watermarks);
+                                let late = behind && late_across(tables, event_time);
+                                out.push_behind_at(record, source_time, event_time, behind, late);
+                            }
+                            Wire::Progress(progress) => {
+                                partition.watermarks.update(&progress);
+                                told = true;
+                            }
                         }
-                        Wire::Progress(progress) => {
-                            // The poll ends here: what it tells travels after
-                            // its records, and must precede the records of the
-                            // epochs after it, as in one process.
-                            partition.watermarks.update(&progress);
-                            self.tell(out);
-                            break;
-                        }
+                    }
+                    if told {
+                        // The poll ends here: what it tells travels after its
+                        // records, and must precede the records of the epochs
+                        // after it, as in one process.
+                        self.tell(out);
+                        break;
                     }
                 }
                 Some(Err(error)) => {
@@ -526,5 +612,54 @@ impl SourceReader<Exchanged> for ExchangeReader {
             waited = true;
         }
         Ok(SourceStatus::Active)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(i: usize) -> Wire {
+        Wire::Record {
+            event_time: i as EventTime,
+            source_time: 7,
+            behind: i.is_multiple_of(2),
+            partition: 3,
+            payload: vec![i as u8; i % 5],
+        }
+    }
+
+    #[test]
+    fn a_frame_gives_back_its_records_in_order() {
+        let mut frame = Frame::default();
+        (0..10).for_each(|i| frame.add(&record(i)));
+        let message = frame.take(4).unwrap();
+        assert_eq!(message.partition, Some(4));
+        let bytes = message.value.unwrap();
+        let wires: Vec<Wire> = decode_frame(&bytes).map(Result::unwrap).collect();
+        assert_eq!(wires, (0..10).map(record).collect::<Vec<_>>());
+        assert!(frame.take(4).is_none(), "emptied");
+    }
+
+    #[test]
+    fn a_message_of_one_record_is_a_frame_of_one() {
+        let wires: Vec<Wire> = decode_frame(&encode(&record(3)))
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(wires, [record(3)]);
+    }
+
+    #[test]
+    fn a_frame_is_full_at_its_record_bound_and_a_cut_one_fails_to_decode() {
+        let mut frame = Frame::default();
+        (0..FRAME_RECORDS - 1).for_each(|i| frame.add(&record(i)));
+        assert!(!frame.is_full());
+        frame.add(&record(0));
+        assert!(frame.is_full());
+        let bytes = frame.take(0).unwrap().value.unwrap();
+        let cut = &bytes[..bytes.len() - 1];
+        let decoded: Vec<_> = decode_frame(cut).collect();
+        assert_eq!(decoded.len(), FRAME_RECORDS);
+        assert!(decoded.last().unwrap().is_err(), "the cut record");
     }
 }
