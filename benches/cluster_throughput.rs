@@ -5,7 +5,9 @@
 //!   over the 6 partitions of a fresh topic; one plain read_committed
 //!   consumer reads them all, and a transactional copy (one consumer, one
 //!   transactional producer committing every 300 ms, the query's trigger
-//!   interval) writes them to another topic. Records/s of each.
+//!   interval) writes them to another topic. Records/s of each; the copy
+//!   both to its last commit and, as rtflow's output is, to the last of its
+//!   records a read_committed consumer reads back beside it (`read back`).
 //! * **rtflow**: for each count of `--processes` (default `1,2,3`), the same
 //!   input goes to a fresh topic, then that many child processes start the
 //!   query `source -> map -> with_watermark -> repartition_by(key) -> count ->
@@ -94,6 +96,8 @@ struct KafkaRun {
     produce: Duration,
     read: Duration,
     copy: Duration,
+    /// The copy's start -> its last record read back, read_committed.
+    copy_read_back: Duration,
 }
 
 fn kafka_run(args: &Args) -> BenchResult<KafkaRun> {
@@ -120,6 +124,25 @@ fn kafka_run(args: &Args) -> BenchResult<KafkaRun> {
     let read = started.elapsed();
 
     let started = Instant::now();
+    // Read back as the query's output is: the copy ends for its readers when
+    // they have read its last record.
+    let read_back = {
+        let (bootstrap, output, records) = (
+            args.common.bootstrap.clone(),
+            topics.output.clone(),
+            args.records,
+        );
+        std::thread::spawn(move || -> Result<Duration, String> {
+            let mut tally = Tally::new(&bootstrap, &output, records).map_err(|e| e.to_string())?;
+            while !tally.is_complete() {
+                tally.poll(&output);
+                if started.elapsed() > RUN_TIMEOUT {
+                    return Err(format!("the copy's output was not all read back: {output}"));
+                }
+            }
+            Ok(started.elapsed())
+        })
+    };
     let consumer = reader(&args.common.bootstrap, &topics.input)?;
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", &args.common.bootstrap)
@@ -162,11 +185,13 @@ fn kafka_run(args: &Args) -> BenchResult<KafkaRun> {
     }
     producer.commit_transaction(KAFKA_TIMEOUT)?;
     let copy = started.elapsed();
+    let copy_read_back = read_back.join().map_err(|_| "the read-back panicked")??;
     topics.delete(&args.common.bootstrap)?;
     Ok(KafkaRun {
         produce,
         read,
         copy,
+        copy_read_back,
     })
 }
 
@@ -222,20 +247,22 @@ fn throughput(args: &Args) -> BenchResult<Vec<String>> {
     let kafka = (0..args.common.runs)
         .map(|_| kafka_run(args))
         .collect::<BenchResult<Vec<_>>>()?;
-    let [produced, read, copied] = [
+    let [produced, read, copied, read_back] = [
         |r: &KafkaRun| r.produce,
         |r: &KafkaRun| r.read,
         |r: &KafkaRun| r.copy,
+        |r: &KafkaRun| r.copy_read_back,
     ]
     .map(|time| Spread::of(kafka.iter().map(|r| rate(args.records, time(r)))));
     println!(
         "{{\"bench\":\"cluster_throughput\",\"pipeline\":\"kafka\",\"records\":{},\"partitions\":{PARTITIONS},\
-         \"runs\":{},{},{},{}}}",
+         \"runs\":{},{},{},{},{}}}",
         args.records,
         args.common.runs,
         produced.json("produce_records_per_s", 0),
         read.json("read_records_per_s", 0),
         copied.json("transactional_copy_records_per_s", 0),
+        read_back.json("transactional_copy_read_back_records_per_s", 0),
     );
     summary.push(format!(
         "{} records of {PARTITIONS} partitions, {} keys; median (range) of {} runs",
@@ -252,6 +279,7 @@ fn throughput(args: &Args) -> BenchResult<Vec<String>> {
         "kafka transactional copy",
         copied.text(0)
     ));
+    summary.push(format!("{:<28}{:>30}", "  read back", read_back.text(0)));
 
     // Interleaved: see the module doc.
     let mut runs: Vec<Vec<ClusterRun>> = args.processes.iter().map(|_| Vec::new()).collect();

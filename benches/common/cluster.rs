@@ -548,25 +548,12 @@ pub fn await_output(
     since: Instant,
     processes: &mut Processes,
 ) -> BenchResult<Output> {
-    let consumer = reader(bootstrap, output)?;
-    let mut updates = HashSet::with_capacity(expected as usize);
-    let mut duplicates = 0;
+    let mut tally = Tally::new(bootstrap, output, expected)?;
     let (mut first_run, mut first) = (None, None);
     let mut checked = Instant::now();
-    while (updates.len() as u64) < expected {
-        match consumer.poll(Duration::from_millis(20)) {
-            Some(Ok(message)) => {
-                first.get_or_insert_with(|| since.elapsed());
-                let update = (
-                    message.key().map(<[u8]>::to_vec),
-                    message.payload().map(<[u8]>::to_vec),
-                );
-                if !updates.insert(update) {
-                    duplicates += 1;
-                }
-            }
-            Some(Err(error)) => eprintln!("reading {output}: {error}"),
-            None => {}
+    while !tally.is_complete() {
+        if tally.poll(output) {
+            first.get_or_insert_with(|| since.elapsed());
         }
         if checked.elapsed() < Duration::from_millis(20) {
             continue;
@@ -579,7 +566,7 @@ pub fn await_output(
         if since.elapsed() > RUN_TIMEOUT {
             return Err(format!(
                 "{} of {expected} output records in {RUN_TIMEOUT:?}:\n{}",
-                updates.len(),
+                tally.updates.len(),
                 logs(&processes.dir)
             )
             .into());
@@ -591,8 +578,57 @@ pub fn await_output(
         first_run: first_run.unwrap_or(last).min(first.unwrap_or(last)),
         first: first.unwrap_or(last),
         last,
-        duplicates,
+        duplicates: tally.duplicates,
     })
+}
+
+/// A record's key and value.
+type Update = (Option<Vec<u8>>, Option<Vec<u8>>);
+
+/// The distinct `(key, value)` records a read_committed consumer of a topic
+/// has read, and how many it read twice: every measured pipeline's output is
+/// read back by one, so that their figures are alike.
+pub struct Tally {
+    consumer: BaseConsumer,
+    updates: HashSet<Update>,
+    expected: u64,
+    pub duplicates: u64,
+}
+
+impl Tally {
+    pub fn new(bootstrap: &str, topic: &str, expected: u64) -> BenchResult<Self> {
+        Ok(Self {
+            consumer: reader(bootstrap, topic)?,
+            updates: HashSet::with_capacity(expected as usize),
+            expected,
+            duplicates: 0,
+        })
+    }
+
+    /// Reads a record, waiting up to 20 ms; whether one came.
+    pub fn poll(&mut self, topic: &str) -> bool {
+        match self.consumer.poll(Duration::from_millis(20)) {
+            Some(Ok(message)) => {
+                let update = (
+                    message.key().map(<[u8]>::to_vec),
+                    message.payload().map(<[u8]>::to_vec),
+                );
+                if !self.updates.insert(update) {
+                    self.duplicates += 1;
+                }
+                true
+            }
+            Some(Err(error)) => {
+                eprintln!("reading {topic}: {error}");
+                false
+            }
+            None => false,
+        }
+    }
+
+    pub fn is_complete(&self) -> bool {
+        self.updates.len() as u64 >= self.expected
+    }
 }
 
 /// When each key's updates arrived at a read_committed consumer of a query's
