@@ -951,6 +951,56 @@ fn a_process_restarted_under_its_name_takes_its_partitions_back_without_a_rebala
     cluster.stop_and_check(&counts, &windows, &expected_counts, &expected_windows);
 }
 
+/// A static member whose instance id another member takes (as librdkafka's
+/// own rejoin does when the group coordinator's broker dies: the previous
+/// member id's requests come back `FENCED_INSTANCE_ID`, which it makes
+/// fatal) lets its partitions go, joins the groups again and takes a share
+/// again, and every count comes out once.
+#[test]
+fn a_member_fenced_by_its_instance_id_joins_again_and_counts_exactly_once() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let total = 4_000;
+    let half = total / 2;
+    cluster.start(&["p0", "p1"], 0..half, Duration::from_secs(90));
+    let (runs, _) = cluster.status("p0");
+    let groups = [
+        (format!("rtflow-{}", cluster.query), cluster.input.clone()),
+        (
+            format!("rtflow-{}-repartition", cluster.query),
+            format!("rtflow-{}-0-repartition", cluster.query),
+        ),
+    ];
+    for (group, topic) in groups {
+        let intruder: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &bootstrap)
+            .set("group.id", &group)
+            .set("group.instance.id", "p0")
+            .set("partition.assignment.strategy", "cooperative-sticky")
+            .set("session.timeout.ms", "6000")
+            .create()
+            .unwrap();
+        intruder.subscribe(&[&topic]).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while intruder.assignment().unwrap().count() == 0 && Instant::now() < deadline {
+            intruder.poll(Duration::from_millis(50));
+        }
+    }
+    produce(&bootstrap, &cluster.input, (half..total).map(record));
+    produce(&bootstrap, &cluster.input, flush_records());
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while cluster.status("p0").0 == runs || cluster.status("p0").1.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "p0 did not run again after its members were fenced:\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (expected_counts, expected_windows) = reference(total);
+    cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
 /// A static member that stops leaves the groups all the same: the other
 /// process takes its partitions over long before its session (60 s) would
 /// time out, and every count comes out once.

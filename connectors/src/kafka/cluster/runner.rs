@@ -396,9 +396,18 @@ where
             .then(|| Standby::start(settings.clone()))
             .transpose()?,
     });
+    let client_id = shape.client_id(&settings);
     let members = groups
         .into_iter()
-        .map(|(group, topics)| join(&shared, &shape, group, &topics))
+        .map(|(group, topics)| {
+            let member = join(&shared, &client_id, &group, &topics)?;
+            Ok(Membership {
+                member,
+                client_id: client_id.clone(),
+                group,
+                topics,
+            })
+        })
         .collect::<Result<Vec<_>>>()?;
     tracing::info!(query = %config.name, instance = %settings.instance, "joined the cluster");
     let spawn_failed = |e: std::io::Error| {
@@ -406,12 +415,13 @@ where
     };
     let pollers = members
         .into_iter()
-        .map(|member| {
+        .map(|membership| {
             let shared = shared.clone();
             std::thread::Builder::new()
                 .name("rtflow-member".into())
                 .spawn(move || {
-                    let held = guard::engine(MEMBER_THREAD, || hold_membership(&shared, member));
+                    let held =
+                        guard::engine(MEMBER_THREAD, || hold_membership(&shared, membership));
                     if let Err(error) = held {
                         lock(&shared.member_failed).get_or_insert(error);
                     }
@@ -444,17 +454,17 @@ where
     })
 }
 
-/// A member of `group`, subscribed to `topics`.
+/// A member of `group`, subscribed to `topics`, named `client_id`.
 fn join(
     shared: &Arc<Shared>,
-    shape: &Shape,
-    group: String,
+    client_id: &str,
+    group: &str,
     topics: &[String],
 ) -> Result<BaseConsumer<Member>> {
     let settings = &shared.settings;
-    let mut config = settings.committed_reader(&group);
+    let mut config = settings.committed_reader(group);
     config
-        .set("client.id", shape.client_id(settings))
+        .set("client.id", client_id)
         .set("partition.assignment.strategy", "cooperative-sticky")
         .set(
             "session.timeout.ms",
@@ -468,7 +478,7 @@ fn join(
     let member: BaseConsumer<Member> = config
         .create_with_context(Member {
             shared: shared.clone(),
-            group: group.clone(),
+            group: group.to_owned(),
         })
         .map_err(|e| {
             RtflowError::InvalidConfiguration(format!("could not join group '{group}': {e}"))
@@ -480,12 +490,42 @@ fn join(
     Ok(member)
 }
 
+/// A process's member of one group, and what it takes to join again.
+struct Membership {
+    member: BaseConsumer<Member>,
+    client_id: String,
+    group: String,
+    topics: Vec<String>,
+}
+
 /// Polls one group's member until the process stops, then leaves the group.
-fn hold_membership(shared: &Shared, member: BaseConsumer<Member>) -> Result<()> {
+///
+/// A member can fail for good: a static member whose session expired (the
+/// group coordinator's broker died) rejoins under its instance id, and the
+/// requests its previous member id still had in flight come back
+/// `FENCED_INSTANCE_ID`, which librdkafka takes for another process of the
+/// same name and makes fatal. Its partitions are then let go as lost, and
+/// the process joins the group again with a fresh member. A genuine second
+/// process of the same name fences this one's producer too, so that its
+/// runs fail until the process gives up.
+fn hold_membership(shared: &Arc<Shared>, mut membership: Membership) -> Result<()> {
     while !shared.leave.load(Ordering::SeqCst) {
-        poll_member(&member);
+        poll_member(&membership.member);
+        if let Some((code, reason)) = membership.member.client().fatal_error() {
+            tracing::warn!(group = %membership.group, ?code, %reason, "the group member failed for good; joining again");
+            if let Ok(assigned) = membership.member.assignment() {
+                shared.let_go(&assigned, true)?;
+            }
+            shared.changed(&membership.group);
+            membership.member = join(
+                shared,
+                &membership.client_id,
+                &membership.group,
+                &membership.topics,
+            )?;
+        }
     }
-    leave(shared, &member);
+    leave(shared, &membership.member);
     Ok(())
 }
 
