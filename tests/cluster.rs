@@ -650,6 +650,30 @@ impl Cluster {
         }
     }
 
+    /// Waits up to `timeout` until `done` holds of `instance`'s runs and
+    /// share; fails with `what` otherwise.
+    fn await_status(
+        &self,
+        instance: &str,
+        timeout: Duration,
+        what: &str,
+        done: impl Fn(u64, &[String]) -> bool,
+    ) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let (runs, share) = self.status(instance);
+            if done(runs, &share) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what} ({runs} runs, owns {share:?}):\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Waits until every running process runs some of the input's partitions.
     fn wait_for_shares(&self, timeout: Duration) -> BTreeMap<String, Vec<String>> {
         let deadline = Instant::now() + timeout;
@@ -988,15 +1012,12 @@ fn a_member_fenced_by_its_instance_id_joins_again_and_counts_exactly_once() {
     }
     produce(&bootstrap, &cluster.input, (half..total).map(record));
     produce(&bootstrap, &cluster.input, flush_records());
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while cluster.status("p0").0 == runs || cluster.status("p0").1.is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "p0 did not run again after its members were fenced:\n{}",
-            cluster.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    cluster.await_status(
+        "p0",
+        Duration::from_secs(90),
+        "p0 did not run again after its members were fenced",
+        |now, share| now != runs && !share.is_empty(),
+    );
     let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);
 }
@@ -1016,14 +1037,12 @@ fn a_process_that_stops_hands_its_partitions_over_before_its_session_times_out()
     let stopped = Instant::now();
     produce(&bootstrap, &cluster.input, (half..total).map(record));
     produce(&bootstrap, &cluster.input, flush_records());
-    while cluster.status("p0").1.len() < 2 * PARTITIONS as usize {
-        assert!(
-            stopped.elapsed() < Duration::from_secs(30),
-            "p0 did not take p1's partitions over:\n{}",
-            cluster.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    cluster.await_status(
+        "p0",
+        Duration::from_secs(30).saturating_sub(stopped.elapsed()),
+        "p0 did not take p1's partitions over",
+        |_, share| share.len() >= 2 * PARTITIONS as usize,
+    );
     let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);
 }
@@ -1046,15 +1065,12 @@ fn a_dead_process_partitions_restore_from_a_standby_copy_exactly_once() {
     std::thread::sleep(Duration::from_secs(3));
     cluster.kill("p1");
     produce(&bootstrap, &cluster.input, flush_records());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while cluster.status("p0").1.len() < 2 * PARTITIONS as usize {
-        assert!(
-            Instant::now() < deadline,
-            "p0 did not take p1's partitions over:\n{}",
-            cluster.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    cluster.await_status(
+        "p0",
+        Duration::from_secs(60),
+        "p0 did not take p1's partitions over",
+        |_, share| share.len() >= 2 * PARTITIONS as usize,
+    );
     // The restore of the run that took over read its state from the copies;
     // without them it reads every changelog partition from its start (tens
     // of kilobytes here against a state of about ten).
@@ -1094,20 +1110,15 @@ fn a_process_frozen_past_its_session_abandons_what_it_lost_and_rejoins() {
     produce(&bootstrap, &cluster.input, flush_records());
     // Thawed, p1 learns that its session expired, abandons its run and
     // starts a new one over the share the group gives it back.
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let (runs, share) = cluster.status("p1");
-        let log = std::fs::read_to_string(cluster.dir.join("p1.log")).unwrap_or_default();
-        if runs > frozen_runs && !share.is_empty() && log.contains("partitions lost") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "p1 did not lose its partitions and rejoin:\n{}",
-            cluster.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    cluster.await_status(
+        "p1",
+        Duration::from_secs(90),
+        "p1 did not lose its partitions and rejoin",
+        |runs, share| {
+            let log = std::fs::read_to_string(cluster.dir.join("p1.log")).unwrap_or_default();
+            runs > frozen_runs && !share.is_empty() && log.contains("partitions lost")
+        },
+    );
     let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);
 }

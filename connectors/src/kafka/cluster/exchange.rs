@@ -5,9 +5,10 @@
 //! at each barrier tells every partition the watermark of the source
 //! partitions behind it. Records travel in frames: a Kafka message holds the
 //! records a writer has for one partition, up to [`FRAME_RECORDS`], so that
-//! librdkafka and the broker handle a message per frame, not per record; [`ExchangeSource`] reads the partitions the group
-//! assigned to the process, `read_committed`, and passes on the least
-//! watermark over all source partitions ([`UpstreamWatermarks`]). Records and
+//! librdkafka and the broker handle a message per frame, not per record.
+//! [`ExchangeSource`] reads the partitions the group assigned to the process,
+//! `read_committed`, and passes on the least watermark over all source
+//! partitions ([`UpstreamWatermarks`]). Records and
 //! watermarks commit with the epoch's transaction, so a reader sees an epoch's
 //! records and watermark together, once.
 
