@@ -40,6 +40,9 @@ const CHILD_SPEC: &str = "RTFLOW_CLUSTER_CHILD";
 const CHILD_STANDBY: &str = "RTFLOW_CLUSTER_STANDBY";
 /// A child's group session timeout in ms, when not the default.
 const CHILD_SESSION: &str = "RTFLOW_CLUSTER_SESSION_MS";
+/// The host a child stands for, when not the only one: its checkpoint
+/// location is then its own although its instance name is not.
+const CHILD_HOST: &str = "RTFLOW_CLUSTER_HOST";
 
 const PARTITIONS: i32 = 6;
 const KEYS: usize = 10;
@@ -435,7 +438,8 @@ fn cluster_child() {
     let build = dataflow_named(&dataflow);
     let (b, i, c, w) = (bootstrap.clone(), input, counts, windows);
     // Each process keeps its changelog copies in a location of its own.
-    let location = PathBuf::from(&stop).with_file_name(format!("{instance}.checkpoints"));
+    let host = std::env::var(CHILD_HOST).unwrap_or_default();
+    let location = PathBuf::from(&stop).with_file_name(format!("{instance}{host}.checkpoints"));
     let standby_replicas = std::env::var(CHILD_STANDBY)
         .ok()
         .and_then(|replicas| replicas.parse().ok())
@@ -469,8 +473,10 @@ fn cluster_child() {
             std::fs::write(status.with_extension("restore"), read).unwrap();
         }
         let owned = format!("{} {}", running.runs(), running.partitions().join(","));
-        std::fs::write(status.with_extension("tmp"), owned).unwrap();
-        std::fs::rename(status.with_extension("tmp"), &status).unwrap();
+        // Written aside first, per host: two processes of one name write it.
+        let aside = status.with_extension(format!("tmp{host}"));
+        std::fs::write(&aside, owned).unwrap();
+        std::fs::rename(&aside, &status).unwrap();
         std::thread::sleep(Duration::from_millis(50));
     }
     running.stop().expect("the child leaves cleanly");
@@ -574,6 +580,12 @@ impl Cluster {
     /// Starts `instance` with the fault injection points `failpoints` set
     /// (the `fail` crate's `FAILPOINTS`).
     fn spawn_with_failpoints(&mut self, instance: &str, failpoints: &str) {
+        self.spawn_on("", instance, failpoints);
+    }
+
+    /// Starts `instance` as if on another machine, `host`: with a checkpoint
+    /// location of its own.
+    fn spawn_on(&mut self, host: &str, instance: &str, failpoints: &str) {
         let spec = [
             &self.bootstrap,
             &self.query,
@@ -586,13 +598,20 @@ impl Cluster {
         ]
         .map(|s| s.as_str())
         .join(" ");
-        let log = std::fs::File::create(self.dir.join(format!("{instance}.log"))).unwrap();
+        // Appended to: a process started again under its name, or a second
+        // one under a live one's name, keeps the log of the one before.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("{instance}.log")))
+            .unwrap();
         let _ = std::fs::remove_file(self.dir.join(format!("{instance}.stop")));
         let mut child = Command::new(std::env::current_exe().unwrap());
         child
             .args(["--ignored", "--exact", "cluster_child", "--nocapture"])
             .env(CHILD_SPEC, spec)
             .env("FAILPOINTS", failpoints)
+            .env(CHILD_HOST, host)
             .env(CHILD_STANDBY, self.standby_replicas.to_string());
         if let Some(timeout) = self.session_timeout {
             child.env(CHILD_SESSION, timeout.as_millis().to_string());
@@ -1018,6 +1037,49 @@ fn a_member_fenced_by_its_instance_id_joins_again_and_counts_exactly_once() {
         "p0 did not run again after its members were fenced",
         |now, share| now != runs && !share.is_empty(),
     );
+    let (expected_counts, expected_windows) = reference(total);
+    cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
+/// Two live processes under one instance name: the second takes the name's
+/// place in the groups, as a restart would, and the one it displaced ends
+/// with `CLUSTER_INSTANCE_TAKEN` instead of taking the name back for ever
+/// (each would fence the other's member and producer in turn, and nothing
+/// would commit). The one that stays counts every record once.
+#[test]
+fn a_second_live_process_under_one_name_ends_one_of_them_with_a_typed_error() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let total = 4_000;
+    let half = total / 2;
+    cluster.start(&["p0", "p1"], 0..half, Duration::from_secs(90));
+    let mut first = cluster.children.remove("p0").unwrap();
+    cluster.spawn_on(".elsewhere", "p0", "");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut displaced = loop {
+        if first.try_wait().unwrap().is_some() {
+            break first;
+        }
+        let second = cluster.children.get_mut("p0").unwrap();
+        if second.try_wait().unwrap().is_some() {
+            let second = cluster.children.insert("p0".into(), first).unwrap();
+            break second;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "both processes named p0 still run a minute later:\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!displaced.wait().unwrap().success());
+    let logs = cluster.logs();
+    assert!(
+        logs.contains("ClusterInstanceTaken { instance: \"p0\" }"),
+        "the process displaced did not end with CLUSTER_INSTANCE_TAKEN:\n{logs}"
+    );
+    produce(&bootstrap, &cluster.input, (half..total).map(record));
+    produce(&bootstrap, &cluster.input, flush_records());
     let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);
 }

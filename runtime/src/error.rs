@@ -153,6 +153,14 @@ pub enum RtflowError {
     )]
     ClusterShapeMismatch { member: String, difference: String },
 
+    /// Another live process joined the clustered query under this process's
+    /// instance name and took its place in the groups, as a restart would.
+    #[error(
+        "another live process joined the cluster as instance '{instance}' and took this \
+         process's place; give every process of a query an instance name of its own"
+    )]
+    ClusterInstanceTaken { instance: String },
+
     /// The operators were not made and started within
     /// [`QueryConfig::start_timeout`](crate::QueryConfig::start_timeout):
     /// user code in a factory, `on_start`, or a source's or sink's opening
@@ -214,6 +222,7 @@ impl RtflowError {
                 "STREAMING_STATEFUL_OPERATOR_NOT_MATCH_IN_STATE_METADATA"
             }
             Self::ClusterShapeMismatch { .. } => "CLUSTER_SHAPE_MISMATCH",
+            Self::ClusterInstanceTaken { .. } => "CLUSTER_INSTANCE_TAKEN",
             Self::StartTimeout { .. } => "START_TIMEOUT",
             Self::Internal { .. } => "INTERNAL_ERROR",
             Self::Cancelled => "CANCELLED",

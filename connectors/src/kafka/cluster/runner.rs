@@ -29,7 +29,7 @@ use rtflow_runtime::{
 use super::departures::{members, Departures};
 use super::link::{fence, KafkaLink, Mode, RestoreStats, TopicPartition, Transactions};
 use super::settle::{must_restart, Settling};
-use super::shape::Shape;
+use super::shape::{instance_of, list_group, Shape};
 use super::standby::{placement, Standby};
 use super::ClusterSettings;
 
@@ -396,7 +396,8 @@ where
             .then(|| Standby::start(settings.clone()))
             .transpose()?,
     });
-    let client_id = shape.client_id(&settings);
+    let start = uuid::Uuid::new_v4().simple().to_string();
+    let client_id = shape.client_id(&settings, &start);
     let members = groups
         .into_iter()
         .map(|(group, topics)| {
@@ -505,17 +506,24 @@ struct Membership {
 /// requests its previous member id still had in flight come back
 /// `FENCED_INSTANCE_ID`, which librdkafka takes for another process of the
 /// same name and makes fatal. Its partitions are then let go as lost, and
-/// the process joins the group again with a fresh member. A genuine second
-/// process of the same name fences this one's producer too, so that its
-/// runs fail until the process gives up.
+/// the process joins the group again with a fresh member. Fenced by a
+/// genuine second process of the same name, which the group then lists under
+/// another client id, it ends instead with `CLUSTER_INSTANCE_TAKEN`: joining
+/// again would fence that one in turn, and the two would take the name from
+/// each other for ever.
 fn hold_membership(shared: &Arc<Shared>, mut membership: Membership) -> Result<()> {
     while !shared.leave.load(Ordering::SeqCst) {
         poll_member(&membership.member);
         if let Some((code, reason)) = membership.member.client().fatal_error() {
-            tracing::warn!(group = %membership.group, ?code, %reason, "the group member failed for good; joining again");
             if let Ok(assigned) = membership.member.assignment() {
                 shared.let_go(&assigned, true)?;
             }
+            if taken(shared, &membership) {
+                return Err(RtflowError::ClusterInstanceTaken {
+                    instance: shared.settings.instance.clone(),
+                });
+            }
+            tracing::warn!(group = %membership.group, ?code, %reason, "the group member failed for good; joining again");
             shared.changed(&membership.group);
             membership.member = join(
                 shared,
@@ -527,6 +535,28 @@ fn hold_membership(shared: &Arc<Shared>, mut membership: Membership) -> Result<(
     }
     leave(shared, &membership.member);
     Ok(())
+}
+
+/// Whether another process holds this one's instance name in the
+/// membership's group: a member of the same instance under another client
+/// id, whose start differs. A group that cannot be listed (its coordinator
+/// is moving) counts as not taken.
+fn taken(shared: &Shared, membership: &Membership) -> bool {
+    let instance = Some(shared.settings.instance.as_str());
+    list_group(
+        &shared.lister,
+        &membership.group,
+        shared.settings.operation_timeout,
+    )
+    .is_ok_and(|list| {
+        list.groups()
+            .iter()
+            .flat_map(|group| group.members())
+            .any(|member| {
+                member.client_id() != membership.client_id
+                    && instance_of(member.client_id()) == instance
+            })
+    })
 }
 
 fn poll_member(member: &BaseConsumer<Member>) {

@@ -26,6 +26,10 @@ use crate::kafka::closing::ClosingConsumer;
 /// Separates a member's instance from its fingerprint in its client id.
 const FINGERPRINT_MARK: &str = ".shape-";
 
+/// Separates a member's fingerprint from its start in its client id: two
+/// processes under one instance name are told apart by it.
+const START_MARK: &str = ".start-";
+
 /// A dataflow's shape and its fingerprint.
 pub(crate) struct Shape {
     pub(crate) lines: Vec<String>,
@@ -38,10 +42,11 @@ impl Shape {
         Self { lines, fingerprint }
     }
 
-    /// The client id of a member: its instance and its shape's fingerprint.
-    pub(crate) fn client_id(&self, settings: &ClusterSettings) -> String {
+    /// The client id of a member: its instance, its shape's fingerprint and
+    /// `start`, unique to this start of the process.
+    pub(crate) fn client_id(&self, settings: &ClusterSettings, start: &str) -> String {
         format!(
-            "{}{FINGERPRINT_MARK}{}",
+            "{}{FINGERPRINT_MARK}{}{START_MARK}{start}",
             settings.instance, self.fingerprint
         )
     }
@@ -78,7 +83,10 @@ impl Shape {
             .groups()
             .iter()
             .flat_map(|group| group.members())
-            .filter_map(|member| member.client_id().split_once(FINGERPRINT_MARK))
+            .filter_map(|member| {
+                let (instance, rest) = member.client_id().split_once(FINGERPRINT_MARK)?;
+                Some((instance, fingerprint_of(rest)))
+            })
             .find(|(_, fingerprint)| *fingerprint != self.fingerprint);
         let Some((member, fingerprint)) = other else {
             return Ok(());
@@ -117,6 +125,13 @@ pub(crate) fn instance_of(client_id: &str) -> Option<&str> {
     client_id
         .split_once(FINGERPRINT_MARK)
         .map(|(instance, _)| instance)
+}
+
+/// The fingerprint at the start of what follows the fingerprint mark; a
+/// process of an earlier version names no start after it.
+fn fingerprint_of(rest: &str) -> &str {
+    rest.split_once(START_MARK)
+        .map_or(rest, |(fingerprint, _)| fingerprint)
 }
 
 fn shape_error(message: impl std::fmt::Display) -> RtflowError {
@@ -193,6 +208,15 @@ mod tests {
             difference(&ours[..1], Some(&theirs)),
             "there step 1: operator 'sum-0' (sum), which this one lacks"
         );
+    }
+
+    #[test]
+    fn a_client_id_names_its_instance_and_fingerprint_with_or_without_a_start() {
+        for client_id in ["p-0.shape-00ff.start-1a2b", "p-0.shape-00ff"] {
+            assert_eq!(instance_of(client_id), Some("p-0"));
+            let (_, rest) = client_id.split_once(FINGERPRINT_MARK).unwrap();
+            assert_eq!(fingerprint_of(rest), "00ff", "{client_id}");
+        }
     }
 
     #[test]
