@@ -346,6 +346,9 @@ pub(super) fn start<F>(
 where
     F: Fn(&Dataflow) -> Result<()> + Send + 'static,
 {
+    let lister: BaseConsumer = settings.client_config().create().map_err(|e| {
+        RtflowError::InvalidConfiguration(format!("could not create the group lister: {e}"))
+    })?;
     let probe = Arc::new(KafkaLink {
         settings: settings.clone(),
         mode: Mode::Probe(Mutex::default()),
@@ -355,8 +358,9 @@ where
     guard::building(&built_by, || build(&flow))?;
     let shape = Shape::new(flow.shape(&config)?);
     let topics = probe.probed_topics();
-    shape.check_members(&settings)?;
-    shape.publish(&settings)?;
+    shape.check_members(&settings, &lister)?;
+    let client_id = shape.client_id(&settings, &uuid::Uuid::new_v4().simple().to_string());
+    publish_aside(&settings, shape);
     let stages = topics
         .iter()
         .filter(|topic| settings.is_repartition_topic(topic))
@@ -373,9 +377,6 @@ where
             .or_default()
             .push(topic);
     }
-    let lister: BaseConsumer = settings.client_config().create().map_err(|e| {
-        RtflowError::InvalidConfiguration(format!("could not create the group lister: {e}"))
-    })?;
     let shared = Arc::new(Shared {
         transactions: Arc::new(Transactions::open(&settings)?),
         settings: settings.clone(),
@@ -396,8 +397,6 @@ where
             .then(|| Standby::start(settings.clone()))
             .transpose()?,
     });
-    let start = uuid::Uuid::new_v4().simple().to_string();
-    let client_id = shape.client_id(&settings, &start);
     let members = groups
         .into_iter()
         .map(|(group, topics)| {
@@ -453,6 +452,24 @@ where
         thread: Mutex::new(Some(thread)),
         ended: Mutex::default(),
     })
+}
+
+/// Publishes the process's shape on a thread of its own. Only a process
+/// refused for another shape reads it, to name the difference, and a first
+/// start waits a third of a second for it (a new topic, a new leader):
+/// nothing of the query's waits on it, and a failure is logged.
+fn publish_aside(settings: &Arc<ClusterSettings>, shape: Shape) {
+    let settings = settings.clone();
+    let spawned = std::thread::Builder::new()
+        .name("rtflow-shape".into())
+        .spawn(move || {
+            if let Err(error) = shape.publish(&settings) {
+                tracing::warn!(%error, "could not publish the dataflow's shape: a process refused for another one is told less of the difference");
+            }
+        });
+    if let Err(error) = spawned {
+        tracing::warn!(%error, "could not publish the dataflow's shape");
+    }
 }
 
 /// A member of `group`, subscribed to `topics`, named `client_id`.

@@ -68,16 +68,18 @@ impl Shape {
             .map_err(|e| shape_error(format!("could not publish the shape: {e}")))
     }
 
-    /// Fails when a live member of the group runs another dataflow.
-    pub(crate) fn check_members(&self, settings: &ClusterSettings) -> Result<()> {
-        // Reading the shapes topic takes a group id, though nothing is committed.
-        let consumer: BaseConsumer = settings
-            .client_config()
-            .set("group.id", format!("{}-shapes", settings.group()))
-            .create()
-            .map_err(|e| shape_error(format!("could not create a consumer: {e}")))?;
-        let consumer = ClosingConsumer::new(consumer);
-        let groups = list_group(&consumer, &settings.group(), settings.operation_timeout)
+    /// Fails when a live member of the group runs another dataflow, as
+    /// `lister` lists them.
+    pub(crate) fn check_members(
+        &self,
+        settings: &ClusterSettings,
+        lister: &BaseConsumer,
+    ) -> Result<()> {
+        // Fetched first, the metadata spares the list its wait (`list_group`).
+        lister
+            .fetch_metadata(None, settings.operation_timeout)
+            .map_err(|e| shape_error(format!("could not read the cluster's metadata: {e}")))?;
+        let groups = list_group(lister, &settings.group(), settings.operation_timeout)
             .map_err(|e| shape_error(format!("could not list the group's members: {e}")))?;
         let other = groups
             .groups()
@@ -91,7 +93,7 @@ impl Shape {
         let Some((member, fingerprint)) = other else {
             return Ok(());
         };
-        let theirs = published(settings, &consumer, fingerprint)?;
+        let theirs = published(settings, fingerprint)?;
         Err(RtflowError::ClusterShapeMismatch {
             member: member.to_owned(),
             difference: difference(&self.lines, theirs.as_deref()),
@@ -102,6 +104,11 @@ impl Shape {
 /// The members of `group`, asked again while its coordinator is moving or
 /// loading (a broker restarted, a leader moved): a replicated cluster says so
 /// for a few seconds at a time.
+///
+/// A client's first list waits for its first metadata, and librdkafka wakes
+/// that wait only on a change of a broker's state, which can come a second
+/// after the metadata: a client that fetched metadata before saves that
+/// second.
 pub(crate) fn list_group<C: ConsumerContext>(
     consumer: &BaseConsumer<C>,
     group: &str,
@@ -139,11 +146,14 @@ fn shape_error(message: impl std::fmt::Display) -> RtflowError {
 }
 
 /// The shape published under `fingerprint`, if it can be found.
-fn published(
-    settings: &ClusterSettings,
-    consumer: &BaseConsumer,
-    fingerprint: &str,
-) -> Result<Option<Vec<String>>> {
+fn published(settings: &ClusterSettings, fingerprint: &str) -> Result<Option<Vec<String>>> {
+    // Reading the shapes topic takes a group id, though nothing is committed.
+    let consumer: BaseConsumer = settings
+        .client_config()
+        .set("group.id", format!("{}-shapes", settings.group()))
+        .create()
+        .map_err(|e| shape_error(format!("could not create a consumer: {e}")))?;
+    let consumer = ClosingConsumer::new(consumer);
     let topic = settings.shapes_topic();
     let (_, high) = consumer
         .fetch_watermarks(&topic, 0, settings.operation_timeout)
