@@ -57,7 +57,43 @@ pub(crate) enum Mode {
     Live {
         owned: BTreeSet<TopicPartition>,
         transactions: Arc<Transactions>,
+        committed: Arc<CommittedReaders>,
     },
+}
+
+/// Clients that read the groups' committed offsets, kept from one run to
+/// the next: a new one would connect and look its group's coordinator up at
+/// every run's start, some 50 ms of every rebalance's pause.
+#[derive(Default)]
+pub(crate) struct CommittedReaders {
+    readers: Mutex<BTreeMap<String, Arc<ClosingConsumer>>>,
+}
+
+impl CommittedReaders {
+    /// The offsets `group` committed for `list`, read_committed and stable.
+    /// A reader that failed is not kept: the next read starts afresh.
+    fn read(
+        &self,
+        settings: &ClusterSettings,
+        group: &str,
+        list: TopicPartitionList,
+    ) -> KafkaResult<TopicPartitionList> {
+        let kept = lock(&self.readers).get(group).cloned();
+        let reader = match kept {
+            Some(reader) => reader,
+            None => {
+                let consumer: BaseConsumer = settings.committed_reader(group).create()?;
+                let reader = Arc::new(ClosingConsumer::new(consumer));
+                lock(&self.readers).insert(group.to_owned(), reader.clone());
+                reader
+            }
+        };
+        let read = reader.committed_offsets(list, settings.operation_timeout);
+        if read.is_err() {
+            lock(&self.readers).remove(group);
+        }
+        read
+    }
 }
 
 pub(crate) struct KafkaLink {
@@ -240,8 +276,8 @@ impl KafkaLink {
                 .or_default()
                 .add_partition(topic, *partition);
         }
-        // Each group's read waits on a client of its own (connection,
-        // coordinator, fetch): side by side, a run's start waits on one.
+        // Each group's read waits on a client of its own: side by side, a
+        // run's start waits on one.
         let reads: Vec<Result<Offsets>> = std::thread::scope(|scope| {
             let reads: Vec<_> = by_group
                 .into_iter()
@@ -274,14 +310,11 @@ impl KafkaLink {
         list: TopicPartitionList,
         offsets: &mut Offsets,
     ) -> Result<()> {
-        let consumer: BaseConsumer = self
-            .settings
-            .committed_reader(group)
-            .create()
-            .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
-        let consumer = ClosingConsumer::new(consumer);
-        let committed = consumer
-            .committed_offsets(list, self.settings.operation_timeout)
+        let Mode::Live { committed, .. } = &self.mode else {
+            return Err(self.error("a probe reads no offsets"));
+        };
+        let committed = committed
+            .read(&self.settings, group, list)
             .map_err(|e| self.error(format!("could not read the committed offsets: {e}")))?;
         for element in committed.elements() {
             let Offset::Offset(offset) = element.offset() else {
