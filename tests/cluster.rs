@@ -448,6 +448,10 @@ fn cluster_child() {
         .instance(&instance)
         .repartition_partitions(PARTITIONS as usize)
         .standby_replicas(standby_replicas);
+    if standby_replicas > 0 {
+        // Each in a zone of its own, which the others read from the group.
+        cluster = cluster.rack(format!("zone-{instance}"));
+    }
     if let Some(ms) = std::env::var(CHILD_SESSION)
         .ok()
         .and_then(|ms| ms.parse().ok())
@@ -468,15 +472,19 @@ fn cluster_child() {
             "the child failed: {:?}",
             running.stop()
         );
+        // Written aside first, then renamed, so that a test never reads one
+        // half written; aside per host, as two processes of one name write.
+        let aside = status.with_extension(format!("tmp{host}"));
+        let write = |path: &PathBuf, text: String| {
+            std::fs::write(&aside, text).unwrap();
+            std::fs::rename(&aside, path).unwrap();
+        };
         if let Some(restore) = running.last_restore() {
             let read = format!("{} {}", restore.changelog_bytes, restore.local_bytes);
-            std::fs::write(status.with_extension("restore"), read).unwrap();
+            write(&status.with_extension("restore"), read);
         }
         let owned = format!("{} {}", running.runs(), running.partitions().join(","));
-        // Written aside first, per host: two processes of one name write it.
-        let aside = status.with_extension(format!("tmp{host}"));
-        std::fs::write(&aside, owned).unwrap();
-        std::fs::rename(&aside, &status).unwrap();
+        write(&status, owned);
         std::thread::sleep(Duration::from_millis(50));
     }
     running.stop().expect("the child leaves cleanly");
@@ -1144,6 +1152,11 @@ fn a_dead_process_partitions_restore_from_a_standby_copy_exactly_once() {
         "p0 restored {changelog} bytes from the changelog and {local} from its copies \
          (partitions before the kill {shares:?}):\n{}",
         cluster.logs()
+    );
+    let logs = cluster.logs();
+    assert!(
+        logs.contains(r#""p1": "zone-p1""#),
+        "p0 never read p1's rack from the group:\n{logs}"
     );
     let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);

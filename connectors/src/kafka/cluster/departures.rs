@@ -52,6 +52,8 @@ pub(crate) struct Members {
     /// The instance each partition of the first repartition topic is
     /// assigned to, as far as the group's members report it.
     pub(crate) owners: BTreeMap<i32, String>,
+    /// The rack of each instance whose members announce one.
+    pub(crate) racks: BTreeMap<String, String>,
 }
 
 /// The members of `groups` now.
@@ -82,9 +84,47 @@ pub(crate) fn members(
             for partition in assigned {
                 found.owners.insert(partition, instance.to_owned());
             }
+            if let Some(rack) = member.metadata().and_then(subscribed_rack) {
+                found.racks.insert(instance.to_owned(), rack);
+            }
         }
     }
     Ok(found)
+}
+
+/// The rack a member's subscription announces (`ConsumerProtocolSubscription`
+/// from version 3: a version, the topics, user data, the partitions it owns,
+/// its generation, then its rack); `None` if it names none or does not
+/// parse.
+fn subscribed_rack(bytes: &[u8]) -> Option<String> {
+    let mut rest = bytes;
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let (head, tail) = rest.split_at_checked(n)?;
+        rest = tail;
+        Some(head)
+    };
+    let version = i16::from_be_bytes(take(2)?.try_into().ok()?);
+    if version < 3 {
+        return None;
+    }
+    let topics = i32::from_be_bytes(take(4)?.try_into().ok()?);
+    for _ in 0..topics.max(0) {
+        let length = i16::from_be_bytes(take(2)?.try_into().ok()?);
+        take(length.max(0) as usize)?;
+    }
+    let user_data = i32::from_be_bytes(take(4)?.try_into().ok()?);
+    take(user_data.max(0) as usize)?;
+    let owned = i32::from_be_bytes(take(4)?.try_into().ok()?);
+    for _ in 0..owned.max(0) {
+        let length = i16::from_be_bytes(take(2)?.try_into().ok()?);
+        take(length.max(0) as usize)?;
+        let count = i32::from_be_bytes(take(4)?.try_into().ok()?);
+        take(4 * count.max(0) as usize)?;
+    }
+    let _generation = take(4)?;
+    let length = i16::from_be_bytes(take(2)?.try_into().ok()?);
+    let rack = take(usize::try_from(length).ok()?)?;
+    String::from_utf8(rack.to_vec()).ok()
 }
 
 /// The partitions of `topic` in a member's assignment, as the consumer
@@ -154,6 +194,46 @@ mod tests {
             "cut short"
         );
         assert_eq!(assigned_partitions(&[], "orders"), None);
+    }
+
+    /// A consumer protocol subscription of `version` to `topics`, owning
+    /// `owned`, in `rack`, as librdkafka encodes it.
+    fn subscription(version: i16, owned: &[(&str, &[i32])], rack: Option<&str>) -> Vec<u8> {
+        let mut bytes = version.to_be_bytes().to_vec();
+        bytes.extend(1i32.to_be_bytes());
+        bytes.extend(6i16.to_be_bytes());
+        bytes.extend(b"orders");
+        bytes.extend(3i32.to_be_bytes());
+        bytes.extend(b"abc");
+        let owned = assignment(owned);
+        bytes.extend(&owned[2..owned.len() - 4]);
+        bytes.extend(7i32.to_be_bytes());
+        match rack {
+            Some(rack) => {
+                bytes.extend((rack.len() as i16).to_be_bytes());
+                bytes.extend(rack.as_bytes());
+            }
+            None => bytes.extend((-1i16).to_be_bytes()),
+        }
+        bytes
+    }
+
+    #[test]
+    fn a_members_subscription_gives_its_rack() {
+        let owned: &[(&str, &[i32])] = &[("orders", &[0, 3]), ("q-0-repartition", &[1])];
+        let bytes = subscription(3, owned, Some("eu-west-1a"));
+        assert_eq!(subscribed_rack(&bytes).as_deref(), Some("eu-west-1a"));
+        assert_eq!(subscribed_rack(&subscription(3, &[], None)), None);
+        assert_eq!(
+            subscribed_rack(&subscription(2, owned, Some("eu-west-1a"))),
+            None,
+            "before version 3, what follows is not a rack"
+        );
+        assert_eq!(
+            subscribed_rack(&bytes[..bytes.len() - 1]),
+            None,
+            "cut short"
+        );
     }
 
     #[test]

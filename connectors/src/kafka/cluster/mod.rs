@@ -94,6 +94,7 @@ pub struct KafkaCluster {
     session_timeout: Duration,
     standby_replicas: usize,
     static_membership: bool,
+    rack: Option<String>,
     options: Options,
 }
 
@@ -107,6 +108,7 @@ impl KafkaCluster {
             session_timeout: Duration::from_secs(6),
             standby_replicas: 0,
             static_membership: true,
+            rack: None,
             options: Options::default(),
         }
     }
@@ -193,6 +195,30 @@ impl KafkaCluster {
         self
     }
 
+    /// The rack (or availability zone) the process runs in, as Kafka
+    /// Streams' `rack.aware.assignment.tags`: standby replicas go to
+    /// processes in racks other than their owner's, and other than each
+    /// other's, as far as the racks of the live processes allow, so that
+    /// losing a rack leaves a warm copy of every partition it owned. The
+    /// process's group members announce it as their `client.rack`. A
+    /// process without one counts as a rack of its own.
+    ///
+    /// ```no_run
+    /// use rtflow_connectors::kafka::KafkaCluster;
+    /// use rtflow_runtime::QueryConfig;
+    /// let config = QueryConfig::new("clicks-per-user").checkpoint_location("/var/lib/rtflow/clicks");
+    /// let query = KafkaCluster::new("127.0.0.1:9092")
+    ///     .instance("host-a")
+    ///     .rack("eu-west-1a")
+    ///     .standby_replicas(1)
+    ///     .start(config, |flow| Ok(()))?;
+    /// # Ok::<(), rtflow_runtime::RtflowError>(())
+    /// ```
+    pub fn rack(mut self, rack: impl Into<String>) -> Self {
+        self.rack = Some(rack.into());
+        self
+    }
+
     /// Sets a librdkafka setting for every client of the cluster:
     /// `.option("kafka.<key>", value)`.
     pub fn option(mut self, key: &str, value: impl ToString) -> Self {
@@ -234,6 +260,7 @@ impl KafkaCluster {
                 .instance
                 .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string()),
             static_member,
+            rack: self.rack,
             repartition_partitions: self.repartition_partitions.unwrap_or(config.max_key_groups),
             key_groups: config.max_key_groups,
             session_timeout: self.session_timeout,
@@ -265,6 +292,8 @@ pub(crate) struct ClusterSettings {
     /// Whether the process joins the groups as a static member, under its
     /// instance name.
     pub(crate) static_member: bool,
+    /// The rack the process runs in, if it was told.
+    pub(crate) rack: Option<String>,
     pub(crate) repartition_partitions: usize,
     pub(crate) key_groups: usize,
     pub(crate) session_timeout: Duration,
@@ -386,6 +415,7 @@ mod tests {
             bootstrap_servers: "127.0.0.1:1".into(),
             instance: "a".into(),
             static_member: false,
+            rack: None,
             repartition_partitions: 4,
             key_groups: 8,
             session_timeout: Duration::from_secs(6),

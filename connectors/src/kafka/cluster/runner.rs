@@ -163,6 +163,10 @@ impl Shared {
                 .filter(|(topic, _)| *topic == first)
                 .map(|(_, partition)| *partition)
                 .collect();
+            let mut racks = members.racks.clone();
+            if let Some(rack) = &settings.rack {
+                racks.insert(settings.instance.clone(), rack.clone());
+            }
             let keep = placement(
                 settings.repartition_partitions,
                 &members.live,
@@ -170,8 +174,9 @@ impl Shared {
                 settings.standby_replicas,
                 &owns,
                 &members.owners,
+                &racks,
             );
-            tracing::info!(?keep, owners = ?members.owners, "standby replicas");
+            tracing::info!(?keep, owners = ?members.owners, ?racks, "standby replicas");
             standby.keep(keep);
         }
         self.fence_departed(members.live);
@@ -497,6 +502,9 @@ fn join(
         .set("queued.max.messages.kbytes", "64");
     if settings.static_member {
         config.set("group.instance.id", &settings.instance);
+    }
+    if let Some(rack) = &settings.rack {
+        config.set("client.rack", rack);
     }
     let member: BaseConsumer<Member> = config
         .create_with_context(Member {

@@ -40,10 +40,15 @@ use super::ClusterSettings;
 pub(crate) const SAVE_EVERY: Duration = Duration::from_secs(2);
 
 /// The changelog partitions (of `partitions`) that instance `me` keeps warm
-/// copies of, given the `live` instances, the partitions it `owns` and the
-/// `owners` of the others as far as they are known: its own too, so that a
-/// restart of its run (every rebalance that changes its share) also reads
-/// only a tail of them.
+/// copies of, given the `live` instances, the partitions it `owns`, the
+/// `owners` of the others as far as they are known and the `racks` of
+/// those that told theirs: its own too, so that a restart of its run (every
+/// rebalance that changes its share) also reads only a tail of them.
+///
+/// Partition `p`'s copies go to the instances from rank `p` on, its owner
+/// skipped: first one per rack that holds neither the owner nor a copy yet,
+/// then the next ones in rank order. Every process computes the same from
+/// the same group, so each knows its own part without asking the others.
 pub(crate) fn placement(
     partitions: usize,
     live: &BTreeSet<String>,
@@ -51,11 +56,19 @@ pub(crate) fn placement(
     replicas: usize,
     owns: &BTreeSet<i32>,
     owners: &BTreeMap<i32, String>,
+    racks: &BTreeMap<String, String>,
 ) -> BTreeSet<i32> {
     let mut live: Vec<&str> = live.iter().map(String::as_str).collect();
     if !live.contains(&me) {
         live.push(me);
         live.sort_unstable();
+    }
+    // An instance without a rack is a rack of its own.
+    fn rack_of<'a>(racks: &'a BTreeMap<String, String>, instance: &'a str) -> (bool, &'a str) {
+        match racks.get(instance) {
+            Some(rack) => (true, rack.as_str()),
+            None => (false, instance),
+        }
     }
     let keeps = |p: usize| {
         let owner = if owns.contains(&(p as i32)) {
@@ -68,11 +81,23 @@ pub(crate) fn placement(
         } else {
             replicas + 1
         };
-        (0..live.len())
+        let candidates: Vec<&str> = (0..live.len())
             .map(|k| live[(p + k) % live.len()])
             .filter(|keeper| Some(*keeper) != owner)
-            .take(wanted)
-            .any(|keeper| keeper == me)
+            .collect();
+        let mut racks_held: BTreeSet<_> = owner.map(|o| rack_of(racks, o)).into_iter().collect();
+        let mut keepers: Vec<&str> = Vec::with_capacity(wanted);
+        for &candidate in &candidates {
+            if keepers.len() < wanted && racks_held.insert(rack_of(racks, candidate)) {
+                keepers.push(candidate);
+            }
+        }
+        for &candidate in &candidates {
+            if keepers.len() < wanted && !keepers.contains(&candidate) {
+                keepers.push(candidate);
+            }
+        }
+        keepers.contains(&me)
     };
     (0..partitions)
         .filter(|p| keeps(*p))
@@ -259,12 +284,13 @@ mod tests {
     }
 
     /// Who keeps each of 6 partitions among `names`, each told what it owns
-    /// of `owners` and the others' partitions as `known`.
+    /// of `owners`, the others' partitions as `known`, and `racks`.
     fn keepers(
         names: &[&str],
         replicas: usize,
         owners: &BTreeMap<i32, String>,
         known: &BTreeMap<i32, String>,
+        racks: &BTreeMap<String, String>,
     ) -> Vec<BTreeSet<String>> {
         (0..6)
             .map(|partition| {
@@ -276,7 +302,8 @@ mod tests {
                             .filter(|(_, owner)| owner == *me)
                             .map(|(p, _)| *p)
                             .collect();
-                        placement(6, &live(names), me, replicas, &owns, known).contains(&partition)
+                        placement(6, &live(names), me, replicas, &owns, known, racks)
+                            .contains(&partition)
                     })
                     .map(|me| me.to_string())
                     .collect()
@@ -291,9 +318,10 @@ mod tests {
             .map(|p| (p, names[(p as usize * 5 + 1) % 4].to_owned()))
             .collect();
         for replicas in 1..=3 {
-            for (partition, kept_by) in keepers(&names, replicas, &owners, &owners)
-                .iter()
-                .enumerate()
+            for (partition, kept_by) in
+                keepers(&names, replicas, &owners, &owners, &BTreeMap::new())
+                    .iter()
+                    .enumerate()
             {
                 let owner = &owners[&(partition as i32)];
                 assert!(kept_by.contains(owner), "its owner keeps {partition}");
@@ -307,13 +335,56 @@ mod tests {
     }
 
     #[test]
+    fn copies_go_to_racks_other_than_their_owners_and_each_others() {
+        let names = ["a", "b", "c", "d", "e", "f"];
+        let racks: BTreeMap<String, String> = names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| (name.to_string(), format!("zone-{}", i / 2)))
+            .collect();
+        let owners: BTreeMap<i32, String> = (0..6)
+            .map(|p| (p, names[(p as usize * 5 + 1) % 6].to_owned()))
+            .collect();
+        for replicas in 1..=2 {
+            for (partition, kept_by) in keepers(&names, replicas, &owners, &owners, &racks)
+                .iter()
+                .enumerate()
+            {
+                let zones: BTreeSet<&String> = kept_by.iter().map(|k| &racks[k]).collect();
+                assert!(kept_by.contains(&owners[&(partition as i32)]));
+                assert_eq!(kept_by.len(), replicas + 1, "{partition}: {kept_by:?}");
+                assert_eq!(
+                    zones.len(),
+                    replicas + 1,
+                    "{partition}, {replicas} replicas: every keeper in a zone of its own: {kept_by:?}"
+                );
+            }
+        }
+        let two_zones: BTreeMap<String, String> = names
+            .iter()
+            .map(|name| (name.to_string(), "zone-0".into()))
+            .collect();
+        for (partition, kept_by) in keepers(&names, 2, &owners, &owners, &two_zones)
+            .iter()
+            .enumerate()
+        {
+            assert_eq!(
+                kept_by.len(),
+                3,
+                "one zone: still every copy, {partition}: {kept_by:?}"
+            );
+        }
+    }
+
+    #[test]
     fn a_partition_whose_owner_is_not_known_has_one_keeper_more() {
         let names = ["a", "b", "c"];
         let nobody = BTreeMap::new();
         for replicas in 1..=2 {
-            for (partition, kept_by) in keepers(&names, replicas, &nobody, &nobody)
-                .iter()
-                .enumerate()
+            for (partition, kept_by) in
+                keepers(&names, replicas, &nobody, &nobody, &BTreeMap::new())
+                    .iter()
+                    .enumerate()
             {
                 assert_eq!(kept_by.len(), replicas + 1, "{partition}: {kept_by:?}");
             }
@@ -324,9 +395,17 @@ mod tests {
     fn a_process_keeps_copies_of_what_it_owns_too() {
         let owns = BTreeSet::from([0, 4]);
         let nobody = BTreeMap::new();
-        let kept = placement(6, &live(&["a", "b", "c"]), "a", 0, &owns, &nobody);
+        let kept = placement(
+            6,
+            &live(&["a", "b", "c"]),
+            "a",
+            0,
+            &owns,
+            &nobody,
+            &BTreeMap::new(),
+        );
         assert_eq!(kept, BTreeSet::from([0, 3, 4]), "rank 0 of 3 keeps 0 and 3");
-        let alone = placement(6, &live(&[]), "a", 1, &owns, &nobody);
+        let alone = placement(6, &live(&[]), "a", 1, &owns, &nobody, &BTreeMap::new());
         assert_eq!(
             alone,
             (0..6).collect(),
@@ -357,6 +436,7 @@ mod tests {
             bootstrap_servers: bootstrap.clone(),
             instance: "a".into(),
             static_member: false,
+            rack: None,
             repartition_partitions: 2,
             key_groups: 2,
             session_timeout: Duration::from_secs(6),
@@ -424,6 +504,7 @@ mod tests {
             "a",
             1,
             &BTreeSet::new(),
+            &BTreeMap::new(),
             &BTreeMap::new(),
         );
         assert_eq!(kept, BTreeSet::from([0, 2, 3]), "rank 0 of a, b, c");
