@@ -22,6 +22,7 @@ mod closing;
 mod cluster;
 mod exactly_once;
 mod lag;
+mod metadata;
 mod producer;
 mod sink;
 mod source;

@@ -7,16 +7,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::config::FromClientConfigAndContext;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::Consumer;
 use rdkafka::producer::{Producer, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
 use rtflow_runtime::{
     Data, Epoch, Record, Result, RtflowError, Sink, SinkContext, SinkWriter, StateSnapshot,
 };
 
-use super::closing::ClosingConsumer;
 use super::cluster;
 use super::exactly_once::TransactionalWriter;
+use super::metadata;
 use super::producer::{send, topic_of, Deliveries, KafkaMessage, ProducerSettings, Serialize};
 use super::{Options, DEFAULT_METADATA_TIMEOUT};
 
@@ -166,11 +166,8 @@ impl<T: Data> KafkaSink<T> {
 
     /// Fails at start, not at the first record, when the fixed topic is missing.
     fn check_topic(&self, topic: &str) -> Result<()> {
-        let consumer: BaseConsumer = self
-            .config()?
-            .create()
+        let consumer = metadata::client(&self.config()?)
             .map_err(|e| self.error(format!("could not create a client: {e}")))?;
-        let consumer = ClosingConsumer::new(consumer);
         let metadata = consumer
             .fetch_metadata(Some(topic), DEFAULT_METADATA_TIMEOUT)
             .map_err(|e| {

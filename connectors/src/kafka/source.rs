@@ -9,7 +9,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers, Message, Timestamp};
 use rdkafka::types::RDKafkaErrorCode;
-use rdkafka::{Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use regex::Regex;
 use rtflow_runtime::cluster::ClusterLink;
 use rtflow_runtime::connector::Offsets;
@@ -21,6 +21,7 @@ use rtflow_runtime::{
 
 use super::closing::ClosingConsumer;
 use super::lag::LagWatch;
+use super::metadata;
 use super::{KafkaRecord, Options, TimestampType, DEFAULT_METADATA_TIMEOUT};
 
 /// Where readers start in each partition.
@@ -218,43 +219,47 @@ impl KafkaSource {
     }
 
     fn consumer(&self) -> Result<BaseConsumer> {
+        self.consumer_config()?
+            .create()
+            .map_err(|e| self.error(format!("could not create the consumer: {e}")))
+    }
+
+    fn consumer_config(&self) -> Result<ClientConfig> {
         let reset = if self.fail_on_data_loss {
             "error"
         } else {
             "earliest"
         };
-        self.options
-            .client_config(
-                "KafkaSource",
-                &[
-                    ("bootstrap.servers", &self.bootstrap_servers),
-                    ("group.id", "rtflow"),
-                    ("client.id", "rtflow-source"),
-                    ("enable.auto.commit", "false"),
-                    ("enable.auto.offset.store", "false"),
-                    ("enable.partition.eof", "false"),
-                    ("auto.offset.reset", reset),
-                    ("socket.nagle.disable", "true"),
-                    // Measured on the local broker (benches/kafka_latency.rs): a
-                    // 5 ms fetch wait gave p50 4.6 ms where 100 ms gave 36 ms, at
-                    // the cost of idle fetches; override with kafka.fetch.wait.max.ms.
-                    ("fetch.wait.max.ms", "5"),
-                    // librdkafka stops fetching a partition once this much is
-                    // prefetched, so a reader blocked on a full mailbox pauses it.
-                    // 1 MiB, the size of one fetch, throttled a 1 MB/s partition to
-                    // seconds of lag; the back-off (1 s by default) is how soon
-                    // librdkafka looks again.
-                    ("queued.max.messages.kbytes", "16384"),
-                    ("fetch.queue.backoff.ms", "5"),
-                ],
-            )?
-            .create()
-            .map_err(|e| self.error(format!("could not create the consumer: {e}")))
+        self.options.client_config(
+            "KafkaSource",
+            &[
+                ("bootstrap.servers", &self.bootstrap_servers),
+                ("group.id", "rtflow"),
+                ("client.id", "rtflow-source"),
+                ("enable.auto.commit", "false"),
+                ("enable.auto.offset.store", "false"),
+                ("enable.partition.eof", "false"),
+                ("auto.offset.reset", reset),
+                ("socket.nagle.disable", "true"),
+                // Measured on the local broker (benches/kafka_latency.rs): a
+                // 5 ms fetch wait gave p50 4.6 ms where 100 ms gave 36 ms, at
+                // the cost of idle fetches; override with kafka.fetch.wait.max.ms.
+                ("fetch.wait.max.ms", "5"),
+                // librdkafka stops fetching a partition once this much is
+                // prefetched, so a reader blocked on a full mailbox pauses it.
+                // 1 MiB, the size of one fetch, throttled a 1 MB/s partition to
+                // seconds of lag; the back-off (1 s by default) is how soon
+                // librdkafka looks again.
+                ("queued.max.messages.kbytes", "16384"),
+                ("fetch.queue.backoff.ms", "5"),
+            ],
+        )
     }
 
     /// Asks the cluster which partitions the subscription covers.
     fn resolve(&self) -> Result<Vec<(String, i32)>> {
-        let consumer = ClosingConsumer::new(self.consumer()?);
+        let consumer = metadata::client(&self.consumer_config()?)
+            .map_err(|e| self.error(format!("could not create the consumer: {e}")))?;
         let unreachable = |e: KafkaError| {
             self.error(format!(
                 "could not fetch metadata within {:?}: {e}; check that the broker is \
@@ -411,13 +416,25 @@ impl KafkaSource {
         topic: &str,
         partition: i32,
     ) -> Result<(i64, i64)> {
-        consumer
-            .fetch_watermarks(topic, partition, self.metadata_timeout)
-            .map_err(|e| {
-                self.error(format!(
-                    "could not read the offsets of {topic}-{partition}: {e}"
-                ))
-            })
+        // A partition whose leader is still being elected (its topic was
+        // just made, or its broker just started) is asked again.
+        let deadline = std::time::Instant::now() + self.metadata_timeout;
+        loop {
+            match consumer.fetch_watermarks(topic, partition, self.metadata_timeout) {
+                Err(KafkaError::MetadataFetch(
+                    RDKafkaErrorCode::NotLeaderForPartition | RDKafkaErrorCode::LeaderNotAvailable,
+                )) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                read => {
+                    return read.map_err(|e| {
+                        self.error(format!(
+                            "could not read the offsets of {topic}-{partition}: {e}"
+                        ))
+                    })
+                }
+            }
+        }
     }
 
     /// Settings that are wrong whatever the cluster holds.
