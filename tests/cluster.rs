@@ -470,7 +470,9 @@ fn cluster_child() {
         assert!(
             running.is_active(),
             "the child failed: {:?}",
-            running.stop()
+            running
+                .stop()
+                .map_err(|error| format!("{}: {error}", error.error_class()))
         );
         // Written aside first, then renamed, so that a test never reads one
         // half written; aside per host, as two processes of one name write.
@@ -1083,7 +1085,9 @@ fn a_second_live_process_under_one_name_ends_one_of_them_with_a_typed_error() {
     assert!(!displaced.wait().unwrap().success());
     let logs = cluster.logs();
     assert!(
-        logs.contains("ClusterInstanceTaken { instance: \"p0\" }"),
+        logs.contains(
+            "CLUSTER_INSTANCE_TAKEN: another live process joined the cluster as instance 'p0'"
+        ),
         "the process displaced did not end with CLUSTER_INSTANCE_TAKEN:\n{logs}"
     );
     produce(&bootstrap, &cluster.input, (half..total).map(record));

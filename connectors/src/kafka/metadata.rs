@@ -1,11 +1,13 @@
-//! Clients that look topics up, one per configuration, kept for the life of
-//! the process.
+//! Clients that look things up in the cluster, one per configuration, kept
+//! for the life of the process.
 //!
 //! A new librdkafka client takes some 50 ms to connect and answer its first
-//! metadata request. Every start of a query paid that for each source (which
-//! partitions it reads) and each sink writer (whether its topic exists), and a
-//! clustered query starts a run at every rebalance: there it sat in the pause
-//! of every key. A kept client answers from its connection in a millisecond.
+//! request. Every start of a query paid that for each source (which
+//! partitions it reads) and each sink writer (whether its topic exists), and
+//! a clustered run for each group whose committed offsets it resumes from;
+//! a clustered query starts a run at every rebalance, where it sat in the
+//! pause of every key. A kept client answers from its connection in a
+//! millisecond.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -24,13 +26,17 @@ static CLIENTS: Mutex<BTreeMap<Settings, Arc<BaseConsumer>>> = Mutex::new(BTreeM
 /// ever.
 const MAX_CLIENTS: usize = 16;
 
-/// The kept client of `config`, made on its first use.
-pub(super) fn client(config: &ClientConfig) -> KafkaResult<Arc<BaseConsumer>> {
-    let settings: Settings = config
+fn settings(config: &ClientConfig) -> Settings {
+    config
         .config_map()
         .into_iter()
         .map(|(key, value)| (key.to_owned(), value.to_owned()))
-        .collect();
+        .collect()
+}
+
+/// The kept client of `config`, made on its first use.
+pub(super) fn client(config: &ClientConfig) -> KafkaResult<Arc<BaseConsumer>> {
+    let settings = settings(config);
     let mut clients = CLIENTS.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(client) = clients.get(&settings) {
         return Ok(client.clone());
@@ -44,4 +50,15 @@ pub(super) fn client(config: &ClientConfig) -> KafkaResult<Arc<BaseConsumer>> {
     drop(clients);
     drop(evicted);
     Ok(client)
+}
+
+/// Stops keeping the client of `config`, whose request failed: the next
+/// use makes a new one.
+pub(super) fn forget(config: &ClientConfig) {
+    // Closed once the lock is let go, as in `client`.
+    let forgotten = CLIENTS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&settings(config));
+    drop(forgotten);
 }

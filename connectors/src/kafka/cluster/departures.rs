@@ -92,38 +92,60 @@ pub(crate) fn members(
     Ok(found)
 }
 
+/// The consumer protocol's big-endian fields, read in turn; `None` once the
+/// bytes run out.
+struct Fields<'a>(&'a [u8]);
+
+impl<'a> Fields<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (head, tail) = self.0.split_at_checked(n)?;
+        self.0 = tail;
+        Some(head)
+    }
+
+    fn i16(&mut self) -> Option<i16> {
+        Some(i16::from_be_bytes(self.take(2)?.try_into().ok()?))
+    }
+
+    fn i32(&mut self) -> Option<i32> {
+        Some(i32::from_be_bytes(self.take(4)?.try_into().ok()?))
+    }
+
+    /// A string: its length, then its bytes.
+    fn string(&mut self) -> Option<&'a [u8]> {
+        let length = self.i16()?;
+        self.take(length.max(0) as usize)
+    }
+
+    /// An array's length, none for a null one.
+    fn count(&mut self) -> Option<i32> {
+        Some(self.i32()?.max(0))
+    }
+}
+
 /// The rack a member's subscription announces (`ConsumerProtocolSubscription`
 /// from version 3: a version, the topics, user data, the partitions it owns,
 /// its generation, then its rack); `None` if it names none or does not
 /// parse.
 fn subscribed_rack(bytes: &[u8]) -> Option<String> {
-    let mut rest = bytes;
-    let mut take = |n: usize| -> Option<&[u8]> {
-        let (head, tail) = rest.split_at_checked(n)?;
-        rest = tail;
-        Some(head)
-    };
-    let version = i16::from_be_bytes(take(2)?.try_into().ok()?);
-    if version < 3 {
+    let mut fields = Fields(bytes);
+    if fields.i16()? < 3 {
         return None;
     }
-    let topics = i32::from_be_bytes(take(4)?.try_into().ok()?);
-    for _ in 0..topics.max(0) {
-        let length = i16::from_be_bytes(take(2)?.try_into().ok()?);
-        take(length.max(0) as usize)?;
+    for _ in 0..fields.count()? {
+        fields.string()?;
     }
-    let user_data = i32::from_be_bytes(take(4)?.try_into().ok()?);
-    take(user_data.max(0) as usize)?;
-    let owned = i32::from_be_bytes(take(4)?.try_into().ok()?);
-    for _ in 0..owned.max(0) {
-        let length = i16::from_be_bytes(take(2)?.try_into().ok()?);
-        take(length.max(0) as usize)?;
-        let count = i32::from_be_bytes(take(4)?.try_into().ok()?);
-        take(4 * count.max(0) as usize)?;
+    let user_data = fields.count()?;
+    fields.take(user_data as usize)?;
+    for _ in 0..fields.count()? {
+        fields.string()?;
+        let partitions = fields.count()?;
+        fields.take(4 * partitions as usize)?;
     }
-    let _generation = take(4)?;
-    let length = i16::from_be_bytes(take(2)?.try_into().ok()?);
-    let rack = take(usize::try_from(length).ok()?)?;
+    let _generation = fields.i32()?;
+    // A rack of length -1 is none.
+    let length = fields.i16()?;
+    let rack = fields.take(usize::try_from(length).ok()?)?;
     String::from_utf8(rack.to_vec()).ok()
 }
 
@@ -132,21 +154,13 @@ fn subscribed_rack(bytes: &[u8]) -> Option<String> {
 /// topic its name and partitions, then user data); `None` if it does not
 /// parse.
 fn assigned_partitions(bytes: &[u8], topic: &str) -> Option<Vec<i32>> {
-    let mut rest = bytes;
-    let mut take = |n: usize| -> Option<&[u8]> {
-        let (head, tail) = rest.split_at_checked(n)?;
-        rest = tail;
-        Some(head)
-    };
-    let _version = take(2)?;
-    let topics = i32::from_be_bytes(take(4)?.try_into().ok()?);
+    let mut fields = Fields(bytes);
+    let _version = fields.i16()?;
     let mut partitions = Vec::new();
-    for _ in 0..topics.max(0) {
-        let length = i16::from_be_bytes(take(2)?.try_into().ok()?);
-        let name = take(length.max(0) as usize)?;
-        let count = i32::from_be_bytes(take(4)?.try_into().ok()?);
-        for _ in 0..count.max(0) {
-            let partition = i32::from_be_bytes(take(4)?.try_into().ok()?);
+    for _ in 0..fields.count()? {
+        let name = fields.string()?;
+        for _ in 0..fields.count()? {
+            let partition = fields.i32()?;
             if name == topic.as_bytes() {
                 partitions.push(partition);
             }

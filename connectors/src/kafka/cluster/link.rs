@@ -28,6 +28,7 @@ use super::local::{self, Image};
 use super::{ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
+use crate::kafka::metadata;
 use crate::kafka::producer::{send, Deliveries, KafkaMessage};
 
 /// A `(topic, partition)`.
@@ -57,43 +58,7 @@ pub(crate) enum Mode {
     Live {
         owned: BTreeSet<TopicPartition>,
         transactions: Arc<Transactions>,
-        committed: Arc<CommittedReaders>,
     },
-}
-
-/// Clients that read the groups' committed offsets, kept from one run to
-/// the next: a new one would connect and look its group's coordinator up at
-/// every run's start, some 50 ms of every rebalance's pause.
-#[derive(Default)]
-pub(crate) struct CommittedReaders {
-    readers: Mutex<BTreeMap<String, Arc<ClosingConsumer>>>,
-}
-
-impl CommittedReaders {
-    /// The offsets `group` committed for `list`, read_committed and stable.
-    /// A reader that failed is not kept: the next read starts afresh.
-    fn read(
-        &self,
-        settings: &ClusterSettings,
-        group: &str,
-        list: TopicPartitionList,
-    ) -> KafkaResult<TopicPartitionList> {
-        let kept = lock(&self.readers).get(group).cloned();
-        let reader = match kept {
-            Some(reader) => reader,
-            None => {
-                let consumer: BaseConsumer = settings.committed_reader(group).create()?;
-                let reader = Arc::new(ClosingConsumer::new(consumer));
-                lock(&self.readers).insert(group.to_owned(), reader.clone());
-                reader
-            }
-        };
-        let read = reader.committed_offsets(list, settings.operation_timeout);
-        if read.is_err() {
-            lock(&self.readers).remove(group);
-        }
-        read
-    }
 }
 
 pub(crate) struct KafkaLink {
@@ -310,11 +275,15 @@ impl KafkaLink {
         list: TopicPartitionList,
         offsets: &mut Offsets,
     ) -> Result<()> {
-        let Mode::Live { committed, .. } = &self.mode else {
-            return Err(self.error("a probe reads no offsets"));
-        };
-        let committed = committed
-            .read(&self.settings, group, list)
+        // A client kept from run to run: a new one would connect and look
+        // the group's coordinator up first, some 50 ms of every rebalance's
+        // pause. One that failed is not kept.
+        let config = self.settings.committed_reader(group);
+        let reader = metadata::client(&config)
+            .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
+        let committed = reader
+            .committed_offsets(list, self.settings.operation_timeout)
+            .inspect_err(|_| metadata::forget(&config))
             .map_err(|e| self.error(format!("could not read the committed offsets: {e}")))?;
         for element in committed.elements() {
             let Offset::Offset(offset) = element.offset() else {

@@ -27,9 +27,7 @@ use rtflow_runtime::{
 };
 
 use super::departures::{members, Departures};
-use super::link::{
-    fence, CommittedReaders, KafkaLink, Mode, RestoreStats, TopicPartition, Transactions,
-};
+use super::link::{fence, KafkaLink, Mode, RestoreStats, TopicPartition, Transactions};
 use super::settle::{must_restart, Settling};
 use super::shape::{instance_of, list_group, Shape};
 use super::standby::{placement, Standby};
@@ -53,8 +51,6 @@ pub struct ClusteredQuery {
 struct Shared {
     settings: Arc<ClusterSettings>,
     transactions: Arc<Transactions>,
-    /// Read each run's starting offsets.
-    committed: Arc<CommittedReaders>,
     /// The partitions the group assigned to the process.
     assignment: Mutex<BTreeSet<TopicPartition>>,
     /// Bumped by every change of the assignment.
@@ -388,7 +384,6 @@ where
     }
     let shared = Arc::new(Shared {
         transactions: Arc::new(Transactions::open(&settings)?),
-        committed: Arc::default(),
         settings: settings.clone(),
         assignment: Mutex::default(),
         generation: AtomicU64::new(0),
@@ -713,7 +708,6 @@ where
         mode: Mode::Live {
             owned: owned.clone(),
             transactions: shared.transactions.clone(),
-            committed: shared.committed.clone(),
         },
     });
     let flow = Dataflow::clustered(config.name.clone(), link);

@@ -86,8 +86,8 @@ impl Shape {
             .iter()
             .flat_map(|group| group.members())
             .filter_map(|member| {
-                let (instance, rest) = member.client_id().split_once(FINGERPRINT_MARK)?;
-                Some((instance, fingerprint_of(rest)))
+                let client_id = member.client_id();
+                Some((instance_of(client_id)?, fingerprint_of(client_id)?))
             })
             .find(|(_, fingerprint)| *fingerprint != self.fingerprint);
         let Some((member, fingerprint)) = other else {
@@ -134,11 +134,14 @@ pub(crate) fn instance_of(client_id: &str) -> Option<&str> {
         .map(|(instance, _)| instance)
 }
 
-/// The fingerprint at the start of what follows the fingerprint mark; a
-/// process of an earlier version names no start after it.
-fn fingerprint_of(rest: &str) -> &str {
-    rest.split_once(START_MARK)
-        .map_or(rest, |(fingerprint, _)| fingerprint)
+/// The shape fingerprint a member's client id names; a process of an
+/// earlier version names no start after it.
+fn fingerprint_of(client_id: &str) -> Option<&str> {
+    let (_, rest) = client_id.split_once(FINGERPRINT_MARK)?;
+    Some(
+        rest.split_once(START_MARK)
+            .map_or(rest, |(fingerprint, _)| fingerprint),
+    )
 }
 
 fn shape_error(message: impl std::fmt::Display) -> RtflowError {
@@ -224,8 +227,7 @@ mod tests {
     fn a_client_id_names_its_instance_and_fingerprint_with_or_without_a_start() {
         for client_id in ["p-0.shape-00ff.start-1a2b", "p-0.shape-00ff"] {
             assert_eq!(instance_of(client_id), Some("p-0"));
-            let (_, rest) = client_id.split_once(FINGERPRINT_MARK).unwrap();
-            assert_eq!(fingerprint_of(rest), "00ff", "{client_id}");
+            assert_eq!(fingerprint_of(client_id), Some("00ff"), "{client_id}");
         }
     }
 
