@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::head::{Head, HEAD_FILE};
@@ -94,7 +94,21 @@ struct Compaction {
     /// The blobs it folds: their segments are kept from garbage collection while
     /// it reads them.
     chain: Vec<BlobRef>,
-    result: mpsc::Receiver<Result<Folded, String>>,
+    /// Joined, never left behind: the thread holds the store's segments (and
+    /// with them the location's lock) until it has ended.
+    thread: JoinHandle<Result<Folded, String>>,
+}
+
+impl Compaction {
+    /// Waits for the thread to end; its panic comes back as an error.
+    fn join(self) -> Result<Folded, String> {
+        self.thread.join().unwrap_or_else(|panic| {
+            let message = (panic.downcast_ref::<&str>().copied())
+                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("(no message)");
+            Err(format!("thread 'rtflow-compact' panicked: {message}"))
+        })
+    }
 }
 
 /// A prefix of a state's chain, folded into one base blob.
@@ -507,13 +521,12 @@ impl CheckpointStore {
     /// Returns whether a compaction started.
     pub fn compact(&mut self) -> Result<bool, StoreError> {
         if let Some(running) = &self.compaction {
-            match running.result.try_recv() {
-                Err(mpsc::TryRecvError::Empty) => return Ok(false),
-                Ok(folded) => self.folded = Some(folded.map_err(|e| self.io(e))?),
-                // The thread died without a word: let the next call start anew.
-                Err(mpsc::TryRecvError::Disconnected) => {}
+            if !running.thread.is_finished() {
+                return Ok(false);
             }
-            self.compaction = None;
+            if let Some(running) = self.compaction.take() {
+                self.folded = Some(running.join().map_err(|e| self.io(e))?);
+            }
         }
         if self.folded.is_some() {
             return Ok(false);
@@ -529,45 +542,33 @@ impl CheckpointStore {
             return Ok(false);
         };
         let (id, chain) = (id.clone(), chain.clone());
-        let (sender, result) = mpsc::sync_channel(1);
+        let chain_blobs = chain.blobs.clone();
         let segments = self.segments.clone();
-        let job = Compaction {
-            chain: chain.blobs.clone(),
-            result,
-        };
-        std::thread::Builder::new()
+        // A panic folding the chain fails the next commit, which joins this
+        // thread, rather than pass unseen.
+        let thread = std::thread::Builder::new()
             .name("rtflow-compact".into())
             .spawn(move || {
-                // A panic folding the chain fails the next commit, which waits
-                // for this result, rather than pass unseen.
-                let folded = std::panic::catch_unwind(|| {
-                    read_chain(&segments, &id, &chain)
-                        .map(|blobs| Folded {
-                            bytes: encode_blob(&merge(&blobs).iter().collect::<Vec<_>>()),
-                            state: id,
-                            chain: chain.blobs,
-                        })
-                        .map_err(|e| e.to_string())
-                })
-                .unwrap_or_else(|panic| {
-                    let message = (panic.downcast_ref::<&str>().copied())
-                        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-                        .unwrap_or("(no message)");
-                    Err(format!("thread 'rtflow-compact' panicked: {message}"))
-                });
-                let _ = sender.send(folded);
+                read_chain(&segments, &id, &chain)
+                    .map(|blobs| Folded {
+                        bytes: encode_blob(&merge(&blobs).iter().collect::<Vec<_>>()),
+                        state: id,
+                        chain: chain.blobs,
+                    })
+                    .map_err(|e| e.to_string())
             })
             .map_err(|e| self.io(e))?;
-        self.compaction = Some(job);
+        self.compaction = Some(Compaction {
+            chain: chain_blobs,
+            thread,
+        });
         Ok(true)
     }
 
     /// Waits for the running compaction, if any, so the next commit applies it.
     pub fn finish_compaction(&mut self) -> Result<(), StoreError> {
         if let Some(running) = self.compaction.take() {
-            if let Ok(folded) = running.result.recv() {
-                self.folded = Some(folded.map_err(|e| self.io(e))?);
-            }
+            self.folded = Some(running.join().map_err(|e| self.io(e))?);
         }
         Ok(())
     }
@@ -612,7 +613,7 @@ impl Drop for CheckpointStore {
     /// query once this one is gone.
     fn drop(&mut self) {
         if let Some(running) = self.compaction.take() {
-            let _ = running.result.recv();
+            let _ = running.join();
         }
     }
 }

@@ -337,7 +337,10 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Joins the actors' threads once every one has ended; from then on
+    /// there is no actor to give way to (see [`yield_to_actors`]).
     fn join_threads(&mut self) {
+        yield_to_actors(false);
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
@@ -659,7 +662,7 @@ impl Actor for Coordinator {
         let outcome = guard::engine(COORDINATOR_THREAD, || self.start_actors(startup, ctx));
         match outcome {
             Ok(()) => {
-                yield_to_actors();
+                yield_to_actors(true);
                 self.shared.activate();
                 let _ = started.send(Ok(()));
                 let event = QueryStartedEvent {
@@ -777,22 +780,30 @@ impl Handler<StopQuery> for Coordinator {
     }
 }
 
-/// Puts the calling thread (the coordinator) under `SCHED_IDLE`: its work
-/// (writing a checkpoint, building a progress report) gives way at once to an
-/// actor woken by a record, which a low nice value does not guarantee (the
-/// scheduler lets a running thread use up its slice first). On a saturated
-/// machine checkpoints therefore slow down instead of the records. Called once
-/// the actors run: a thread inherits the policy of the thread that starts it,
-/// and actors started after this would run at idle priority too, behind every
-/// other thread of the machine (sled's writers during a checkpoint among them).
-/// The compaction thread the coordinator starts later inherits it, as it should.
-fn yield_to_actors() {
+/// Puts the calling thread (the coordinator) under `SCHED_IDLE` while the
+/// actors run (`true`): its work (writing a checkpoint, building a progress
+/// report) gives way at once to an actor woken by a record, which a low nice
+/// value does not guarantee (the scheduler lets a running thread use up its
+/// slice first). On a saturated machine checkpoints therefore slow down instead
+/// of the records. Called once the actors run: a thread inherits the policy of
+/// the thread that starts it, and actors started after this would run at idle
+/// priority too, behind every other thread of the machine (sled's writers
+/// during a checkpoint among them). The compaction thread the coordinator
+/// starts later inherits it, as it should. Once the actors have ended
+/// (`false`) the coordinator takes the normal policy back: its teardown (the
+/// store's last flush) and its exit are what `stop()` waits for.
+fn yield_to_actors(yes: bool) {
     #[cfg(target_os = "linux")]
     // SAFETY: sched_setscheduler only reads `param`; `pid = 0` names the
     // calling thread. Failing leaves the policy as it was, which is only slower.
     unsafe {
+        let policy = if yes {
+            libc::SCHED_IDLE
+        } else {
+            libc::SCHED_OTHER
+        };
         let param = libc::sched_param { sched_priority: 0 };
-        libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
+        libc::sched_setscheduler(0, policy, &param);
     }
 }
 
