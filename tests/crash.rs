@@ -22,7 +22,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::kafka::{bootstrap, consume, consume_to_end, produce, topic};
+use common::kafka::{self, bootstrap, consume, consume_to_end, topic};
+use rdkafka::producer::{BaseRecord, Producer};
 use rtflow::prelude::*;
 
 /// How many times each test kills its child.
@@ -498,20 +499,31 @@ fn kafka_count_survives_repeated_sigkill() {
     let mut run = Run::new("kafka", &bootstrap);
     let mut schedule = Schedule::new();
 
-    // Input keeps arriving while the child is killed and restarted.
+    // Input keeps arriving while the child is killed and restarted, from one
+    // producer, 20 records every 10 ms: every epoch of a child (200 ms) reads
+    // some, the one the fail point below ends included, whose output its
+    // restart must then write again.
     let produced = Arc::new(AtomicUsize::new(0));
     let producing = Arc::new(AtomicBool::new(true));
     let producer = {
         let (bootstrap, input) = (bootstrap.clone(), run.input.clone());
         let (produced, producing) = (produced.clone(), producing.clone());
         std::thread::spawn(move || {
+            let producer = kafka::producer(&bootstrap);
             while producing.load(Ordering::Relaxed) {
                 let from = produced.load(Ordering::Relaxed);
-                let batch = (from..from + 20).map(|i| ((i % 3) as i32, kafka_key(i), Vec::new()));
-                produce(&bootstrap, &input, batch);
+                for i in from..from + 20 {
+                    let key = kafka_key(i);
+                    let record = BaseRecord::<String, [u8]>::to(&input)
+                        .partition((i % 3) as i32)
+                        .key(&key)
+                        .payload(&[]);
+                    kafka::send(&producer, record);
+                }
                 produced.store(from + 20, Ordering::Relaxed);
-                std::thread::sleep(Duration::from_millis(10));
+                producer.poll(Duration::from_millis(10));
             }
+            producer.flush(Duration::from_secs(30)).unwrap();
         })
     };
 

@@ -89,19 +89,24 @@ fn unique(name: &str) -> String {
     format!("{name}-{}-{nanos}-{made}", std::process::id())
 }
 
+/// An idempotent producer: retries through a broker's crash write each
+/// record once.
+pub fn producer(bootstrap: &str) -> BaseProducer {
+    ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("linger.ms", "5")
+        .set("enable.idempotence", "true")
+        .create()
+        .unwrap()
+}
+
 /// Writes `(partition, key, value)` records and waits until all are acknowledged.
 pub fn produce(
     bootstrap: &str,
     topic: &str,
     records: impl IntoIterator<Item = (i32, String, Vec<u8>)>,
 ) {
-    let producer: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("linger.ms", "5")
-        // Retries through a broker's crash write each record once.
-        .set("enable.idempotence", "true")
-        .create()
-        .unwrap();
+    let producer = producer(bootstrap);
     for (partition, key, value) in records {
         let record = BaseRecord::to(topic)
             .partition(partition)
