@@ -42,8 +42,6 @@
 
 #[path = "common/cluster.rs"]
 mod cluster;
-#[path = "common/transactions.rs"]
-mod transactions;
 
 use std::time::{Duration, Instant};
 
@@ -177,7 +175,7 @@ fn kafka_run(args: &Args) -> BenchResult<KafkaRun> {
         }
         producer.poll(Duration::ZERO);
         if committed.elapsed() >= COMMIT_INTERVAL {
-            transactions::commit_transaction(&producer, KAFKA_TIMEOUT)?;
+            producer.commit_transaction(KAFKA_TIMEOUT)?;
             producer.begin_transaction()?;
             committed = Instant::now();
         }
@@ -185,7 +183,7 @@ fn kafka_run(args: &Args) -> BenchResult<KafkaRun> {
             return Err(format!("copied {copied} of {} records", args.records).into());
         }
     }
-    transactions::commit_transaction(&producer, KAFKA_TIMEOUT)?;
+    producer.commit_transaction(KAFKA_TIMEOUT)?;
     let copy = started.elapsed();
     let copy_read_back = read_back.join().map_err(|_| "the read-back panicked")??;
     topics.delete(&args.common.bootstrap)?;

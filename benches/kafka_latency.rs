@@ -69,9 +69,6 @@
 //!
 //! The broker is `--bootstrap`, else `$RTFLOW_KAFKA_BOOTSTRAP`, else 127.0.0.1:9092.
 
-#[path = "common/transactions.rs"]
-mod transactions;
-
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -566,7 +563,7 @@ fn relay_exactly_once(
                     timeout,
                 )?;
             }
-            transactions::commit_transaction(&producer, timeout)?;
+            producer.commit_transaction(timeout)?;
             producer.begin_transaction()?;
             committed = Instant::now();
         }
@@ -581,7 +578,7 @@ fn relay_exactly_once(
         )?;
         forward(&producer, &message, output)?;
     }
-    transactions::commit_transaction(&producer, timeout)?;
+    producer.commit_transaction(timeout)?;
     Ok(())
 }
 
