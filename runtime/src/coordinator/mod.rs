@@ -180,16 +180,6 @@ pub(crate) struct Coordinator {
     checkpoints: Option<Checkpoints>,
     /// The latest committed epoch.
     epoch: Epoch,
-    /// A clustered run's first epochs, which end early (see
-    /// [`Coordinator::end_epoch_early`]).
-    early_epochs: EarlyEpochs,
-}
-
-/// How many more epochs end early, and how long after the one before.
-#[derive(Default)]
-struct EarlyEpochs {
-    left: usize,
-    after: Duration,
 }
 
 impl Coordinator {
@@ -218,25 +208,7 @@ impl Coordinator {
             progress: None,
             checkpoints: None,
             epoch: 0,
-            early_epochs: EarlyEpochs::default(),
         }
-    }
-
-    /// Ends an epoch a quarter of the batch duration from now. A clustered
-    /// run restarted by a rebalance starts on the backlog of its pause, which
-    /// only a commit makes visible downstream, once per repartition: its
-    /// first epochs, one per repartition and one for its output, each end a
-    /// quarter of the batch duration after the one before committed, so that
-    /// the backlog of a key that stayed reaches the output in about one batch
-    /// duration instead of one per repartition.
-    fn end_epoch_early(&mut self, ctx: &mut Context<Self>) {
-        if self.early_epochs.left == 0 {
-            return;
-        }
-        self.early_epochs.left -= 1;
-        ctx.run_later(self.early_epochs.after, |coordinator, ctx| {
-            coordinator.guarded(ctx, |coordinator, _| coordinator.trigger_checkpoint())
-        });
     }
 
     fn start_actors(&mut self, startup: Startup, ctx: &Context<Self>) -> Result<()> {
@@ -687,7 +659,6 @@ impl Actor for Coordinator {
         let started = startup.started.clone();
         let (progress_interval, batch_duration) =
             (startup.config.progress_interval, startup.batch_duration);
-        let repartitions = startup.plan.graph().repartitions;
         let outcome = guard::engine(COORDINATOR_THREAD, || self.start_actors(startup, ctx));
         match outcome {
             Ok(()) => {
@@ -708,12 +679,14 @@ impl Actor for Coordinator {
                 ctx.run_interval(batch_duration, |coordinator, ctx| {
                     coordinator.guarded(ctx, |coordinator, _| coordinator.trigger_checkpoint())
                 });
+                // A clustered run's first epoch ends sooner: a run restarted
+                // by a rebalance starts on the backlog of its pause, which
+                // only a commit makes visible downstream, once per
+                // repartition stage.
                 if self.shared.cluster.is_some() {
-                    self.early_epochs = EarlyEpochs {
-                        left: repartitions + 1,
-                        after: batch_duration / 4,
-                    };
-                    self.end_epoch_early(ctx);
+                    ctx.run_later(batch_duration / 4, |coordinator, ctx| {
+                        coordinator.guarded(ctx, |coordinator, _| coordinator.trigger_checkpoint())
+                    });
                 }
             }
             Err(error) => {
@@ -768,12 +741,9 @@ impl Handler<ActorReport> for Coordinator {
         if self.failure.is_some() {
             return;
         }
-        self.guarded(ctx, |coordinator, ctx| {
-            let committed = coordinator.epoch;
-            match coordinator.on_report(report) {
-                Err(error) => coordinator.fail(error),
-                Ok(()) if coordinator.epoch > committed => coordinator.end_epoch_early(ctx),
-                Ok(()) => {}
+        self.guarded(ctx, |coordinator, _| {
+            if let Err(error) = coordinator.on_report(report) {
+                coordinator.fail(error);
             }
         });
     }
