@@ -578,7 +578,7 @@ pub(crate) struct Batch {
 
 /// How long apart a commit refused for a group generation that just ended
 /// is tried again with the next one (for at most the operation timeout).
-const GENERATION_RETRY_PAUSE: Duration = Duration::from_millis(20);
+const GENERATION_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
 /// How one attempt at a transaction failed.
 struct Failed {
@@ -659,19 +659,11 @@ impl Transactions {
                 Ok(()) => return Ok(()),
                 Err(failed) => failed,
             };
+            let renewed = self.renew();
             if !failed.generation || std::time::Instant::now() >= deadline {
-                let _ = self.renew();
                 return Err(failed.error);
             }
-            // Refused before a record was produced: an abort leaves the
-            // producer as good as new, where a new one takes an
-            // `init_transactions` (0.2-0.7 s).
-            if lock(&self.producer)
-                .abort_transaction(self.timeout)
-                .is_err()
-            {
-                self.renew()?;
-            }
+            renewed?;
             tracing::debug!(epoch, "the group's generation changed; committing again");
             std::thread::sleep(GENERATION_RETRY_PAUSE);
         }
@@ -694,10 +686,16 @@ impl Transactions {
         producer
             .begin_transaction()
             .map_err(|e| failed("begin", &e))?;
-        // The offsets first: a generation that just ended refuses them
-        // before any record is produced, so that an abort leaves nothing
-        // behind (aborted records would leave a gap in the idempotent
-        // sequence, which only a new producer mends).
+        for batch in staged {
+            for message in &batch.messages {
+                send(&producer, message, batch.topic.as_deref(), &self.name).map_err(|error| {
+                    Failed {
+                        error,
+                        generation: false,
+                    }
+                })?;
+            }
+        }
         for (group, positions) in positions {
             // Cloned out of the lock, which the members' threads take to
             // hand on each new generation.
@@ -716,16 +714,6 @@ impl Transactions {
                     ),
                     ..failed("add the offsets to", &e)
                 })?;
-        }
-        for batch in staged {
-            for message in &batch.messages {
-                send(&producer, message, batch.topic.as_deref(), &self.name).map_err(|error| {
-                    Failed {
-                        error,
-                        generation: false,
-                    }
-                })?;
-            }
         }
         commit_transaction(&producer, self.timeout).map_err(|e| failed("commit", &e))?;
         producer
