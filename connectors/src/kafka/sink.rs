@@ -17,9 +17,7 @@ use rtflow_runtime::{
 use super::cluster;
 use super::exactly_once::TransactionalWriter;
 use super::metadata;
-use super::producer::{
-    flush, send, topic_of, Deliveries, KafkaMessage, ProducerSettings, Serialize,
-};
+use super::producer::{send, topic_of, Deliveries, KafkaMessage, ProducerSettings, Serialize};
 use super::{Options, DEFAULT_METADATA_TIMEOUT};
 
 /// What a [`KafkaSink`] promises about each record's delivery.
@@ -251,7 +249,7 @@ impl<T> KafkaWriter<T> {
     }
 
     fn flush_producer(&self) -> Result<()> {
-        flush(&self.producer, self.flush_timeout).map_err(|e| {
+        self.producer.flush(self.flush_timeout).map_err(|e| {
             RtflowError::sink(
                 &self.sink,
                 format!(

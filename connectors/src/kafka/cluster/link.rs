@@ -29,7 +29,7 @@ use super::{ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::metadata;
-use crate::kafka::producer::{commit_transaction, send, Deliveries, KafkaMessage};
+use crate::kafka::producer::{send, Deliveries, KafkaMessage};
 
 /// A `(topic, partition)`.
 pub(crate) type TopicPartition = (String, i32);
@@ -715,7 +715,9 @@ impl Transactions {
                     ..failed("add the offsets to", &e)
                 })?;
         }
-        commit_transaction(&producer, self.timeout).map_err(|e| failed("commit", &e))?;
+        producer
+            .commit_transaction(self.timeout)
+            .map_err(|e| failed("commit", &e))?;
         producer
             .context()
             .check(&self.name)
