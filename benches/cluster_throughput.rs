@@ -42,6 +42,8 @@
 
 #[path = "common/cluster.rs"]
 mod cluster;
+#[path = "common/transactions.rs"]
+mod transactions;
 
 use std::time::{Duration, Instant};
 
@@ -175,7 +177,7 @@ fn kafka_run(args: &Args) -> BenchResult<KafkaRun> {
         }
         producer.poll(Duration::ZERO);
         if committed.elapsed() >= COMMIT_INTERVAL {
-            producer.commit_transaction(KAFKA_TIMEOUT)?;
+            transactions::commit_transaction(&producer, KAFKA_TIMEOUT)?;
             producer.begin_transaction()?;
             committed = Instant::now();
         }
@@ -183,7 +185,7 @@ fn kafka_run(args: &Args) -> BenchResult<KafkaRun> {
             return Err(format!("copied {copied} of {} records", args.records).into());
         }
     }
-    producer.commit_transaction(KAFKA_TIMEOUT)?;
+    transactions::commit_transaction(&producer, KAFKA_TIMEOUT)?;
     let copy = started.elapsed();
     let copy_read_back = read_back.join().map_err(|_| "the read-back panicked")??;
     topics.delete(&args.common.bootstrap)?;

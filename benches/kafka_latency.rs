@@ -69,6 +69,9 @@
 //!
 //! The broker is `--bootstrap`, else `$RTFLOW_KAFKA_BOOTSTRAP`, else 127.0.0.1:9092.
 
+#[path = "common/transactions.rs"]
+mod transactions;
+
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -563,7 +566,7 @@ fn relay_exactly_once(
                     timeout,
                 )?;
             }
-            producer.commit_transaction(timeout)?;
+            transactions::commit_transaction(&producer, timeout)?;
             producer.begin_transaction()?;
             committed = Instant::now();
         }
@@ -578,7 +581,7 @@ fn relay_exactly_once(
         )?;
         forward(&producer, &message, output)?;
     }
-    producer.commit_transaction(timeout)?;
+    transactions::commit_transaction(&producer, timeout)?;
     Ok(())
 }
 
