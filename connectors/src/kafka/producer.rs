@@ -1,8 +1,9 @@
 //! What the two Kafka writers share: the message a record becomes
 //! ([`KafkaMessage`]), the settings a writer is opened with
 //! ([`ProducerSettings`], made by [`KafkaSink`](super::KafkaSink)), the
-//! producer's delivery tracking ([`Deliveries`]) and [`send`] with
-//! backpressure. The at-least-once writer (`sink`) and the exactly-once one
+//! producer's delivery tracking ([`Deliveries`]), [`send`] with
+//! backpressure, and a [`flush`] and [`commit_transaction`] that do not sleep.
+//! The at-least-once writer (`sink`) and the exactly-once one
 //! (`exactly_once`) build on it, and neither on the other.
 
 use std::sync::{Arc, Mutex};
@@ -175,6 +176,41 @@ pub(crate) fn send(
             }
         }
     }
+}
+
+/// Waits at most `timeout` until every message handed to `producer` was
+/// delivered or failed (its report seen by [`Deliveries`]), sending what
+/// lingers at once.
+///
+/// rust-rdkafka's own `flush` polls the producer's event queue from the
+/// calling thread in slices of 100 ms; a `ThreadedProducer`'s thread serves
+/// that queue, so the caller sleeps its slice out while the reports land on
+/// the other thread. A flush, and every `commit_transaction` (which flushes
+/// first), took at least 100 ms whenever a message was in flight: a bare
+/// transaction of 20 records committed in 101-105 ms against 9-28 ms this way.
+/// librdkafka's flush waits on its count of messages instead.
+pub(crate) fn flush<C: ProducerContext + 'static>(
+    producer: &ThreadedProducer<C>,
+    timeout: Duration,
+) -> std::result::Result<(), KafkaError> {
+    let millis = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: the handle is the producer's own and outlives the call, which
+    // librdkafka allows from any thread.
+    let code = unsafe { rdkafka::bindings::rd_kafka_flush(producer.client().native_ptr(), millis) };
+    match RDKafkaErrorCode::from(code) {
+        RDKafkaErrorCode::NoError => Ok(()),
+        error => Err(KafkaError::Flush(error)),
+    }
+}
+
+/// Commits `producer`'s transaction after a [`flush`], so that rust-rdkafka's
+/// own flush in `commit_transaction` finds nothing in flight.
+pub(crate) fn commit_transaction<C: ProducerContext + 'static>(
+    producer: &ThreadedProducer<C>,
+    timeout: Duration,
+) -> std::result::Result<(), KafkaError> {
+    flush(producer, timeout)?;
+    producer.commit_transaction(timeout)
 }
 
 impl ClientContext for Deliveries {}

@@ -17,7 +17,9 @@ use rtflow_runtime::{
 use super::cluster;
 use super::exactly_once::TransactionalWriter;
 use super::metadata;
-use super::producer::{send, topic_of, Deliveries, KafkaMessage, ProducerSettings, Serialize};
+use super::producer::{
+    flush, send, topic_of, Deliveries, KafkaMessage, ProducerSettings, Serialize,
+};
 use super::{Options, DEFAULT_METADATA_TIMEOUT};
 
 /// What a [`KafkaSink`] promises about each record's delivery.
@@ -249,7 +251,7 @@ impl<T> KafkaWriter<T> {
     }
 
     fn flush_producer(&self) -> Result<()> {
-        self.producer.flush(self.flush_timeout).map_err(|e| {
+        flush(&self.producer, self.flush_timeout).map_err(|e| {
             RtflowError::sink(
                 &self.sink,
                 format!(

@@ -29,7 +29,7 @@ use super::{ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::metadata;
-use crate::kafka::producer::{send, Deliveries, KafkaMessage};
+use crate::kafka::producer::{commit_transaction, send, Deliveries, KafkaMessage};
 
 /// A `(topic, partition)`.
 pub(crate) type TopicPartition = (String, i32);
@@ -322,12 +322,23 @@ impl KafkaLink {
             .create_with_context(EndsExpected)
             .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
         let consumer = ClosingConsumer::new(consumer);
+        // The end to read to is the high watermark, which a read_uncommitted
+        // client is told. A read_committed one is told the last stable
+        // offset, which stays at the start of a transaction until the broker
+        // has written its commit markers, some time after the commit
+        // returned; the committed offsets, read before, wait for them. A run
+        // restored right after the previous one committed then resumed from
+        // the new offsets with the state as it was before that commit.
+        let ends = metadata::client(&self.settings.uncommitted_reader())
+            .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
         let mut list = TopicPartitionList::new();
         let mut images: BTreeMap<i32, Image> = BTreeMap::new();
+        let mut high_watermarks: BTreeMap<i32, i64> = BTreeMap::new();
         for partition in partitions {
-            let (low, high) = consumer
+            let (low, high) = ends
                 .fetch_watermarks(changelog, *partition, self.settings.operation_timeout)
                 .map_err(|e| self.error(format!("could not read the changelog's end: {e}")))?;
+            high_watermarks.insert(*partition, high);
             let copies = self.settings.copies.as_ref();
             let image = local::resume(copies, changelog, *partition, (low, high));
             read.local_bytes += image.bytes();
@@ -344,7 +355,17 @@ impl KafkaLink {
                 .map_err(|e| self.error(format!("could not read the changelog: {e}")))?;
         }
         let deadline = std::time::Instant::now() + self.settings.restore_timeout;
+        // The partitions read to a transaction still open, since when.
+        let mut at_open_transaction: BTreeMap<i32, std::time::Instant> = BTreeMap::new();
         while !open.is_empty() {
+            at_open_transaction.retain(|partition, since| {
+                let waiting = since.elapsed() < OPEN_TRANSACTION_GRACE;
+                if !waiting {
+                    tracing::warn!(changelog, partition, grace = ?OPEN_TRANSACTION_GRACE, "a changelog transaction stayed open; restoring what was committed before it");
+                    open.remove(partition);
+                }
+                waiting
+            });
             if std::time::Instant::now() > deadline {
                 return Err(self.error(format!(
                     "the changelog '{changelog}' was not read to its end within {:?}",
@@ -367,15 +388,28 @@ impl KafkaLink {
                     let position = consumer
                         .position()
                         .map_err(|e| self.error(format!("could not read a position: {e}")))?;
-                    if let (Some(Offset::Offset(offset)), Some(image)) = (
-                        position
-                            .find_partition(changelog, partition)
-                            .map(|p| p.offset()),
-                        images.get_mut(&partition),
-                    ) {
-                        image.offset = offset;
+                    let offset = position
+                        .find_partition(changelog, partition)
+                        .map(|p| p.offset());
+                    let (Some(Offset::Offset(offset)), Some(image)) =
+                        (offset, images.get_mut(&partition))
+                    else {
+                        open.remove(&partition);
+                        continue;
+                    };
+                    image.offset = offset;
+                    // Short of the high watermark, the read stopped at a
+                    // transaction: one committed whose markers are on their
+                    // way, or one a process left open, which its fencing or
+                    // its timeout aborts.
+                    if offset < high_watermarks.get(&partition).copied().unwrap_or(0) {
+                        at_open_transaction
+                            .entry(partition)
+                            .or_insert_with(std::time::Instant::now);
+                    } else {
+                        at_open_transaction.remove(&partition);
+                        open.remove(&partition);
                     }
-                    open.remove(&partition);
                 }
                 Some(Err(error)) => {
                     tracing::warn!(%error, "changelog read error; retrying");
@@ -394,6 +428,11 @@ impl KafkaLink {
         Ok((fold.into_states()?, read))
     }
 }
+
+/// How long a restore waits for a changelog transaction it reached to end
+/// (its commit markers, written after the commit returned, or the abort of a
+/// process fenced meanwhile) before it restores what was committed before it.
+const OPEN_TRANSACTION_GRACE: Duration = Duration::from_secs(5);
 
 /// What a restore read: from local copies, and from the changelog.
 #[derive(Debug, Default, Clone, Copy)]
@@ -715,9 +754,7 @@ impl Transactions {
                     ..failed("add the offsets to", &e)
                 })?;
         }
-        producer
-            .commit_transaction(self.timeout)
-            .map_err(|e| failed("commit", &e))?;
+        commit_transaction(&producer, self.timeout).map_err(|e| failed("commit", &e))?;
         producer
             .context()
             .check(&self.name)

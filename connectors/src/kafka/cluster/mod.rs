@@ -394,6 +394,14 @@ impl ClusterSettings {
         config
     }
 
+    /// A client that is told partitions' high watermarks, past transactions
+    /// still open or whose markers are on their way.
+    pub(crate) fn uncommitted_reader(&self) -> ClientConfig {
+        let mut config = self.client_config();
+        config.set("isolation.level", "read_uncommitted");
+        config
+    }
+
     /// A client configuration: the brokers, then the user's options.
     pub(crate) fn client_config(&self) -> ClientConfig {
         self.options

@@ -13,7 +13,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::groups::GroupList;
 use rdkafka::producer::DefaultProducerContext;
-use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
+use rdkafka::producer::{BaseRecord, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::key_groups::stable_hash;
@@ -22,6 +22,7 @@ use rtflow_runtime::{Result, RtflowError};
 use super::ClusterSettings;
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
+use crate::kafka::producer::flush;
 
 /// Separates a member's instance from its fingerprint in its client id.
 const FINGERPRINT_MARK: &str = ".shape-";
@@ -63,8 +64,7 @@ impl Shape {
         producer
             .send(BaseRecord::to(&topic).key(&self.fingerprint).payload(&text))
             .map_err(|(e, _)| shape_error(format!("could not publish the shape: {e}")))?;
-        producer
-            .flush(settings.operation_timeout)
+        flush(&producer, settings.operation_timeout)
             .map_err(|e| shape_error(format!("could not publish the shape: {e}")))
     }
 

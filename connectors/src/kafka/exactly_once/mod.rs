@@ -46,7 +46,10 @@ use rtflow_runtime::{Data, Epoch, Record, Result, RtflowError, SinkContext, Sink
 
 use self::outbox::{Outbox, Pending, Transactions};
 use super::admin::KafkaAdmin;
-use super::producer::{send, Deliveries, KafkaMessage, ProducerSettings, Serialize as SerializeFn};
+use super::producer::{
+    commit_transaction, flush, send, Deliveries, KafkaMessage, ProducerSettings,
+    Serialize as SerializeFn,
+};
 
 /// The name of the writer's state within its sink.
 const PENDING: &str = "pending";
@@ -252,7 +255,7 @@ impl Transactions for KafkaTransactions {
     }
 
     fn flush(&mut self) -> Result<()> {
-        self.producer.flush(self.timeout).map_err(|e| {
+        flush(&self.producer, self.timeout).map_err(|e| {
             self.error(format!(
                 "records not acknowledged within {:?}: {e}",
                 self.timeout
@@ -274,13 +277,11 @@ impl Transactions for KafkaTransactions {
         self.producer
             .send(record)
             .map_err(|(e, _)| self.error(format!("could not write the commit record: {e}")))?;
-        self.producer
-            .commit_transaction(self.timeout)
-            .map_err(|e| {
-                self.error(format!(
-                    "could not commit the transaction of epoch {epoch}: {e}"
-                ))
-            })?;
+        commit_transaction(&self.producer, self.timeout).map_err(|e| {
+            self.error(format!(
+                "could not commit the transaction of epoch {epoch}: {e}"
+            ))
+        })?;
         self.in_transaction = false;
         self.check()
     }
