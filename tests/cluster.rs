@@ -956,6 +956,69 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     cluster.await_and_check(&expected_counts, &expected_windows);
 }
 
+/// A transaction left open on the changelog by a writer nobody fences holds
+/// a restore until it ends: the state committed after it (a
+/// `read_committed` reader sees none of it before then) is restored with
+/// the offsets it went with. A restore that stopped waiting after 5 s once
+/// resumed from those offsets without that state, and counts started again.
+#[test]
+fn a_restore_waits_for_a_changelog_transaction_left_open() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let total = 3_000;
+    let third = total / 3;
+    cluster.start(&["p0"], 0..third, Duration::from_secs(90));
+    let open = leave_a_transaction_open(&bootstrap, &format!("rtflow-{}-changelog", cluster.query));
+    produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
+    let (counts, _) = cluster.outputs(2 * third, 0, Duration::from_secs(90));
+    assert!(
+        counts.len() >= 2 * third,
+        "no progress:\n{}",
+        cluster.logs()
+    );
+    cluster.kill("p0");
+    cluster.spawn("p0");
+    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
+    produce(&bootstrap, &cluster.input, flush_records());
+    // Past the 5 s after which the restore used to give up on it.
+    std::thread::sleep(Duration::from_secs(8));
+    open.abort_transaction(Duration::from_secs(30)).unwrap();
+    let (expected_counts, expected_windows) = reference(total);
+    cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
+/// Begins a transaction of a producer no process of the query knows, with a
+/// record in every partition of `topic`, and leaves it open.
+fn leave_a_transaction_open(bootstrap: &str, topic: &str) -> BaseProducer {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("transactional.id", format!("{topic}-left-open"))
+        .set("transaction.timeout.ms", "120000")
+        .create()
+        .unwrap();
+    producer.init_transactions(Duration::from_secs(30)).unwrap();
+    producer.begin_transaction().unwrap();
+    let metadata = producer
+        .client()
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .unwrap();
+    let partitions = metadata.topics()[0].partitions().len() as i32;
+    assert!(partitions > 0, "the changelog '{topic}' has no partitions");
+    for partition in 0..partitions {
+        producer
+            .send(
+                rdkafka::producer::BaseRecord::to(topic)
+                    .partition(partition)
+                    .key("left open")
+                    .payload("never committed"),
+            )
+            .map_err(|(e, _)| e)
+            .unwrap();
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+    producer
+}
+
 /// A process SIGKILLed and restarted under its name before its session
 /// times out rejoins the groups as the static member it was: it takes back
 /// the partitions it had, the others run on without a rebalance (not one

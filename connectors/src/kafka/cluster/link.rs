@@ -333,42 +333,46 @@ impl KafkaLink {
             .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
         let mut list = TopicPartitionList::new();
         let mut images: BTreeMap<i32, Image> = BTreeMap::new();
-        let mut high_watermarks: BTreeMap<i32, i64> = BTreeMap::new();
+        // The partitions still to read, each with the end to read it to.
+        let mut open: BTreeMap<i32, i64> = BTreeMap::new();
         for partition in partitions {
             let (low, high) = ends
                 .fetch_watermarks(changelog, *partition, self.settings.operation_timeout)
                 .map_err(|e| self.error(format!("could not read the changelog's end: {e}")))?;
-            high_watermarks.insert(*partition, high);
             let copies = self.settings.copies.as_ref();
             let image = local::resume(copies, changelog, *partition, (low, high));
             read.local_bytes += image.bytes();
             if image.offset < high {
                 list.add_partition_offset(changelog, *partition, Offset::Offset(image.offset))
                     .map_err(|e| self.error(e))?;
+                open.insert(*partition, high);
             }
             images.insert(*partition, image);
         }
-        let mut open: BTreeSet<i32> = list.elements().iter().map(|e| e.partition()).collect();
         if !open.is_empty() {
             consumer
                 .assign(&list)
                 .map_err(|e| self.error(format!("could not read the changelog: {e}")))?;
         }
         let deadline = std::time::Instant::now() + self.settings.restore_timeout;
-        // The partitions read to a transaction still open, since when.
-        let mut at_open_transaction: BTreeMap<i32, std::time::Instant> = BTreeMap::new();
+        // Since when the read has waited at a transaction still open, and
+        // whether that was told.
+        let mut held_since: Option<std::time::Instant> = None;
+        let mut told = false;
         while !open.is_empty() {
-            at_open_transaction.retain(|partition, since| {
-                let waiting = since.elapsed() < OPEN_TRANSACTION_GRACE;
-                if !waiting {
-                    tracing::warn!(changelog, partition, grace = ?OPEN_TRANSACTION_GRACE, "a changelog transaction stayed open; restoring what was committed before it");
-                    open.remove(partition);
-                }
-                waiting
-            });
+            let held_for = held_since.map(|since| since.elapsed());
+            if !told && held_for.is_some_and(|held| held >= OPEN_TRANSACTION_NOTICE) {
+                tracing::warn!(changelog, partitions = ?open.keys(), transaction_timeout = ?self.settings.transaction_timeout, "the restore waits for a changelog transaction left open: a process gone unfenced, whose transaction timeout ends it");
+                told = true;
+            }
             if std::time::Instant::now() > deadline {
+                let why = if held_for.is_some() {
+                    ": a transaction there stayed open"
+                } else {
+                    ""
+                };
                 return Err(self.error(format!(
-                    "the changelog '{changelog}' was not read to its end within {:?}",
+                    "the changelog '{changelog}' was not read to its end within {:?}{why}",
                     self.settings.restore_timeout
                 )));
             }
@@ -401,13 +405,12 @@ impl KafkaLink {
                     // Short of the high watermark, the read stopped at a
                     // transaction: one committed whose markers are on their
                     // way, or one a process left open, which its fencing or
-                    // its timeout aborts.
-                    if offset < high_watermarks.get(&partition).copied().unwrap_or(0) {
-                        at_open_transaction
-                            .entry(partition)
-                            .or_insert_with(std::time::Instant::now);
+                    // its timeout aborts. It is waited for either way:
+                    // restoring without it could leave out state that
+                    // committed offsets went with, behind it or in it.
+                    if open.get(&partition).is_some_and(|high| offset < *high) {
+                        held_since.get_or_insert_with(std::time::Instant::now);
                     } else {
-                        at_open_transaction.remove(&partition);
                         open.remove(&partition);
                     }
                 }
@@ -431,8 +434,9 @@ impl KafkaLink {
 
 /// How long a restore waits for a changelog transaction it reached to end
 /// (its commit markers, written after the commit returned, or the abort of a
-/// process fenced meanwhile) before it restores what was committed before it.
-const OPEN_TRANSACTION_GRACE: Duration = Duration::from_secs(5);
+/// process fenced meanwhile, both within a second as a rule) before it says
+/// so.
+const OPEN_TRANSACTION_NOTICE: Duration = Duration::from_secs(5);
 
 /// What a restore read: from local copies, and from the changelog.
 #[derive(Debug, Default, Clone, Copy)]
@@ -698,11 +702,18 @@ impl Transactions {
                 Ok(()) => return Ok(()),
                 Err(failed) => failed,
             };
-            let renewed = self.renew();
             if !failed.generation || std::time::Instant::now() >= deadline {
+                let _ = self.renew();
                 return Err(failed.error);
             }
-            renewed?;
+            // Refused before any record of the epoch was produced, the
+            // transaction aborts cleanly and the same producer makes it
+            // again: a new one takes most of a second to initialise, which a
+            // rebalance's final commit would add to every key's pause.
+            let aborted = lock(&self.producer).abort_transaction(self.timeout);
+            if aborted.is_err() {
+                self.renew()?;
+            }
             tracing::debug!(epoch, "the group's generation changed; committing again");
             std::thread::sleep(GENERATION_RETRY_PAUSE);
         }
@@ -725,16 +736,10 @@ impl Transactions {
         producer
             .begin_transaction()
             .map_err(|e| failed("begin", &e))?;
-        for batch in staged {
-            for message in &batch.messages {
-                send(&producer, message, batch.topic.as_deref(), &self.name).map_err(|error| {
-                    Failed {
-                        error,
-                        generation: false,
-                    }
-                })?;
-            }
-        }
+        // The offsets go first: a generation that just ended refuses them
+        // before anything is produced, and only then may the abort leave the
+        // producer fit for another try (aborted records would leave a gap
+        // in its idempotent sequence numbers: OUT_OF_ORDER_SEQUENCE_NUMBER).
         for (group, positions) in positions {
             // Cloned out of the lock, which the members' threads take to
             // hand on each new generation.
@@ -753,6 +758,16 @@ impl Transactions {
                     ),
                     ..failed("add the offsets to", &e)
                 })?;
+        }
+        for batch in staged {
+            for message in &batch.messages {
+                send(&producer, message, batch.topic.as_deref(), &self.name).map_err(|error| {
+                    Failed {
+                        error,
+                        generation: false,
+                    }
+                })?;
+            }
         }
         commit_transaction(&producer, self.timeout).map_err(|e| failed("commit", &e))?;
         producer
