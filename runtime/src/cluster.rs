@@ -15,7 +15,10 @@
 //! or the previous stage's repartition partitions), and each reader takes,
 //! per partition it reads, the minimum over all source partitions of the
 //! largest watermark heard of each ([`UpstreamWatermarks`]), the min-of-max
-//! rule of one process.
+//! rule of one process. With each word the writers also tell how far each
+//! source partition's records went ([`WritersProgress::passed`]): whatever a
+//! committed offset passed is then known to every reader, whichever run
+//! reads the partition next.
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
@@ -186,6 +189,12 @@ pub struct WritersProgress {
     /// Every writer ended the epochs up to this one (`Epoch::MAX`: their input).
     told_through: Option<Epoch>,
     progress: WriterProgress,
+    /// How far the records of each source partition went (their own
+    /// watermark), as the writers merged it, and as last told.
+    passed: BTreeMap<u32, EventTime>,
+    passed_told: BTreeMap<u32, EventTime>,
+    /// What the last word found passed since the one before, to tell.
+    to_pass: Vec<(u32, EventTime)>,
 }
 
 impl WritersProgress {
@@ -198,7 +207,50 @@ impl WritersProgress {
             writers: vec![None; writers],
             told_through: None,
             progress: WriterProgress::default(),
+            passed: BTreeMap::new(),
+            passed_told: BTreeMap::new(),
+            to_pass: Vec::new(),
         }
+    }
+
+    /// The records of source partition `partition` a writer forwarded
+    /// reached `watermark`: their largest event time, less the delay of the
+    /// `with_watermark` they came through. Merged before the writer ends
+    /// its epoch, and told with the word that follows once every writer
+    /// has ([`take_passed`](Self::take_passed)).
+    ///
+    /// A run that ends before its `with_watermark` emits a watermark (it
+    /// waits for every partition it reads to deliver) still commits the
+    /// offsets of the records it read: told nothing, the next run of their
+    /// partition would not know how far it got, and would take a late
+    /// record that is its first for one on time.
+    pub fn passed(&mut self, partition: u32, watermark: EventTime) {
+        let passed = self.passed.entry(partition).or_insert(watermark);
+        *passed = (*passed).max(watermark);
+    }
+
+    /// How far each source partition went that went further since the last
+    /// word, if the last call of [`reached`](Self::reached) or
+    /// [`ended`](Self::ended) gave the word: to tell before its progress.
+    ///
+    /// ```
+    /// use rtflow_runtime::cluster::{WriterInput, WritersProgress};
+    /// let mut writers = WritersProgress::new(2, 4);
+    /// writers.join(&[0, 1]);
+    /// writers.passed(0, 900);
+    /// writers.reached(0, 7, WriterInput::default());
+    /// assert!(writers.take_passed().is_empty(), "writer 1 has not ended epoch 7");
+    /// writers.passed(0, 800);
+    /// writers.passed(1, 950);
+    /// writers.reached(1, 7, WriterInput::default());
+    /// assert_eq!(writers.take_passed(), [(0, 900), (1, 950)]);
+    /// writers.passed(1, 990);
+    /// writers.reached(0, 8, WriterInput::default());
+    /// writers.reached(1, 8, WriterInput::default());
+    /// assert_eq!(writers.take_passed(), [(1, 990)], "only what went further");
+    /// ```
+    pub fn take_passed(&mut self) -> Vec<(u32, EventTime)> {
+        std::mem::take(&mut self.to_pass)
     }
 
     /// A writer that forwards the records of source `partitions`.
@@ -239,6 +291,13 @@ impl WritersProgress {
             return Vec::new();
         }
         self.told_through = Some(through);
+        self.to_pass = self
+            .passed
+            .iter()
+            .filter(|(partition, watermark)| self.passed_told.get(partition) < Some(watermark))
+            .map(|(partition, watermark)| (*partition, *watermark))
+            .collect();
+        self.passed_told.extend(self.to_pass.iter().copied());
         let inputs: Vec<WriterInput> = self.writers.iter().flatten().map(|(_, i)| *i).collect();
         let active: Vec<&WriterInput> = inputs.iter().filter(|i| !i.idle).collect();
         if active.is_empty() {
@@ -458,6 +517,27 @@ impl UpstreamWatermarks {
             let told = self.told.get(&partition).map_or(0, |told| told[0]);
             told >= self.stale_before
         })
+    }
+
+    /// Takes in how far the records of some source partitions went (each
+    /// one's own watermark, [`WritersProgress::passed`]): a partition's
+    /// watermark is at least that, so a record of it behind that is behind
+    /// whichever run reads it next. The staleness of what was told stays as
+    /// the words of progress left it.
+    ///
+    /// ```
+    /// use rtflow_runtime::cluster::{UpstreamProgress, UpstreamWatermarks};
+    /// let mut partition = UpstreamWatermarks::default();
+    /// partition.passed(&[(0, 900)]);
+    /// partition.update(&UpstreamProgress { upstream: 2, partitions: vec![0, 1], watermark: Some(500) });
+    /// assert!(partition.is_behind(0, 800), "its records went to 900");
+    /// assert_eq!(partition.watermark(), Some(500));
+    /// ```
+    pub fn passed(&mut self, passed: &[(u32, EventTime)]) {
+        for (partition, watermark) in passed {
+            let latest = self.watermarks.entry(*partition).or_insert(*watermark);
+            *latest = (*latest).max(*watermark);
+        }
     }
 
     /// Whether a record of source partition `partition` at `event_time`,

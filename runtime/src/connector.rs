@@ -372,6 +372,10 @@ pub struct SinkContext {
     pub source_partitions: Vec<u32>,
     /// How many source partitions feed the sink over all its writers.
     pub upstream_partitions: u32,
+    /// The delay of the `with_watermark` every record reaches the sink
+    /// through, if one is on every way from a source: a source partition's
+    /// own watermark is then the largest event time of its records less it.
+    pub watermark_delay: Option<Duration>,
     /// In a clustered query, the process's link to its cluster.
     pub cluster: Option<Arc<dyn ClusterLink>>,
 }

@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crossbeam_channel::Sender;
 use rtflow_checkpoint::Offsets;
@@ -447,6 +448,24 @@ impl Plan {
             .sum()
     }
 
+    /// The largest delay of the `with_watermark`s on the ways from the
+    /// sources to `id`, if every way has one.
+    fn watermark_delay_before(&self, id: NodeId) -> Option<Duration> {
+        let node = &self.graph.nodes[id];
+        if node.watermark_delay.is_some() {
+            return node.watermark_delay;
+        }
+        if node.inputs.is_empty() || matches!(node.body, Body::Source(..)) {
+            return None;
+        }
+        node.inputs
+            .iter()
+            .map(|edge| self.watermark_delay_before(edge.from))
+            .collect::<Option<Vec<_>>>()?
+            .into_iter()
+            .max()
+    }
+
     fn collect_sources(&self, node: NodeId, found: &mut BTreeSet<NodeId>) {
         if matches!(self.graph.nodes[node].body, Body::Source(..)) {
             found.insert(node);
@@ -571,6 +590,7 @@ impl Plan {
                                 state,
                                 source_partitions: self.partitions_reaching(id, subtask),
                                 upstream_partitions: self.upstream_partition_count(id),
+                                watermark_delay: self.watermark_delay_before(id),
                                 cluster: self.graph.cluster.clone(),
                             };
                             let (sender, receiver) = crossbeam_channel::unbounded();

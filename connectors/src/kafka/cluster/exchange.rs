@@ -51,6 +51,9 @@ enum Wire {
         payload: Vec<u8>,
     },
     Progress(UpstreamProgress),
+    /// How far the records of source partitions went, each one's own
+    /// watermark ([`UpstreamWatermarks::passed`]), told before the progress.
+    Passed(Vec<(u32, EventTime)>),
 }
 
 fn encode(wire: &Wire) -> Vec<u8> {
@@ -260,6 +263,16 @@ impl Sink<Exchanged> for ExchangeSink {
             barrier: false,
             input: WriterInput::default(),
             told: self.told.clone(),
+            passed: match ctx.watermark_delay {
+                Some(_) => {
+                    let reaching = ctx.source_partitions.iter().max().map_or(0, |p| p + 1);
+                    vec![EventTime::MIN; reaching as usize]
+                }
+                None => Vec::new(),
+            },
+            delay: ctx
+                .watermark_delay
+                .map_or(0, |d| d.as_millis() as EventTime),
         }))
     }
 }
@@ -278,6 +291,11 @@ struct ExchangeWriter {
     barrier: bool,
     input: WriterInput,
     told: Arc<Mutex<Option<Told>>>,
+    /// The largest event time of the records written, by source partition
+    /// number (`EventTime::MIN` for none yet); empty when no
+    /// `with_watermark` is on every way here, whose delay is the next field.
+    passed: Vec<EventTime>,
+    delay: EventTime,
 }
 
 impl ExchangeWriter {
@@ -297,13 +315,24 @@ impl ExchangeWriter {
     fn report(&self, epoch: Epoch, ended: bool) {
         let mut told = lock(&self.told);
         let told = told.as_mut().expect("made with the first writer");
+        for (partition, largest) in self.passed.iter().enumerate() {
+            if *largest > EventTime::MIN {
+                told.progress
+                    .passed(partition as u32, largest.saturating_sub(self.delay));
+            }
+        }
         let progress = if ended {
             told.progress.ended(self.subtask, self.input)
         } else {
             told.progress.reached(self.subtask, epoch, self.input)
         };
-        for progress in progress {
-            let value = encode(&Wire::Progress(progress));
+        let passed = told.progress.take_passed();
+        let words = (!passed.is_empty())
+            .then_some(Wire::Passed(passed))
+            .into_iter()
+            .chain(progress.into_iter().map(Wire::Progress));
+        for word in words {
+            let value = encode(&word);
             for partition in 0..self.partitions {
                 told.staging.push(KafkaMessage {
                     topic: None,
@@ -324,6 +353,9 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
         let group = key_group(record.value.key_hash, self.key_groups) as u32;
         let partition = (group % self.partitions) as usize;
         let event_time = record.meta.event_time;
+        if let Some(largest) = self.passed.get_mut(record.meta.partition as usize) {
+            *largest = (*largest).max(event_time);
+        }
         let frame = &mut self.frames[partition];
         frame.add(&Wire::Record {
             event_time,
@@ -593,6 +625,10 @@ impl SourceReader<Exchanged> for ExchangeReader {
                             }
                             Wire::Progress(progress) => {
                                 partition.watermarks.update(&progress);
+                                told = true;
+                            }
+                            Wire::Passed(passed) => {
+                                partition.watermarks.passed(&passed);
                                 told = true;
                             }
                         }

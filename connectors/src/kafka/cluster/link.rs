@@ -25,7 +25,7 @@ use rtflow_runtime::{Epoch, Result, RtflowError, Sink, Source};
 use super::changelog::{self, Fold};
 use super::exchange::{ExchangeSink, ExchangeSource};
 use super::local::{self, Image};
-use super::{ClusterSettings, WATERMARK_MARK};
+use super::{coordinator_moving, ClusterSettings, COORDINATOR_RETRY_PAUSE, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::metadata;
@@ -281,10 +281,20 @@ impl KafkaLink {
         let config = self.settings.committed_reader(group);
         let reader = metadata::client(&config)
             .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
-        let committed = reader
-            .committed_offsets(list, self.settings.operation_timeout)
-            .inspect_err(|_| metadata::forget(&config))
-            .map_err(|e| self.error(format!("could not read the committed offsets: {e}")))?;
+        // While a broker's death moves the group's coordinator, the read is
+        // refused for a few seconds: asked again, not failed, or the quick
+        // restarts of a run would use up its tries within a second.
+        let deadline = std::time::Instant::now() + self.settings.operation_timeout;
+        let committed = loop {
+            match reader.committed_offsets(list.clone(), self.settings.operation_timeout) {
+                Err(e) if coordinator_moving(&e) && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(COORDINATOR_RETRY_PAUSE);
+                }
+                read => break read,
+            }
+        }
+        .inspect_err(|_| metadata::forget(&config))
+        .map_err(|e| self.error(format!("could not read the committed offsets: {e}")))?;
         for element in committed.elements() {
             let Offset::Offset(offset) = element.offset() else {
                 continue;

@@ -44,6 +44,8 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rdkafka::error::KafkaError;
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientConfig;
 use rtflow_runtime::{Dataflow, QueryConfig, Result, RtflowError};
 
@@ -56,6 +58,24 @@ pub(crate) use exchange::{transactions_of, Staging};
 /// Separates a repartition partition's offset label from the upstream source
 /// partition whose watermark a label holds.
 const WATERMARK_MARK: char = '@';
+
+/// How long apart a request refused while a group's coordinator moves is
+/// made again.
+const COORDINATOR_RETRY_PAUSE: Duration = Duration::from_millis(100);
+
+/// Whether `error` says a group's coordinator is moving or loading (a broker
+/// died or restarted): the request is answered once it has, a few seconds
+/// later in a replicated cluster.
+fn coordinator_moving(error: &KafkaError) -> bool {
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::NotCoordinator
+                | RDKafkaErrorCode::CoordinatorLoadInProgress
+                | RDKafkaErrorCode::CoordinatorNotAvailable
+        )
+    )
+}
 
 /// Runs a query in several processes that share it through a Kafka cluster.
 ///
@@ -416,6 +436,24 @@ impl ClusterSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_coordinator_moving_is_told_apart_from_other_refusals() {
+        for code in [
+            RDKafkaErrorCode::NotCoordinator,
+            RDKafkaErrorCode::CoordinatorLoadInProgress,
+            RDKafkaErrorCode::CoordinatorNotAvailable,
+        ] {
+            assert!(coordinator_moving(&KafkaError::MetadataFetch(code)));
+            assert!(coordinator_moving(&KafkaError::GroupListFetch(code)));
+        }
+        for code in [
+            RDKafkaErrorCode::UnknownTopicOrPartition,
+            RDKafkaErrorCode::GroupAuthorizationFailed,
+        ] {
+            assert!(!coordinator_moving(&KafkaError::MetadataFetch(code)));
+        }
+    }
 
     fn settings() -> ClusterSettings {
         ClusterSettings {

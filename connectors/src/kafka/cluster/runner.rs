@@ -279,6 +279,9 @@ impl Drop for ClusteredQuery {
 struct Member {
     shared: Arc<Shared>,
     group: String,
+    topics: Vec<String>,
+    /// Whether the member has been through a rebalance yet.
+    rebalanced: AtomicBool,
 }
 
 impl ClientContext for Member {}
@@ -296,10 +299,28 @@ impl Member {
         };
         self.shared.transactions.set_group(&self.group, metadata);
     }
+
+    /// A newcomer's first assignment is empty: the cooperative protocol
+    /// takes its partitions from the others first and hands them over in a
+    /// second round. librdkafka lets a member send JoinGroup at most once a
+    /// second, so the newcomer would join that round about a second after
+    /// its first; every key moving to it waited for that. Subscribing again
+    /// joins it as soon as this round ends.
+    fn join_second_round(&self, consumer: &BaseConsumer<Self>) {
+        let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+        if let Err(error) = consumer.subscribe(&topics) {
+            tracing::warn!(%error, group = %self.group, "could not ask for the second round of the rebalance; it comes within a second");
+        }
+    }
 }
 
 impl ConsumerContext for Member {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(assigned) = rebalance {
+            if !self.rebalanced.swap(true, Ordering::SeqCst) && assigned.count() == 0 {
+                self.join_second_round(consumer);
+            }
+        }
         if let Rebalance::Revoke(revoked) = rebalance {
             self.publish_generation(consumer);
             let stopping = Instant::now();
@@ -493,7 +514,8 @@ fn join(
             "session.timeout.ms",
             settings.session_timeout.as_millis().to_string(),
         )
-        .set("heartbeat.interval.ms", "500")
+        // A member learns of a rebalance from its heartbeat's answer.
+        .set("heartbeat.interval.ms", "100")
         .set("queued.max.messages.kbytes", "64");
     if settings.static_member {
         config.set("group.instance.id", &settings.instance);
@@ -505,6 +527,8 @@ fn join(
         .create_with_context(Member {
             shared: shared.clone(),
             group: group.to_owned(),
+            topics: topics.to_vec(),
+            rebalanced: AtomicBool::new(false),
         })
         .map_err(|e| {
             RtflowError::InvalidConfiguration(format!("could not join group '{group}': {e}"))

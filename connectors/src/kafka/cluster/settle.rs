@@ -2,7 +2,7 @@
 //!
 //! A change of membership rebalances each of the process's groups (the
 //! source topics' and the repartition topic's) on its own; a member learns of
-//! each by its own heartbeat, up to a heartbeat interval (500 ms) apart. A run
+//! each by its own heartbeat, up to a heartbeat interval (100 ms) apart. A run
 //! started after one group's rebalance would stop again at the other's, so
 //! the runner waits until it has heard from every group since it last acted;
 //! a change only one group sees (a member that lost one session) is acted on

@@ -10,16 +10,15 @@
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
-use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::error::KafkaResult;
 use rdkafka::groups::GroupList;
 use rdkafka::producer::DefaultProducerContext;
 use rdkafka::producer::{BaseRecord, ThreadedProducer};
-use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::key_groups::stable_hash;
 use rtflow_runtime::{Result, RtflowError};
 
-use super::ClusterSettings;
+use super::{coordinator_moving, ClusterSettings, COORDINATOR_RETRY_PAUSE};
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::flush;
@@ -117,11 +116,9 @@ pub(crate) fn list_group<C: ConsumerContext>(
     let deadline = Instant::now() + timeout;
     loop {
         match consumer.fetch_group_list(Some(group), timeout) {
-            Err(KafkaError::GroupListFetch(
-                RDKafkaErrorCode::CoordinatorLoadInProgress
-                | RDKafkaErrorCode::CoordinatorNotAvailable
-                | RDKafkaErrorCode::NotCoordinator,
-            )) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            Err(e) if coordinator_moving(&e) && Instant::now() < deadline => {
+                std::thread::sleep(COORDINATOR_RETRY_PAUSE)
+            }
             listed => return listed,
         }
     }
