@@ -461,8 +461,7 @@ impl UpstreamWatermarks {
             match progress.watermark {
                 Some(watermark) => {
                     self.idle.remove(partition);
-                    let latest = self.watermarks.entry(*partition).or_insert(watermark);
-                    *latest = (*latest).max(watermark);
+                    self.raise(*partition, watermark);
                 }
                 None => {
                     self.idle.insert(*partition);
@@ -535,9 +534,14 @@ impl UpstreamWatermarks {
     /// ```
     pub fn passed(&mut self, passed: &[(u32, EventTime)]) {
         for (partition, watermark) in passed {
-            let latest = self.watermarks.entry(*partition).or_insert(*watermark);
-            *latest = (*latest).max(*watermark);
+            self.raise(*partition, *watermark);
         }
+    }
+
+    /// Raises `partition`'s watermark to `watermark`: it never goes back.
+    fn raise(&mut self, partition: u32, watermark: EventTime) {
+        let latest = self.watermarks.entry(partition).or_insert(watermark);
+        *latest = (*latest).max(watermark);
     }
 
     /// Whether a record of source partition `partition` at `event_time`,

@@ -455,9 +455,7 @@ impl Plan {
         if node.watermark_delay.is_some() {
             return node.watermark_delay;
         }
-        if node.inputs.is_empty() || matches!(node.body, Body::Source(..)) {
-            return None;
-        }
+        // A source has no inputs, hence no delay.
         node.inputs
             .iter()
             .map(|edge| self.watermark_delay_before(edge.from))

@@ -25,7 +25,7 @@ use rtflow_runtime::{Epoch, Result, RtflowError, Sink, Source};
 use super::changelog::{self, Fold};
 use super::exchange::{ExchangeSink, ExchangeSource};
 use super::local::{self, Image};
-use super::{coordinator_moving, ClusterSettings, COORDINATOR_RETRY_PAUSE, WATERMARK_MARK};
+use super::{while_coordinator_moves, ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::metadata;
@@ -284,17 +284,11 @@ impl KafkaLink {
         // While a broker's death moves the group's coordinator, the read is
         // refused for a few seconds: asked again, not failed, or the quick
         // restarts of a run would use up its tries within a second.
-        let deadline = std::time::Instant::now() + self.settings.operation_timeout;
-        let committed = loop {
-            match reader.committed_offsets(list.clone(), self.settings.operation_timeout) {
-                Err(e) if coordinator_moving(&e) && std::time::Instant::now() < deadline => {
-                    std::thread::sleep(COORDINATOR_RETRY_PAUSE);
-                }
-                read => break read,
-            }
-        }
-        .inspect_err(|_| metadata::forget(&config))
-        .map_err(|e| self.error(format!("could not read the committed offsets: {e}")))?;
+        let timeout = self.settings.operation_timeout;
+        let committed =
+            while_coordinator_moves(timeout, || reader.committed_offsets(list.clone(), timeout))
+                .inspect_err(|_| metadata::forget(&config))
+                .map_err(|e| self.error(format!("could not read the committed offsets: {e}")))?;
         for element in committed.elements() {
             let Offset::Offset(offset) = element.offset() else {
                 continue;

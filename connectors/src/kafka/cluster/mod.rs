@@ -44,7 +44,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdkafka::error::KafkaError;
+use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientConfig;
 use rtflow_runtime::{Dataflow, QueryConfig, Result, RtflowError};
@@ -62,6 +62,23 @@ const WATERMARK_MARK: char = '@';
 /// How long apart a request refused while a group's coordinator moves is
 /// made again.
 const COORDINATOR_RETRY_PAUSE: Duration = Duration::from_millis(100);
+
+/// Makes `request` again, every [`COORDINATOR_RETRY_PAUSE`] for up to
+/// `timeout`, while it is refused because a group's coordinator moves.
+fn while_coordinator_moves<T>(
+    timeout: Duration,
+    mut request: impl FnMut() -> KafkaResult<T>,
+) -> KafkaResult<T> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match request() {
+            Err(e) if coordinator_moving(&e) && std::time::Instant::now() < deadline => {
+                std::thread::sleep(COORDINATOR_RETRY_PAUSE)
+            }
+            answered => return answered,
+        }
+    }
+}
 
 /// Whether `error` says a group's coordinator is moving or loading (a broker
 /// died or restarted): the request is answered once it has, a few seconds

@@ -7,7 +7,7 @@
 //! live members' and, on a difference, fails with `CLUSTER_SHAPE_MISMATCH`
 //! naming the first step that differs.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaResult;
@@ -18,7 +18,7 @@ use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::key_groups::stable_hash;
 use rtflow_runtime::{Result, RtflowError};
 
-use super::{coordinator_moving, ClusterSettings, COORDINATOR_RETRY_PAUSE};
+use super::{while_coordinator_moves, ClusterSettings};
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::flush;
@@ -113,15 +113,7 @@ pub(crate) fn list_group<C: ConsumerContext>(
     group: &str,
     timeout: Duration,
 ) -> KafkaResult<GroupList> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        match consumer.fetch_group_list(Some(group), timeout) {
-            Err(e) if coordinator_moving(&e) && Instant::now() < deadline => {
-                std::thread::sleep(COORDINATOR_RETRY_PAUSE)
-            }
-            listed => return listed,
-        }
-    }
+    while_coordinator_moves(timeout, || consumer.fetch_group_list(Some(group), timeout))
 }
 
 /// The instance a member's client id names.
