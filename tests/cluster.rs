@@ -40,6 +40,8 @@ const CHILD_SPEC: &str = "RTFLOW_CLUSTER_CHILD";
 const CHILD_STANDBY: &str = "RTFLOW_CLUSTER_STANDBY";
 /// A child's group session timeout in ms, when not the default.
 const CHILD_SESSION: &str = "RTFLOW_CLUSTER_SESSION_MS";
+/// A child's restore timeout in ms, when not the default.
+const CHILD_RESTORE: &str = "RTFLOW_CLUSTER_RESTORE_MS";
 /// The host a child stands for, when not the only one: its checkpoint
 /// location is then its own although its instance name is not.
 const CHILD_HOST: &str = "RTFLOW_CLUSTER_HOST";
@@ -458,6 +460,12 @@ fn cluster_child() {
     {
         cluster = cluster.session_timeout(Duration::from_millis(ms));
     }
+    if let Some(ms) = std::env::var(CHILD_RESTORE)
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+    {
+        cluster = cluster.restore_timeout(Duration::from_millis(ms));
+    }
     let running = cluster
         .start(config(&query).checkpoint_location(location), move |flow| {
             build(flow, &b, &i, &c, &w);
@@ -530,6 +538,8 @@ struct Cluster {
     standby_replicas: usize,
     /// The children's group session timeout, if not the default.
     session_timeout: Option<Duration>,
+    /// The children's restore timeout, if not the default.
+    restore_timeout: Option<Duration>,
 }
 
 impl Cluster {
@@ -553,6 +563,7 @@ impl Cluster {
             late: 0,
             standby_replicas: 0,
             session_timeout: None,
+            restore_timeout: None,
         }
     }
 
@@ -625,6 +636,9 @@ impl Cluster {
             .env(CHILD_STANDBY, self.standby_replicas.to_string());
         if let Some(timeout) = self.session_timeout {
             child.env(CHILD_SESSION, timeout.as_millis().to_string());
+        }
+        if let Some(timeout) = self.restore_timeout {
+            child.env(CHILD_RESTORE, timeout.as_millis().to_string());
         }
         let child = child
             .stdout(Stdio::null())
@@ -925,7 +939,7 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     std::thread::sleep(Duration::from_millis(700));
     cluster.kill("p1");
     cluster.produce_late(6);
-    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
+    produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
     std::thread::sleep(Duration::from_secs(3));
     let survivors = [cluster.status("p0"), cluster.status("p2")];
     cluster.spawn("p1");
@@ -964,27 +978,74 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
 #[test]
 fn a_restore_waits_for_a_changelog_transaction_left_open() {
     let Some(bootstrap) = bootstrap() else { return };
-    let mut cluster = Cluster::new(&bootstrap);
-    let total = 3_000;
-    let third = total / 3;
-    cluster.start(&["p0"], 0..third, Duration::from_secs(90));
-    let open = leave_a_transaction_open(&bootstrap, &format!("rtflow-{}-changelog", cluster.query));
-    produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
-    let (counts, _) = cluster.outputs(2 * third, 0, Duration::from_secs(90));
-    assert!(
-        counts.len() >= 2 * third,
-        "no progress:\n{}",
-        cluster.logs()
-    );
-    cluster.kill("p0");
+    let (mut cluster, open) = killed_with_a_changelog_transaction_left_open(&bootstrap);
+    let total = RESTORED + 1_000;
     cluster.spawn("p0");
-    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
+    produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
     produce(&bootstrap, &cluster.input, flush_records());
     // Past the 5 s after which the restore used to give up on it.
     std::thread::sleep(Duration::from_secs(8));
     open.abort_transaction(Duration::from_secs(30)).unwrap();
     let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
+/// A restore that a changelog transaction left open outlasts fails its run
+/// with `CHECKPOINT_FAILED`, naming the open transaction; three such runs
+/// end the process. Nothing is lost: once the transaction ends, the process
+/// started again restores everything and every count comes out once.
+#[test]
+fn a_restore_outlasted_by_a_changelog_transaction_left_open_fails_naming_it() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let (mut cluster, open) = killed_with_a_changelog_transaction_left_open(&bootstrap);
+    let total = RESTORED + 1_000;
+    cluster.restore_timeout = Some(Duration::from_secs(2));
+    cluster.spawn("p0");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let status = loop {
+        if let Some(status) = cluster.children.get_mut("p0").unwrap().try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the restore did not give up:\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    cluster.children.remove("p0");
+    assert!(!status.success(), "p0 ended well:\n{}", cluster.logs());
+    let log = std::fs::read_to_string(cluster.dir.join("p0.log")).unwrap();
+    assert!(
+        log.contains("CHECKPOINT_FAILED") && log.contains("a transaction there stayed open"),
+        "p0 did not fail naming the open transaction:\n{log}"
+    );
+    open.abort_transaction(Duration::from_secs(30)).unwrap();
+    cluster.restore_timeout = None;
+    cluster.spawn("p0");
+    produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
+    produce(&bootstrap, &cluster.input, flush_records());
+    let (expected_counts, expected_windows) = reference(total);
+    cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
+/// How many records [`killed_with_a_changelog_transaction_left_open`]
+/// counted before its kill.
+const RESTORED: usize = 2_000;
+
+/// A cluster of one process, `p0`, killed after it counted [`RESTORED`]
+/// records, half of them after a transaction of a producer nobody fences
+/// began on every changelog partition; that transaction, still open.
+fn killed_with_a_changelog_transaction_left_open(bootstrap: &str) -> (Cluster, BaseProducer) {
+    let mut cluster = Cluster::new(bootstrap);
+    let half = RESTORED / 2;
+    cluster.start(&["p0"], 0..half, Duration::from_secs(90));
+    let open = leave_a_transaction_open(bootstrap, &format!("rtflow-{}-changelog", cluster.query));
+    produce(bootstrap, &cluster.input, (half..RESTORED).map(record));
+    let (counts, _) = cluster.outputs(RESTORED, 0, Duration::from_secs(90));
+    assert!(counts.len() >= RESTORED, "no progress:\n{}", cluster.logs());
+    cluster.kill("p0");
+    (cluster, open)
 }
 
 /// Begins a transaction of a producer no process of the query knows, with a
@@ -1245,7 +1306,7 @@ fn a_process_frozen_past_its_session_abandons_what_it_lost_and_rejoins() {
     std::thread::sleep(Duration::from_millis(700));
     let (frozen_runs, _) = cluster.status("p1");
     cluster.signal("p1", "STOP");
-    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
+    produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
     // The session timeout is 6 s: p0 and p2 take p1's partitions over.
     std::thread::sleep(Duration::from_secs(10));
     cluster.signal("p1", "CONT");
@@ -1481,7 +1542,7 @@ fn three_processes_on_a_replicated_kafka_count_exactly_once_through_a_broker_cra
     produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
     std::thread::sleep(Duration::from_millis(700));
     kafka_sh(&bootstrap, &["node", &victim.to_string(), "kill"]);
-    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
+    produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
     std::thread::sleep(Duration::from_secs(5));
     kafka_sh(&bootstrap, &["node", &victim.to_string(), "start"]);
     produce(&bootstrap, &cluster.input, flush_records());
@@ -1620,6 +1681,54 @@ fn a_process_with_another_dataflow_cannot_join_and_is_told_the_difference() {
     // The running process is not disturbed by the one turned away.
     assert!(first.is_active());
     first.stop().unwrap();
+}
+
+/// A process of an earlier rtflow version in the group, which could not read
+/// this version's repartition words, turns a newer process away with
+/// `CLUSTER_SHAPE_MISMATCH` naming both protocols, before it reads a record.
+#[test]
+fn a_process_of_an_earlier_protocol_in_the_group_turns_a_newer_one_away() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let cluster = Cluster::new(&bootstrap);
+    // What a process of protocol 1 published, and how it named itself: its
+    // dataflow's steps under their fingerprint, without a protocol line.
+    let fingerprint = "00000000000000e1";
+    let shapes = format!("rtflow-{}-shapes", cluster.query);
+    KafkaAdmin::new(&bootstrap)
+        .unwrap()
+        .create_compacted_topic(&shapes)
+        .unwrap();
+    let steps = "key groups: 128\nstep 0: source of 6 partitions 'kafka-0' (kafka) reading []";
+    produce(
+        &bootstrap,
+        &shapes,
+        [(0, fingerprint.to_owned(), steps.as_bytes().to_vec())],
+    );
+    let earlier: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .set("group.id", format!("rtflow-{}", cluster.query))
+        .set("client.id", format!("earlier.shape-{fingerprint}"))
+        .create()
+        .unwrap();
+    earlier.subscribe(&[&cluster.input]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while earlier.assignment().unwrap().count() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the earlier process never joined"
+        );
+        earlier.poll(Duration::from_millis(100));
+    }
+    let error = start_here(&bootstrap, &cluster, "newer", free_address(), build)
+        .map(|_| ())
+        .unwrap_err();
+    assert_eq!(error.error_class(), "CLUSTER_SHAPE_MISMATCH", "{error}");
+    let message = error.to_string();
+    assert!(message.contains("process 'earlier'"), "{message}");
+    assert!(
+        message.contains("here cluster protocol: 2, there cluster protocol: 1"),
+        "the protocols are named: {message}"
+    );
 }
 
 /// Starts a clustered query of `build_it`'s dataflow that needs no broker to
@@ -1979,7 +2088,7 @@ fn three_processes_count_through_two_repartitions_exactly_once_through_a_kill() 
     std::thread::sleep(Duration::from_millis(700));
     cluster.kill("p1");
     cluster.produce_late(6);
-    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
+    produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
     std::thread::sleep(Duration::from_secs(3));
     cluster.spawn("p1");
     cluster.produce_late(6);

@@ -34,7 +34,8 @@ use super::{ClusterSettings, WATERMARK_MARK};
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::KafkaMessage;
 
-/// What a repartition record holds.
+/// What a repartition record holds. A change that a process of the version
+/// before cannot decode raises the shape's `CLUSTER_PROTOCOL`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 enum Wire {
     Record {

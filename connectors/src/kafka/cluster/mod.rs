@@ -129,6 +129,7 @@ pub struct KafkaCluster {
     instance: Option<String>,
     repartition_partitions: Option<usize>,
     session_timeout: Duration,
+    restore_timeout: Duration,
     standby_replicas: usize,
     static_membership: bool,
     rack: Option<String>,
@@ -143,6 +144,7 @@ impl KafkaCluster {
             instance: None,
             repartition_partitions: None,
             session_timeout: Duration::from_secs(6),
+            restore_timeout: Duration::from_secs(300),
             standby_replicas: 0,
             static_membership: true,
             rack: None,
@@ -206,6 +208,30 @@ impl KafkaCluster {
     /// partitions (Kafka's `session.timeout.ms`); 6 s by default.
     pub fn session_timeout(mut self, timeout: Duration) -> Self {
         self.session_timeout = timeout;
+        self
+    }
+
+    /// How long a run may take to restore its keyed state from the changelog
+    /// before it fails with `CHECKPOINT_FAILED`; 5 minutes by default. A
+    /// restore reads each changelog partition it takes to its end, and
+    /// where a transaction is still open there (left by a process that died
+    /// and was not fenced) it waits for that transaction to end: what was
+    /// committed after it is hidden until then, and a restore without it
+    /// would resume the committed offsets with older state. Three failed
+    /// runs in a row end the process.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use rtflow_connectors::kafka::KafkaCluster;
+    /// use rtflow_runtime::QueryConfig;
+    /// let query = KafkaCluster::new("127.0.0.1:9092")
+    ///     .instance("host-a")
+    ///     .restore_timeout(Duration::from_secs(60))
+    ///     .start(QueryConfig::new("clicks-per-user"), |flow| Ok(()))?;
+    /// # Ok::<(), rtflow_runtime::RtflowError>(())
+    /// ```
+    pub fn restore_timeout(mut self, timeout: Duration) -> Self {
+        self.restore_timeout = timeout;
         self
     }
 
@@ -289,6 +315,12 @@ impl KafkaCluster {
                 self.standby_replicas
             )));
         }
+        if self.restore_timeout.is_zero() {
+            return Err(RtflowError::InvalidConfiguration(
+                "KafkaCluster: a restore timeout of zero fails every restore that has                  changelog to read; give it at least the time a restore takes"
+                    .into(),
+            ));
+        }
         let static_member = self.static_membership && self.instance.is_some();
         let settings = ClusterSettings {
             query: config.name.clone(),
@@ -303,7 +335,7 @@ impl KafkaCluster {
             session_timeout: self.session_timeout,
             transaction_timeout: (batch_duration * 3).max(Duration::from_secs(10)),
             operation_timeout: Duration::from_secs(30),
-            restore_timeout: Duration::from_secs(300),
+            restore_timeout: self.restore_timeout,
             standby_replicas: self.standby_replicas,
             copies: config
                 .checkpoint_location
@@ -500,6 +532,17 @@ mod tests {
             .unwrap_err();
         assert_eq!(error.error_class(), "INVALID_CONFIGURATION", "{error}");
         assert!(error.to_string().contains("checkpoint location"), "{error}");
+    }
+
+    #[test]
+    fn a_restore_timeout_of_zero_is_refused() {
+        let error = KafkaCluster::new("127.0.0.1:1")
+            .restore_timeout(Duration::ZERO)
+            .start(QueryConfig::new("q"), |_| Ok(()))
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(error.error_class(), "INVALID_CONFIGURATION", "{error}");
+        assert!(error.to_string().contains("restore timeout"), "{error}");
     }
 
     #[test]

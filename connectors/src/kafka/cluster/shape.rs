@@ -6,6 +6,11 @@
 //! fingerprint. Before it joins, a process compares its fingerprint with the
 //! live members' and, on a difference, fails with `CLUSTER_SHAPE_MISMATCH`
 //! naming the first step that differs.
+//!
+//! The shape's first line is the [`CLUSTER_PROTOCOL`] the process speaks, so
+//! that processes of two rtflow versions that cannot read each other's
+//! repartition words fail the same check, naming the protocols, instead of
+//! failing to decode a record in the middle of a run.
 
 use std::time::Duration;
 
@@ -23,6 +28,18 @@ use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::flush;
 
+/// The version of what a query's processes exchange through Kafka: the
+/// repartition words (`exchange::Wire`), the watermarks in the offsets'
+/// metadata and the changelog's records. Raised with every change to one of
+/// them that a process of the version before could not read.
+///
+/// 1 had no line of its own in the shape; 2 added the `Passed` word
+/// (2026-12-04).
+const CLUSTER_PROTOCOL: u32 = 2;
+
+/// How the shape's first line names the protocol.
+const PROTOCOL_LINE: &str = "cluster protocol: ";
+
 /// Separates a member's instance from its fingerprint in its client id.
 const FINGERPRINT_MARK: &str = ".shape-";
 
@@ -37,7 +54,17 @@ pub(crate) struct Shape {
 }
 
 impl Shape {
-    pub(crate) fn new(lines: Vec<String>) -> Self {
+    /// The shape of a dataflow whose steps are `steps`
+    /// ([`Dataflow::shape`](rtflow_runtime::Dataflow::shape)), spoken in
+    /// this version's protocol.
+    pub(crate) fn new(steps: Vec<String>) -> Self {
+        Self::speaking(CLUSTER_PROTOCOL, steps)
+    }
+
+    fn speaking(protocol: u32, steps: Vec<String>) -> Self {
+        let lines: Vec<String> = std::iter::once(format!("{PROTOCOL_LINE}{protocol}"))
+            .chain(steps)
+            .collect();
         let fingerprint = format!("{:016x}", stable_hash(&lines));
         Self { lines, fingerprint }
     }
@@ -161,16 +188,25 @@ fn published(settings: &ClusterSettings, fingerprint: &str) -> Result<Option<Vec
         if let Some(Ok(message)) = consumer.poll(Duration::from_millis(100)) {
             position = message.offset() + 1;
             if message.key() == Some(fingerprint.as_bytes()) {
-                found = message.payload().map(|text| {
-                    String::from_utf8_lossy(text)
-                        .lines()
-                        .map(str::to_owned)
-                        .collect()
-                });
+                found = message
+                    .payload()
+                    .map(|text| with_protocol(String::from_utf8_lossy(text).lines()));
             }
         }
     }
     Ok(found)
+}
+
+/// A published shape's lines, led by its protocol: a process of protocol 1
+/// published its steps alone.
+fn with_protocol<'a>(lines: impl Iterator<Item = &'a str>) -> Vec<String> {
+    let mut lines = lines.peekable();
+    let first = lines
+        .peek()
+        .filter(|line| line.starts_with(PROTOCOL_LINE))
+        .is_none()
+        .then(|| format!("{PROTOCOL_LINE}1"));
+    first.into_iter().chain(lines.map(str::to_owned)).collect()
 }
 
 /// The first line where two shapes differ, said for a user.
@@ -210,6 +246,22 @@ mod tests {
             difference(&ours[..1], Some(&theirs)),
             "there step 1: operator 'sum-0' (sum), which this one lacks"
         );
+    }
+
+    #[test]
+    fn a_process_of_another_protocol_is_named_by_its_protocol_first() {
+        let steps = lines(&["key groups: 128", "step 1: operator 'count-0' (count)"]);
+        let ours = Shape::new(steps.clone());
+        let earlier = steps.join("\n");
+        let theirs = with_protocol(earlier.lines());
+        assert_eq!(
+            difference(&ours.lines, Some(&theirs)),
+            format!("here cluster protocol: {CLUSTER_PROTOCOL}, there cluster protocol: 1")
+        );
+        let later = Shape::speaking(CLUSTER_PROTOCOL + 1, steps);
+        assert_ne!(ours.fingerprint, later.fingerprint);
+        let published = later.lines.join("\n");
+        assert_eq!(with_protocol(published.lines()), later.lines);
     }
 
     #[test]
