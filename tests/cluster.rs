@@ -939,7 +939,7 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
     std::thread::sleep(Duration::from_millis(700));
     cluster.kill("p1");
     cluster.produce_late(6);
-    produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
+    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
     std::thread::sleep(Duration::from_secs(3));
     let survivors = [cluster.status("p0"), cluster.status("p2")];
     cluster.spawn("p1");
@@ -1306,7 +1306,7 @@ fn a_process_frozen_past_its_session_abandons_what_it_lost_and_rejoins() {
     std::thread::sleep(Duration::from_millis(700));
     let (frozen_runs, _) = cluster.status("p1");
     cluster.signal("p1", "STOP");
-    produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
+    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
     // The session timeout is 6 s: p0 and p2 take p1's partitions over.
     std::thread::sleep(Duration::from_secs(10));
     cluster.signal("p1", "CONT");
@@ -1542,7 +1542,7 @@ fn three_processes_on_a_replicated_kafka_count_exactly_once_through_a_broker_cra
     produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
     std::thread::sleep(Duration::from_millis(700));
     kafka_sh(&bootstrap, &["node", &victim.to_string(), "kill"]);
-    produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
+    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
     std::thread::sleep(Duration::from_secs(5));
     kafka_sh(&bootstrap, &["node", &victim.to_string(), "start"]);
     produce(&bootstrap, &cluster.input, flush_records());
@@ -2088,7 +2088,7 @@ fn three_processes_count_through_two_repartitions_exactly_once_through_a_kill() 
     std::thread::sleep(Duration::from_millis(700));
     cluster.kill("p1");
     cluster.produce_late(6);
-    produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
+    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
     std::thread::sleep(Duration::from_secs(3));
     cluster.spawn("p1");
     cluster.produce_late(6);

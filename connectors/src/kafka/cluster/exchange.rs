@@ -29,7 +29,7 @@ use rtflow_runtime::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::link::{Batch, KafkaLink, Transactions};
+use super::transactions::{Staging, Transactions};
 use super::{ClusterSettings, WATERMARK_MARK};
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::KafkaMessage;
@@ -126,81 +126,12 @@ fn decode_frame(mut bytes: &[u8]) -> impl Iterator<Item = std::result::Result<Wi
     })
 }
 
-/// The transactions of the process `ctx` runs in, for a writer that stages
-/// its records there.
-pub(crate) fn transactions_of(ctx: &SinkContext, sink: &str) -> Result<Arc<Transactions>> {
-    ctx.cluster
-        .as_ref()
-        .and_then(|link| link.as_any().downcast_ref::<KafkaLink>())
-        .and_then(|link| link.transactions().cloned())
-        .ok_or_else(|| {
-            RtflowError::sink(
-                sink,
-                "this writer runs only in a query clustered on Kafka (KafkaCluster)",
-            )
-        })
-}
-
-/// Buffers a writer's records of the current epoch and stages them into the
-/// process's transaction at the barrier (and at the end, for the final epoch),
-/// with the topic of those that name none: no record carries a copy of it.
-pub(crate) struct Staging {
-    transactions: Arc<Transactions>,
-    topic: Option<String>,
-    epoch: Epoch,
-    buffer: Vec<KafkaMessage>,
-}
-
-impl Staging {
-    pub(crate) fn new(
-        transactions: Arc<Transactions>,
-        topic: Option<String>,
-        first_epoch: Epoch,
-    ) -> Self {
-        Self {
-            transactions,
-            topic,
-            epoch: first_epoch,
-            buffer: Vec::new(),
-        }
-    }
-
-    /// The topic of the records that name none.
-    pub(crate) fn topic(&self) -> Option<&str> {
-        self.topic.as_deref()
-    }
-
-    #[inline]
-    pub(crate) fn push(&mut self, message: KafkaMessage) {
-        self.buffer.push(message);
-    }
-
-    /// Epoch `epoch` ended: its records go to its transaction.
-    pub(crate) fn end_epoch(&mut self, epoch: Epoch) {
-        self.stage(epoch);
-        self.epoch = epoch + 1;
-    }
-
-    /// The input ended: what is left belongs to the final epoch.
-    pub(crate) fn end_input(&mut self) {
-        self.stage(self.epoch);
-    }
-
-    fn stage(&mut self, epoch: Epoch) {
-        self.transactions.stage(
-            epoch,
-            Batch {
-                topic: self.topic.clone(),
-                messages: std::mem::take(&mut self.buffer),
-            },
-        );
-    }
-}
-
 /// The writing side of a repartition.
 pub(crate) struct ExchangeSink {
     settings: Arc<ClusterSettings>,
     topic: String,
+    /// The process's transactions; none in a probe, which writes nothing.
+    transactions: Option<Arc<Transactions>>,
     /// What the run's writers tell together, made by the first writer.
     told: Arc<Mutex<Option<Told>>>,
 }
@@ -213,10 +144,15 @@ struct Told {
 }
 
 impl ExchangeSink {
-    pub(crate) fn new(settings: Arc<ClusterSettings>, topic: String) -> Self {
+    pub(crate) fn new(
+        settings: Arc<ClusterSettings>,
+        topic: String,
+        transactions: Option<Arc<Transactions>>,
+    ) -> Self {
         Self {
             settings,
             topic,
+            transactions,
             told: Arc::default(),
         }
     }
@@ -240,7 +176,9 @@ impl Sink<Exchanged> for ExchangeSink {
     }
 
     fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<Exchanged>>> {
-        let transactions = transactions_of(ctx, &self.description())?;
+        let transactions = self.transactions.clone().ok_or_else(|| {
+            RtflowError::sink(self.description(), "a probe of the dataflow writes nothing")
+        })?;
         lock(&self.told)
             .get_or_insert_with(|| Told {
                 progress: WritersProgress::new(ctx.parallelism, ctx.upstream_partitions),

@@ -39,6 +39,7 @@ mod runner;
 mod settle;
 mod shape;
 mod standby;
+mod transactions;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -53,7 +54,8 @@ use super::Options;
 pub use link::RestoreStats;
 pub use runner::ClusteredQuery;
 
-pub(crate) use exchange::{transactions_of, Staging};
+pub(crate) use link::transactions_of;
+pub(crate) use transactions::Staging;
 
 /// Separates a repartition partition's offset label from the upstream source
 /// partition whose watermark a label holds.

@@ -27,10 +27,11 @@ use rtflow_runtime::{
 };
 
 use super::departures::{members, Departures};
-use super::link::{fence, KafkaLink, Mode, RestoreStats, TopicPartition, Transactions};
+use super::link::{KafkaLink, Mode, RestoreStats, TopicPartition};
 use super::settle::{must_restart, Settling};
 use super::shape::{instance_of, list_group, Shape};
 use super::standby::{placement, Standby};
+use super::transactions::{fence, Transactions};
 use super::ClusterSettings;
 
 /// The threads of a process's part, as errors name them.
@@ -51,6 +52,8 @@ pub struct ClusteredQuery {
 struct Shared {
     settings: Arc<ClusterSettings>,
     transactions: Arc<Transactions>,
+    /// What the latest run restored.
+    last_restore: Arc<Mutex<Option<RestoreStats>>>,
     /// The partitions the group assigned to the process.
     assignment: Mutex<BTreeSet<TopicPartition>>,
     /// Bumped by every change of the assignment.
@@ -213,7 +216,7 @@ impl ClusteredQuery {
 
     /// What the latest run restored from the changelog, and how long it took.
     pub fn last_restore(&self) -> Option<RestoreStats> {
-        *lock(&self.shared.transactions.last_restore)
+        *lock(&self.shared.last_restore)
     }
 
     /// The latest progress report of the current run.
@@ -405,6 +408,7 @@ where
     }
     let shared = Arc::new(Shared {
         transactions: Arc::new(Transactions::open(&settings)?),
+        last_restore: Arc::default(),
         settings: settings.clone(),
         assignment: Mutex::default(),
         generation: AtomicU64::new(0),
@@ -732,6 +736,7 @@ where
         mode: Mode::Live {
             owned: owned.clone(),
             transactions: shared.transactions.clone(),
+            last_restore: shared.last_restore.clone(),
         },
     });
     let flow = Dataflow::clustered(config.name.clone(), link);
@@ -739,7 +744,7 @@ where
     guard::building(&built_by, || build(&flow))?;
     Ok(flow.start(config.clone()).map(|query| {
         shared.runs.fetch_add(1, Ordering::SeqCst);
-        let restore = *lock(&shared.transactions.last_restore);
+        let restore = *lock(&shared.last_restore);
         tracing::info!(partitions = ?owned, took = ?starting.elapsed(), ?restore, "run started");
         *lock(&shared.run) = Some(Run { query, owned });
     }))
