@@ -175,7 +175,7 @@ impl WriterInput {
 ///     input
 /// };
 /// assert!(writers.reached(0, 7, at(50)).is_empty(), "writer 1 has not ended epoch 7");
-/// let told = writers.reached(1, 7, at(30));
+/// let told = writers.reached(1, 7, at(30)).progress;
 /// assert_eq!(told.len(), 1);
 /// assert_eq!((told[0].partitions.as_slice(), told[0].watermark), (&[0, 1][..], Some(30)));
 /// ```
@@ -193,8 +193,6 @@ pub struct WritersProgress {
     /// watermark), as the writers merged it, and as last told.
     passed: BTreeMap<u32, EventTime>,
     passed_told: BTreeMap<u32, EventTime>,
-    /// What the last word found passed since the one before, to tell.
-    to_pass: Vec<(u32, EventTime)>,
 }
 
 impl WritersProgress {
@@ -209,7 +207,6 @@ impl WritersProgress {
             progress: WriterProgress::default(),
             passed: BTreeMap::new(),
             passed_told: BTreeMap::new(),
-            to_pass: Vec::new(),
         }
     }
 
@@ -217,7 +214,7 @@ impl WritersProgress {
     /// reached `watermark`: their largest event time, less the delay of the
     /// `with_watermark` they came through. Merged before the writer ends
     /// its epoch, and told with the word that follows once every writer
-    /// has ([`take_passed`](Self::take_passed)).
+    /// has ([`WritersWord::passed`]).
     ///
     /// A run that ends before its `with_watermark` emits a watermark (it
     /// waits for every partition it reads to deliver) still commits the
@@ -229,30 +226,6 @@ impl WritersProgress {
         *passed = (*passed).max(watermark);
     }
 
-    /// How far each source partition went that went further since the last
-    /// word, if the last call of [`reached`](Self::reached) or
-    /// [`ended`](Self::ended) gave the word: to tell before its progress.
-    ///
-    /// ```
-    /// use rtflow_runtime::cluster::{WriterInput, WritersProgress};
-    /// let mut writers = WritersProgress::new(2, 4);
-    /// writers.join(&[0, 1]);
-    /// writers.passed(0, 900);
-    /// writers.reached(0, 7, WriterInput::default());
-    /// assert!(writers.take_passed().is_empty(), "writer 1 has not ended epoch 7");
-    /// writers.passed(0, 800);
-    /// writers.passed(1, 950);
-    /// writers.reached(1, 7, WriterInput::default());
-    /// assert_eq!(writers.take_passed(), [(0, 900), (1, 950)]);
-    /// writers.passed(1, 990);
-    /// writers.reached(0, 8, WriterInput::default());
-    /// writers.reached(1, 8, WriterInput::default());
-    /// assert_eq!(writers.take_passed(), [(1, 990)], "only what went further");
-    /// ```
-    pub fn take_passed(&mut self) -> Vec<(u32, EventTime)> {
-        std::mem::take(&mut self.to_pass)
-    }
-
     /// A writer that forwards the records of source `partitions`.
     pub fn join(&mut self, partitions: &[u32]) {
         self.partitions.extend(partitions);
@@ -261,43 +234,54 @@ impl WritersProgress {
     /// Writer `writer` ended epoch `epoch`, its input as `input`, after it
     /// staged the epoch's records: what to tell, after them, if it was the
     /// last writer to end the epoch.
-    pub fn reached(
-        &mut self,
-        writer: usize,
-        epoch: Epoch,
-        input: WriterInput,
-    ) -> Vec<UpstreamProgress> {
+    ///
+    /// ```
+    /// use rtflow_runtime::cluster::{WriterInput, WritersProgress};
+    /// let mut writers = WritersProgress::new(2, 4);
+    /// writers.join(&[0, 1]);
+    /// writers.passed(0, 900);
+    /// assert!(writers.reached(0, 7, WriterInput::default()).is_empty(), "writer 1 has not ended epoch 7");
+    /// writers.passed(0, 800);
+    /// writers.passed(1, 950);
+    /// let word = writers.reached(1, 7, WriterInput::default());
+    /// assert_eq!(word.passed, [(0, 900), (1, 950)]);
+    /// writers.passed(1, 990);
+    /// writers.reached(0, 8, WriterInput::default());
+    /// let word = writers.reached(1, 8, WriterInput::default());
+    /// assert_eq!(word.passed, [(1, 990)], "only what went further");
+    /// ```
+    pub fn reached(&mut self, writer: usize, epoch: Epoch, input: WriterInput) -> WritersWord {
         self.writers[writer] = Some((Some(epoch), input));
         self.tell()
     }
 
     /// Writer `writer`'s input ended, as `input`, after it staged its last
     /// records: what to tell, if it was the last writer to get there.
-    pub fn ended(&mut self, writer: usize, input: WriterInput) -> Vec<UpstreamProgress> {
+    pub fn ended(&mut self, writer: usize, input: WriterInput) -> WritersWord {
         self.writers[writer] = Some((None, input));
         self.tell()
     }
 
-    fn tell(&mut self) -> Vec<UpstreamProgress> {
+    fn tell(&mut self) -> WritersWord {
         let mut through = Epoch::MAX;
         for writer in &self.writers {
             match writer {
-                None => return Vec::new(),
+                None => return WritersWord::default(),
                 Some((Some(epoch), _)) => through = through.min(*epoch),
                 Some((None, _)) => {}
             }
         }
         if self.told_through.is_some_and(|told| told >= through) {
-            return Vec::new();
+            return WritersWord::default();
         }
         self.told_through = Some(through);
-        self.to_pass = self
+        let passed: Vec<(u32, EventTime)> = self
             .passed
             .iter()
             .filter(|(partition, watermark)| self.passed_told.get(partition) < Some(watermark))
             .map(|(partition, watermark)| (*partition, *watermark))
             .collect();
-        self.passed_told.extend(self.to_pass.iter().copied());
+        self.passed_told.extend(passed.iter().copied());
         let inputs: Vec<WriterInput> = self.writers.iter().flatten().map(|(_, i)| *i).collect();
         let active: Vec<&WriterInput> = inputs.iter().filter(|i| !i.idle).collect();
         if active.is_empty() {
@@ -311,10 +295,14 @@ impl WritersProgress {
             self.progress.watermark(least);
         }
         if self.partitions.is_empty() {
-            return Vec::new();
+            return WritersWord {
+                passed,
+                progress: Vec::new(),
+            };
         }
         let partitions: Vec<u32> = self.partitions.iter().copied().collect();
-        self.progress
+        let progress = self
+            .progress
             .to_tell()
             .into_iter()
             .map(|watermark| UpstreamProgress {
@@ -322,7 +310,24 @@ impl WritersProgress {
                 partitions: partitions.clone(),
                 watermark,
             })
-            .collect()
+            .collect();
+        WritersWord { passed, progress }
+    }
+}
+
+/// What the writers of a process tell every partition of a repartition once
+/// all of them ended an epoch: how far each source partition went that went
+/// further since the last word, then their progress.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WritersWord {
+    pub passed: Vec<(u32, EventTime)>,
+    pub progress: Vec<UpstreamProgress>,
+}
+
+impl WritersWord {
+    /// Whether there is nothing to tell (not every writer ended the epoch).
+    pub fn is_empty(&self) -> bool {
+        self.passed.is_empty() && self.progress.is_empty()
     }
 }
 
@@ -992,7 +997,7 @@ mod tests {
         }
         assert!(writers.reached(0, 1, input(Some(40), false)).is_empty());
         assert!(writers.reached(2, 1, input(Some(10), false)).is_empty());
-        let told = writers.reached(1, 1, input(Some(25), false));
+        let told = writers.reached(1, 1, input(Some(25), false)).progress;
         assert_eq!(watermarks(&told), [Some(10)]);
         assert_eq!(told[0].partitions, [0, 2, 4]);
         assert_eq!(told[0].upstream, 6);
@@ -1003,7 +1008,7 @@ mod tests {
         assert!(writers.reached(2, 3, input(Some(60), false)).is_empty());
         assert!(writers.reached(0, 3, input(Some(70), false)).is_empty());
         assert_eq!(
-            watermarks(&writers.reached(1, 3, input(Some(55), false))),
+            watermarks(&writers.reached(1, 3, input(Some(55), false)).progress),
             [Some(55)]
         );
     }
@@ -1016,19 +1021,19 @@ mod tests {
         assert!(writers.reached(1, 1, input(None, false)).is_empty());
         writers.reached(0, 2, input(Some(40), false));
         assert_eq!(
-            watermarks(&writers.reached(1, 2, input(None, true))),
+            watermarks(&writers.reached(1, 2, input(None, true)).progress),
             [Some(40)],
             "an idle writer is left out"
         );
         writers.reached(0, 3, input(Some(90), true));
         assert_eq!(
-            watermarks(&writers.reached(1, 3, input(None, true))),
+            watermarks(&writers.reached(1, 3, input(None, true)).progress),
             [Some(90), None],
             "all idle: the watermark the last records were judged by, then idleness"
         );
         writers.reached(0, 4, input(Some(95), false));
         assert_eq!(
-            watermarks(&writers.reached(1, 4, input(None, true))),
+            watermarks(&writers.reached(1, 4, input(None, true)).progress),
             [Some(95)],
             "active again"
         );
@@ -1043,7 +1048,7 @@ mod tests {
         writers.reached(1, 1, input(Some(5), false));
         assert!(writers.ended(0, input(Some(20), false)).is_empty());
         assert_eq!(
-            watermarks(&writers.ended(1, input(Some(30), false))),
+            watermarks(&writers.ended(1, input(Some(30), false)).progress),
             [Some(20)]
         );
         assert!(writers.ended(1, input(Some(30), false)).is_empty());

@@ -260,16 +260,15 @@ impl ExchangeWriter {
                     .passed(partition as u32, largest.saturating_sub(self.delay));
             }
         }
-        let progress = if ended {
+        let word = if ended {
             told.progress.ended(self.subtask, self.input)
         } else {
             told.progress.reached(self.subtask, epoch, self.input)
         };
-        let passed = told.progress.take_passed();
-        let words = (!passed.is_empty())
-            .then_some(Wire::Passed(passed))
+        let words = (!word.passed.is_empty())
+            .then_some(Wire::Passed(word.passed))
             .into_iter()
-            .chain(progress.into_iter().map(Wire::Progress));
+            .chain(word.progress.into_iter().map(Wire::Progress));
         for word in words {
             let value = encode(&word);
             for partition in 0..self.partitions {
