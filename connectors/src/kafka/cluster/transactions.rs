@@ -320,9 +320,19 @@ impl Transactions {
     ) -> Result<()> {
         let inner = &self.inner;
         let taken = {
-            let mut feed = lock(&inner.feed);
-            while feed.busy {
-                feed = inner.changed.wait(feed).unwrap_or_else(|p| p.into_inner());
+            // The feeder finishes the batch it produces; one that outlasts
+            // the operation timeout (it would have died) fails the commit
+            // rather than hold it for good.
+            let (mut feed, waited) = inner
+                .changed
+                .wait_timeout_while(lock(&inner.feed), inner.timeout, |feed| feed.busy)
+                .unwrap_or_else(|p| p.into_inner());
+            if waited.timed_out() {
+                return Err(RtflowError::Checkpoint(format!(
+                    "{}: could not commit the transaction of epoch {epoch}: its records \
+                     were not produced within {:?}",
+                    inner.name, inner.timeout
+                )));
             }
             feed.take_for_commit(epoch)
         };
