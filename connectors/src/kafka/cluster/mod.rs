@@ -17,7 +17,8 @@
 //! - each checkpoint commits as one Kafka transaction of the process (`link`):
 //!   its output, its repartition records, the changelog records of its keyed
 //!   state (`changelog`, a compacted topic partitioned like the repartition
-//!   topic) and its input offsets, committed to the group;
+//!   topic) and its input offsets, committed to the group; the writers'
+//!   records are produced into it while the epoch runs (`transactions`);
 //! - when the group moves partitions, the process stops its run with a final
 //!   checkpoint before it lets them go (inside the rebalance), and starts a
 //!   new run for what it then owns, restoring offsets from the group and keyed
