@@ -12,7 +12,7 @@
 //! watermarks commit with the epoch's transaction, so a reader sees an epoch's
 //! records and watermark together, once.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -30,7 +30,7 @@ use rtflow_runtime::{
 use serde::{Deserialize, Serialize};
 
 use super::transactions::{Staging, Transactions};
-use super::{ClusterSettings, WATERMARK_MARK};
+use super::{lock, ClusterSettings, WATERMARK_MARK};
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::KafkaMessage;
 
@@ -156,10 +156,6 @@ impl ExchangeSink {
             told: Arc::default(),
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Sink<Exchanged> for ExchangeSink {

@@ -8,7 +8,7 @@
 
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
@@ -24,7 +24,7 @@ use super::changelog::{self, Fold};
 use super::exchange::{ExchangeSink, ExchangeSource};
 use super::local::{self, Image};
 use super::transactions::{Batch, Transactions};
-use super::{while_coordinator_moves, ClusterSettings, WATERMARK_MARK};
+use super::{lock, while_coordinator_moves, ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::metadata;
@@ -111,10 +111,6 @@ pub(crate) fn transactions_of(ctx: &SinkContext, sink: &str) -> Result<Arc<Trans
                 "this writer runs only in a query clustered on Kafka (KafkaCluster)",
             )
         })
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl ClusterLink for KafkaLink {

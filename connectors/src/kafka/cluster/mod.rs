@@ -43,7 +43,7 @@ mod standby;
 mod transactions;
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use rdkafka::error::{KafkaError, KafkaResult};
@@ -61,6 +61,12 @@ pub(crate) use transactions::Staging;
 /// Separates a repartition partition's offset label from the upstream source
 /// partition whose watermark a label holds.
 const WATERMARK_MARK: char = '@';
+
+/// Locks `mutex`, also after a thread panicked holding it: what it guards
+/// stays consistent between statements, and a panic fails the run anyway.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// How long apart a request refused while a group's coordinator moves is
 /// made again.

@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -32,7 +32,7 @@ use super::settle::{must_restart, Settling};
 use super::shape::{instance_of, list_group, Shape};
 use super::standby::{placement, Standby};
 use super::transactions::{fence, Transactions};
-use super::ClusterSettings;
+use super::{lock, ClusterSettings};
 
 /// The threads of a process's part, as errors name them.
 const RUNNER_THREAD: &str = "rtflow-cluster";
@@ -85,10 +85,6 @@ struct Shared {
 struct Run {
     query: StreamingQuery,
     owned: BTreeSet<TopicPartition>,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Shared {

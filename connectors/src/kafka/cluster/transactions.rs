@@ -20,7 +20,7 @@
 //! feeder thread do the producing.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -32,7 +32,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, TopicPartitionList};
 use rtflow_runtime::{Epoch, Result, RtflowError};
 
-use super::ClusterSettings;
+use super::{lock, ClusterSettings};
 use crate::kafka::producer::{commit_transaction, flush, send, Deliveries, KafkaMessage};
 
 /// A writer hands its records over once it holds this many bytes of
@@ -44,10 +44,6 @@ const HAND_OVER_MESSAGES: usize = 16 * 1024;
 /// How long apart a commit refused for a group generation that just ended
 /// is tried again with the next one (for at most the operation timeout).
 const GENERATION_RETRY_PAUSE: Duration = Duration::from_millis(100);
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// Records a writer staged for an epoch's transaction, and the topic of those
 /// that name none.
@@ -135,7 +131,7 @@ impl Feed {
     }
 
     fn step(&mut self) -> Step {
-        if self.closed || self.committing || self.busy {
+        if self.committing || self.busy {
             return Step::Wait;
         }
         if self.stale {
