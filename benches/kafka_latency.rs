@@ -68,6 +68,7 @@
 //! ```
 //!
 //! The broker is `--bootstrap`, else `$RTFLOW_KAFKA_BOOTSTRAP`, else 127.0.0.1:9092.
+//! `RUST_LOG` (e.g. `rtflow_runtime::coordinator=debug`) prints rtflow's logs to stderr.
 
 #[path = "common/transactions.rs"]
 mod transactions;
@@ -781,6 +782,14 @@ fn run(args: &Args, rate: u64, pipeline: Pipeline) -> BenchResult<Run> {
 
 fn main() -> BenchResult<()> {
     let args = Args::parse();
+    // rtflow's own logs, to stderr, when asked for: how a checkpoint's time
+    // splits shows in the coordinator's and the sinks' debug lines.
+    if let Ok(filter) = std::env::var("RUST_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let options: String = [
         ("--source-option", &args.source_options),
         ("--sink-option", &args.sink_options),

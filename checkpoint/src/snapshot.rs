@@ -435,6 +435,41 @@ pub fn merge(blobs: &[Blob]) -> Entries<'_> {
     Entries { blobs, spans }
 }
 
+/// How many of the oldest blobs the later ones shadow: every key they hold is
+/// written again or deleted by a later blob, so the chain without them merges
+/// to the same entries. A state that rewrites all its entries every epoch (an
+/// exactly-once sink's pending output) sheds its old blobs this way, where a
+/// fold would write its whole value once more.
+///
+/// Zero when some key of the oldest blob is never written again, or when the
+/// first blob kept holds a key twice: [`merge`] takes its first blob as a base
+/// of distinct keys.
+pub fn shadowed(blobs: &[Blob]) -> usize {
+    let Some((base, rest)) = blobs.split_first() else {
+        return 0;
+    };
+    // A base with more keys than the later blobs hold has a key they miss:
+    // the common case of a large keyed state, told without hashing it.
+    if rest.is_empty() || base.len() > rest.iter().map(Blob::len).sum() {
+        return 0;
+    }
+    let mut last: HashMap<(u32, &[u8]), usize, FastState> = HashMap::default();
+    let mut repeats = vec![false; blobs.len()];
+    for (index, blob) in blobs.iter().enumerate() {
+        for span in &blob.spans {
+            let key = (span.group, &blob.bytes[span.key.0..span.key.1]);
+            if last.insert(key, index) == Some(index) {
+                repeats[index] = true;
+            }
+        }
+    }
+    let kept_from = last.values().copied().min().unwrap_or(0);
+    if repeats[kept_from] {
+        return 0;
+    }
+    kept_from
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -564,6 +599,79 @@ mod tests {
         assert_eq!(owned(decoded.iter()), entries);
         let borrowed: Vec<EntryRef<'_>> = decoded.iter().collect();
         assert_eq!(encode_blob(&borrowed), encode_blob(&entries));
+    }
+
+    #[test]
+    fn old_blobs_whose_every_key_is_written_again_are_shadowed() {
+        let cases = [
+            (vec![], 0),
+            (vec![vec![put(1, 10)]], 0),
+            // The pending output of a sink: one entry rewritten every epoch.
+            (
+                vec![vec![put(1, 10)], vec![put(1, 11)], vec![put(1, 12)]],
+                2,
+            ),
+            (
+                vec![
+                    vec![put(1, 10), put(2, 20)],
+                    vec![put(1, 11)],
+                    vec![put(2, 21)],
+                ],
+                1,
+            ),
+            (vec![vec![put(1, 10), put(2, 20)], vec![put(1, 11)]], 0),
+            // A deletion shadows too, and the blob holding it stays.
+            (vec![vec![put(1, 10)], vec![delete(1)], vec![put(2, 20)]], 1),
+            // The first blob kept would hold a key twice.
+            (vec![vec![put(1, 10)], vec![put(1, 11), put(1, 12)]], 0),
+        ];
+        for (chain, expected) in cases {
+            let blobs: Vec<Blob> = chain.iter().map(|entries| blob(entries)).collect();
+            let shed = shadowed(&blobs);
+            assert_eq!(shed, expected, "{chain:?}");
+            assert_eq!(merged(&chain[shed..]), merged(&chain), "{chain:?}");
+        }
+    }
+
+    #[test]
+    fn a_chain_without_its_shadowed_blobs_merges_to_the_same_entries() {
+        // Every chain of up to four blobs over two keys, each blob putting,
+        // deleting or leaving out each key.
+        let choices = |index: usize| -> Vec<Vec<Entry>> {
+            let mut blobs = Vec::new();
+            for one in 0..3 {
+                for two in 0..3 {
+                    let mut entries = Vec::new();
+                    for (key, choice) in [(1, one), (2, two)] {
+                        match choice {
+                            0 => entries.push(put(key, index as u8)),
+                            1 => entries.push(delete(key)),
+                            _ => {}
+                        }
+                    }
+                    blobs.push(entries);
+                }
+            }
+            blobs
+        };
+        let mut chains: Vec<Vec<Vec<Entry>>> = vec![vec![]];
+        for index in 0..4 {
+            chains = chains
+                .into_iter()
+                .flat_map(|chain| {
+                    choices(index).into_iter().map(move |entries| {
+                        let mut longer = chain.clone();
+                        longer.push(entries);
+                        longer
+                    })
+                })
+                .collect();
+            for chain in &chains {
+                let blobs: Vec<Blob> = chain.iter().map(|entries| blob(entries)).collect();
+                let shed = shadowed(&blobs);
+                assert_eq!(merged(&chain[shed..]), merged(chain), "{chain:?}");
+            }
+        }
     }
 
     #[test]

@@ -15,8 +15,8 @@ use crate::head::{Head, HEAD_FILE};
 use crate::manifest::{Corrupt, Manifest};
 use crate::segments::Segments;
 use crate::snapshot::{
-    blob_ref, decode_blob, encode_blob, merge, Blob, BlobRef, Delta, Entries, StateChain, StateId,
-    StateMeta, BASE_PART,
+    blob_ref, decode_blob, encode_blob, merge, shadowed, Blob, BlobRef, Delta, Entries, StateChain,
+    StateId, StateMeta, BASE_PART,
 };
 use crate::Epoch;
 
@@ -111,12 +111,20 @@ impl Compaction {
     }
 }
 
-/// A prefix of a state's chain, folded into one base blob.
+/// A prefix of a state's chain, made shorter.
 struct Folded {
     state: StateId,
-    /// The blobs the base replaces.
+    /// The blobs the compaction read.
     chain: Vec<BlobRef>,
-    bytes: Vec<u8>,
+    into: FoldedInto,
+}
+
+/// What replaces the blobs a compaction read.
+enum FoldedInto {
+    /// One base blob of these bytes.
+    Base(Vec<u8>),
+    /// The blobs after the first `n`, which later blobs shadow: nothing to write.
+    Shed(usize),
 }
 
 const QUERY_ID: &[u8] = b"query_id";
@@ -428,10 +436,17 @@ impl CheckpointStore {
         if let Some(folded) = folded {
             if let Some(chain) = manifest.state.get_mut(&folded.state) {
                 if chain.blobs.starts_with(&folded.chain) {
-                    let offset = append(&folded.bytes)?;
-                    stats.bytes += folded.bytes.len();
-                    let base = blob_ref(epoch, BASE_PART, offset, &folded.bytes);
-                    chain.blobs.splice(..folded.chain.len(), [base]);
+                    match folded.into {
+                        FoldedInto::Base(bytes) => {
+                            let offset = append(&bytes)?;
+                            stats.bytes += bytes.len();
+                            let base = blob_ref(epoch, BASE_PART, offset, &bytes);
+                            chain.blobs.splice(..folded.chain.len(), [base]);
+                        }
+                        FoldedInto::Shed(n) => {
+                            chain.blobs.drain(..n);
+                        }
+                    }
                 }
             }
         }
@@ -518,7 +533,9 @@ impl CheckpointStore {
     /// it. Call it after each commit: it starts a compaction when one is due and
     /// none runs, and picks up a finished one, which the next commit applies (its
     /// manifest's chain starts with the base instead of the blobs it folded).
-    /// Returns whether a compaction started.
+    /// When later blobs shadow the oldest ones ([`shadowed`]), as with a state
+    /// rewritten whole every epoch, the compaction drops those instead and
+    /// writes nothing. Returns whether a compaction started.
     pub fn compact(&mut self) -> Result<bool, StoreError> {
         if let Some(running) = &self.compaction {
             if !running.thread.is_finished() {
@@ -551,7 +568,12 @@ impl CheckpointStore {
             .spawn(move || {
                 read_chain(&segments, &id, &chain)
                     .map(|blobs| Folded {
-                        bytes: encode_blob(&merge(&blobs).iter().collect::<Vec<_>>()),
+                        into: match shadowed(&blobs) {
+                            0 => FoldedInto::Base(encode_blob(
+                                &merge(&blobs).iter().collect::<Vec<_>>(),
+                            )),
+                            n => FoldedInto::Shed(n),
+                        },
                         state: id,
                         chain: chain.blobs,
                     })
@@ -742,6 +764,35 @@ mod tests {
             restored(&recovery),
             vec![(0, 40), (1, 36), (2, 37), (3, 38), (4, 39)]
         );
+    }
+
+    #[test]
+    fn a_state_rewritten_every_epoch_sheds_its_old_blobs_without_writing_a_base() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = CheckpointStore::open(dir.path(), 2).unwrap();
+        store.recover().unwrap();
+        for epoch in 1..=10u8 {
+            let (committed, _) = store
+                .commit(
+                    manifest(epoch.into()),
+                    vec![delta(0, &[(1, Some(epoch)), (2, Some(epoch))])],
+                )
+                .unwrap();
+            let blobs = &committed.state[&counts()].blobs;
+            // Compaction is due once the deltas outweigh the first blob.
+            assert!(blobs.len() <= 3, "epoch {epoch}: {blobs:?}");
+            assert!(
+                blobs.iter().all(|blob| blob.part != BASE_PART),
+                "epoch {epoch}: a base was written: {blobs:?}"
+            );
+            store.compact().unwrap();
+            store.finish_compaction().unwrap();
+        }
+        assert!(store.segment_count().unwrap() <= 4);
+        drop(store);
+        let mut store = CheckpointStore::open(dir.path(), 2).unwrap();
+        let recovery = store.recover().unwrap();
+        assert_eq!(restored(&recovery), vec![(1, 10), (2, 10)]);
     }
 
     /// Three committed epochs with state, in a store closed afterwards.

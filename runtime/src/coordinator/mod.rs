@@ -437,6 +437,7 @@ impl Coordinator {
             bytes = stats.bytes,
             entries = stats.entries,
             ?duration,
+            written_in = ?commit,
             "checkpoint committed"
         );
         for sink in &checkpoints.commits {
