@@ -9,7 +9,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 pub use rtflow_checkpoint::Offsets;
 
 use crate::cancel::Cancel;
-use crate::cluster::ClusterLink;
+use crate::cluster::membership::Membership;
 use crate::error::{Result, RtflowError};
 use crate::guard::Place;
 use crate::metrics::{LatencyRecorder, OperatorMetrics, SourceLag};
@@ -129,7 +129,7 @@ pub trait Source<T>: Send + 'static {
     /// partitions this process reads, as `link` assigns them; `None` for a
     /// source the cluster cannot share out, which a clustered query rejects.
     /// Called after `partitions`.
-    fn cluster_partitions(&self, link: &dyn ClusterLink) -> Option<Vec<usize>> {
+    fn cluster_partitions(&self, link: &dyn Membership) -> Option<Vec<usize>> {
         let _ = link;
         None
     }
@@ -138,7 +138,7 @@ pub trait Source<T>: Send + 'static {
     fn reader(&self, ctx: &SourceContext) -> Result<Box<dyn SourceReader<T>>>;
 }
 
-/// A boxed source is a source: what a [`ClusterLink`] hands out.
+/// A boxed source is a source: what a [`ClusterLink`](crate::cluster::ClusterLink) hands out.
 impl<T: 'static> Source<T> for Box<dyn Source<T>> {
     fn kind(&self) -> &str {
         (**self).kind()
@@ -160,7 +160,7 @@ impl<T: 'static> Source<T> for Box<dyn Source<T>> {
         (**self).supports_real_time()
     }
 
-    fn cluster_partitions(&self, link: &dyn ClusterLink) -> Option<Vec<usize>> {
+    fn cluster_partitions(&self, link: &dyn Membership) -> Option<Vec<usize>> {
         (**self).cluster_partitions(link)
     }
 
@@ -377,7 +377,7 @@ pub struct SinkContext {
     /// own watermark is then the largest event time of its records less it.
     pub watermark_delay: Option<Duration>,
     /// In a clustered query, the process's link to its cluster.
-    pub cluster: Option<Arc<dyn ClusterLink>>,
+    pub cluster: Option<Arc<dyn Membership>>,
 }
 
 /// A sink of records (Kafka, foreach, console, memory).
@@ -406,7 +406,7 @@ pub trait Sink<T>: Send + 'static {
     fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<T>>>;
 }
 
-/// A boxed sink is a sink: what a [`ClusterLink`] hands out.
+/// A boxed sink is a sink: what a [`ClusterLink`](crate::cluster::ClusterLink) hands out.
 impl<T: 'static> Sink<T> for Box<dyn Sink<T>> {
     fn kind(&self) -> &str {
         (**self).kind()

@@ -11,7 +11,8 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::cluster::{self, ClusterLink, Decode, Encode};
+use crate::cluster::repartition::{self, Decode, Encode};
+use crate::cluster::ClusterLink;
 use crate::config::QueryConfig;
 use crate::connector::{Sink, Source};
 use crate::dispatch::{KeyHash, Partitioning};
@@ -299,7 +300,7 @@ impl<T: Data> Stream<T> {
         let key = Arc::new(key);
         let hash_key = key.clone();
         let key_hash = Arc::new(move |value: &T| stable_hash(&hash_key(value)));
-        self.transform(cluster::ENCODE, move |_| Encode {
+        self.transform(repartition::ENCODE, move |_| Encode {
             key_hash: key_hash.clone(),
         })
         .sink(sink);
@@ -309,7 +310,7 @@ impl<T: Data> Stream<T> {
         };
         let decoded = flow
             .source(source)
-            .transform(cluster::DECODE, |_| Decode::<T>(PhantomData));
+            .transform(repartition::DECODE, |_| Decode::<T>(PhantomData));
         let keyed = decoded.key_by(move |value: &T| key(value));
         keyed
             .stream

@@ -9,6 +9,7 @@ use crossbeam_channel::Sender;
 use rtflow_checkpoint::Offsets;
 
 use crate::actor::ActorEnv;
+use crate::cluster::membership::Membership;
 use crate::config::QueryConfig;
 use crate::connector::SinkWiring;
 use crate::connector::{SinkContext, SourceContext, SourceWaker};
@@ -589,7 +590,8 @@ impl Plan {
                                 source_partitions: self.partitions_reaching(id, subtask),
                                 upstream_partitions: self.upstream_partition_count(id),
                                 watermark_delay: self.watermark_delay_before(id),
-                                cluster: self.graph.cluster.clone(),
+                                cluster: (self.graph.cluster.clone())
+                                    .map(|link| link as Arc<dyn Membership>),
                             };
                             let (sender, receiver) = crossbeam_channel::unbounded();
                             commits = Some(sender);

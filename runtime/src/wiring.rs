@@ -13,7 +13,8 @@ use crossbeam_channel::{Receiver, Sender};
 
 use crate::actor::{run_inbox, run_source, ActorEnv};
 use crate::cancel::Cancel;
-use crate::cluster::{ClusterLink, Exchanged};
+use crate::cluster::membership::Membership;
+use crate::cluster::Exchanged;
 use crate::connector::{
     Sink, SinkContext, SinkEmit, SinkWiring, Source, SourceContext, SourceReader,
 };
@@ -57,7 +58,7 @@ pub(crate) trait ErasedSource: Send {
     fn supports_real_time(&self) -> bool;
     fn partitions(&self) -> Result<usize>;
     fn readers(&self, partitions: usize) -> usize;
-    fn cluster_partitions(&self, link: &dyn ClusterLink) -> Option<Vec<usize>>;
+    fn cluster_partitions(&self, link: &dyn Membership) -> Option<Vec<usize>>;
     /// The reader of `ctx`'s partitions, for the source at `place`.
     fn open(&self, place: &Place, ctx: &SourceContext) -> Result<AnyBox>;
     fn actor(&self, place: Place, reader: AnyBox, emit: AnyBox, env: ActorEnv) -> ActorMain;
@@ -92,7 +93,7 @@ impl<T: Data> ErasedSource for SourceNode<T> {
         self.source.readers(partitions)
     }
 
-    fn cluster_partitions(&self, link: &dyn ClusterLink) -> Option<Vec<usize>> {
+    fn cluster_partitions(&self, link: &dyn Membership) -> Option<Vec<usize>> {
         self.source.cluster_partitions(link)
     }
 

@@ -11,7 +11,7 @@ use rdkafka::message::{Headers, Message, Timestamp};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use regex::Regex;
-use rtflow_runtime::cluster::ClusterLink;
+use rtflow_runtime::cluster::Membership;
 use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::metrics::PartitionLag;
 use rtflow_runtime::record::now_nanos;
@@ -496,7 +496,7 @@ impl Source<KafkaRecord> for KafkaSource {
             .map_or(partitions, |readers| readers.min(partitions))
     }
 
-    fn cluster_partitions(&self, link: &dyn ClusterLink) -> Option<Vec<usize>> {
+    fn cluster_partitions(&self, link: &dyn Membership) -> Option<Vec<usize>> {
         let assigned = self.assigned.lock().unwrap_or_else(|p| p.into_inner());
         Some(link.owned(&assigned))
     }

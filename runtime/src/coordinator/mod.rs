@@ -29,6 +29,7 @@ use rtflow_checkpoint::{CheckpointStore, CheckpointTracker, CommitStats, Manifes
 use self::epochs::{assemble, Ack, Assembled, Requests};
 use crate::actor::{ActorEnv, Report};
 use crate::cancel::Cancel;
+use crate::cluster::membership::Membership;
 use crate::cluster::ClusterLink;
 use crate::config::QueryConfig;
 use crate::error::{Result, RtflowError};
@@ -267,7 +268,7 @@ impl Coordinator {
             config.max_key_groups,
         );
         if let Location::Cluster(link) = &location {
-            restored.cluster = Some(link.clone());
+            restored.cluster = Some(link.clone() as Arc<dyn Membership>);
         }
         let restored = Arc::new(restored);
         let mut tracker = CheckpointTracker::new(plan.actor_count(), resume.map(|m| m.epoch));

@@ -215,7 +215,7 @@ impl StateContext {
     }
 
     /// Whether the instance runs in a clustered query, whose records may
-    /// cross processes ([`ClusterLink`](crate::cluster::ClusterLink)).
+    /// cross processes ([`Membership`](crate::cluster::Membership)).
     pub fn is_clustered(&self) -> bool {
         self.restored.cluster.is_some()
     }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use rtflow_checkpoint::snapshot::{merge, Blob};
 use rtflow_checkpoint::{RestoredState, StateId, StateMeta};
 
-use crate::cluster::ClusterLink;
+use crate::cluster::membership::Membership;
 use crate::record::{Epoch, EventTime};
 
 /// What every stateful instance of a query restores from: the recovered
@@ -24,7 +24,7 @@ pub(crate) struct Restored {
     pub(crate) key_groups: usize,
     /// In a clustered query, the process's link: the key groups whose state
     /// this process restores and writes are those of its partitions.
-    pub(crate) cluster: Option<Arc<dyn ClusterLink>>,
+    pub(crate) cluster: Option<Arc<dyn Membership>>,
     pub(super) claimed: Mutex<BTreeSet<StateId>>,
 }
 

@@ -368,7 +368,7 @@ impl Source<Exchanged> for ExchangeSource {
 
     fn cluster_partitions(
         &self,
-        link: &dyn rtflow_runtime::cluster::ClusterLink,
+        link: &dyn rtflow_runtime::cluster::Membership,
     ) -> Option<Vec<usize>> {
         Some(link.owned(&self.partition_list()))
     }

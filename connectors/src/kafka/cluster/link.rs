@@ -17,7 +17,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientContext;
 use rdkafka::{Offset, TopicPartitionList};
 use rtflow_checkpoint::{Delta, Offsets};
-use rtflow_runtime::cluster::{ClusterLink, ClusterRecovery, Exchanged};
+use rtflow_runtime::cluster::{ClusterLink, ClusterRecovery, Exchanged, Membership};
 use rtflow_runtime::{Epoch, Result, RtflowError, Sink, SinkContext, Source};
 
 use super::changelog::{self, Fold};
@@ -113,7 +113,7 @@ pub(crate) fn transactions_of(ctx: &SinkContext, sink: &str) -> Result<Arc<Trans
         })
 }
 
-impl ClusterLink for KafkaLink {
+impl Membership for KafkaLink {
     fn member(&self) -> String {
         self.settings.instance.clone()
     }
@@ -155,6 +155,12 @@ impl ClusterLink for KafkaLink {
         }
     }
 
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl ClusterLink for KafkaLink {
     fn exchange(
         &self,
         stage: usize,
@@ -238,10 +244,6 @@ impl ClusterLink for KafkaLink {
         }
         let positions = positions(offsets.values(), |topic| self.settings.group_of(topic))?;
         transactions.commit(epoch, changes, &positions)
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }
 

@@ -9,6 +9,12 @@
 //! once). The runtime knows no client library: rtflow-connectors' Kafka
 //! cluster implements the link.
 //!
+//! The link's [`Membership`] (`membership.rs`: the process's name, partitions
+//! and key groups) is what sources and keyed state ask; it names no connector,
+//! so they can hold it while the link hands out connectors. `repartition.rs`
+//! has the steps that encode records before the repartition's topic and
+//! decode them after it.
+//!
 //! Watermarks cross a repartition in band: the writers of the repartition in
 //! each process tell every partition, together ([`WritersProgress`]), the
 //! watermark of the source partitions their process reads (Kafka partitions,
@@ -20,20 +26,19 @@
 //! committed offset passed is then known to every reader, whichever run
 //! reads the partition next.
 
-use std::any::Any;
+pub(crate) mod membership;
+pub(crate) mod repartition;
+
 use std::collections::{BTreeMap, BTreeSet};
-use std::marker::PhantomData;
-use std::sync::Arc;
 
 use rtflow_checkpoint::{Delta, Manifest, Offsets, Recovery, RestoredState, StateId};
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+pub use self::membership::Membership;
 use crate::config::QueryConfig;
 use crate::connector::{Sink, Source};
-use crate::error::{Result, RtflowError};
-use crate::operator::{Collector, Operator};
-use crate::record::{Data, Epoch, EventTime, Record};
+use crate::error::Result;
+use crate::record::{Epoch, EventTime};
 
 /// A record on its way through a repartition topic: its key's
 /// [`stable_hash`](crate::key_groups::stable_hash) (whose key group picks the
@@ -375,23 +380,10 @@ impl ClusterRecovery {
     }
 }
 
-/// The link between one process and the cluster it runs a query in.
-pub trait ClusterLink: Send + Sync + 'static {
-    /// The process's name in the cluster, for progress and metrics.
-    fn member(&self) -> String;
-
-    /// The partitions this process owns, as `topic-partition`, for progress
-    /// reports and metrics.
-    fn partitions(&self) -> Vec<String>;
-
-    /// Whether this process owns key group `group`: its keyed state is
-    /// restored here, and only here may it be written.
-    fn owns_key_group(&self, group: u32) -> bool;
-
-    /// Of the `(topic, partition)`s a source reads, the indexes of those this
-    /// process owns now.
-    fn owned(&self, partitions: &[(String, i32)]) -> Vec<usize>;
-
+/// The link between one process and the cluster it runs a query in: its
+/// [`Membership`], and the repartitions, restore and commits it runs through
+/// the cluster.
+pub trait ClusterLink: Membership {
     /// The sink and source of the query's repartition number `stage`.
     #[allow(clippy::type_complexity)]
     fn exchange(
@@ -412,9 +404,6 @@ pub trait ClusterLink: Send + Sync + 'static {
         offsets: &BTreeMap<String, Offsets>,
         deltas: &[Delta],
     ) -> Result<()>;
-
-    /// For connectors that look for their own cluster behind the link.
-    fn as_any(&self) -> &dyn Any;
 }
 
 /// A reader's view of event time in one repartition partition: the latest
@@ -702,56 +691,6 @@ pub fn late_across<'a>(
         .all(|watermark| event_time < watermark)
 }
 
-/// The operator family of the steps that encode records for a repartition
-/// and decode them after it.
-pub(crate) const ENCODE: &str = "repartition_encode";
-pub(crate) const DECODE: &str = "repartition_decode";
-
-/// Encodes each record for the repartition topic, with its key's hash.
-pub(crate) struct Encode<T> {
-    pub(crate) key_hash: Arc<dyn Fn(&T) -> u64 + Send + Sync>,
-}
-
-impl<T: Serialize + Send + 'static> Operator<T, Exchanged> for Encode<T> {
-    fn allowlisted() -> bool {
-        true
-    }
-
-    fn process(&mut self, record: Record<T>, out: &mut Collector<'_, Exchanged>) -> Result<()> {
-        let key_hash = (self.key_hash)(&record.value);
-        let payload = bincode::serde::encode_to_vec(&record.value, bincode::config::standard())
-            .map_err(|e| {
-                RtflowError::InvalidDataflow(format!(
-                    "a record of type {} cannot be encoded for its repartition: {e}",
-                    std::any::type_name::<T>()
-                ))
-            })?;
-        out.emit(Exchanged { key_hash, payload })
-    }
-}
-
-/// Decodes the records read back from the repartition topic.
-pub(crate) struct Decode<T>(pub(crate) PhantomData<fn() -> T>);
-
-impl<T: DeserializeOwned + Data> Operator<Exchanged, T> for Decode<T> {
-    fn allowlisted() -> bool {
-        true
-    }
-
-    fn process(&mut self, record: Record<Exchanged>, out: &mut Collector<'_, T>) -> Result<()> {
-        let (value, _) =
-            bincode::serde::decode_from_slice(&record.value.payload, bincode::config::standard())
-                .map_err(|e| RtflowError::ClusterShapeMismatch {
-                member: "a writer of the repartition topic".to_owned(),
-                difference: format!(
-                    "a record it wrote does not decode as {}: {e}",
-                    std::any::type_name::<T>()
-                ),
-            })?;
-        out.emit(value)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -864,52 +803,6 @@ mod tests {
         table.update(&told(&[2], Some(60)));
         assert!(!table.is_idle());
         assert_eq!(table.watermark(), Some(60));
-    }
-
-    #[test]
-    fn records_cross_the_repartition_encoded_with_their_key_hash() {
-        use crate::tester::OperatorTester;
-        let key_hash = Arc::new(|word: &String| word.len() as u64);
-        let mut encode =
-            OperatorTester::new(ENCODE, |_| Ok(Encode::<String> { key_hash })).unwrap();
-        encode.record("four".to_owned(), 40).unwrap();
-        let encoded = encode.take_values();
-        assert_eq!(encoded[0].key_hash, 4);
-        let mut decode =
-            OperatorTester::new(DECODE, |_| Ok(Decode::<String>(PhantomData))).unwrap();
-        decode.record(encoded[0].clone(), 40).unwrap();
-        assert_eq!(decode.take_values(), ["four"]);
-    }
-
-    #[test]
-    fn a_record_that_cannot_be_encoded_is_an_invalid_dataflow() {
-        use crate::tester::OperatorTester;
-        #[derive(Clone)]
-        struct Unencodable;
-        impl Serialize for Unencodable {
-            fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
-                Err(serde::ser::Error::custom("no bytes for this"))
-            }
-        }
-        let key_hash = Arc::new(|_: &Unencodable| 0);
-        let mut encode =
-            OperatorTester::new(ENCODE, |_| Ok(Encode::<Unencodable> { key_hash })).unwrap();
-        let error = encode.record(Unencodable, 0).unwrap_err();
-        assert_eq!(error.error_class(), "INVALID_DATAFLOW", "{error}");
-        assert!(error.to_string().contains("cannot be encoded"), "{error}");
-    }
-
-    #[test]
-    fn a_record_another_dataflow_wrote_is_a_shape_mismatch() {
-        use crate::tester::OperatorTester;
-        let mut decode =
-            OperatorTester::new(DECODE, |_| Ok(Decode::<(u64, String)>(PhantomData))).unwrap();
-        let garbage = Exchanged {
-            key_hash: 0,
-            payload: vec![0xff; 3],
-        };
-        let error = decode.record(garbage, 0).unwrap_err();
-        assert_eq!(error.error_class(), "CLUSTER_SHAPE_MISMATCH", "{error}");
     }
 
     #[test]
