@@ -42,6 +42,8 @@ const CHILD_STANDBY: &str = "RTFLOW_CLUSTER_STANDBY";
 const CHILD_SESSION: &str = "RTFLOW_CLUSTER_SESSION_MS";
 /// A child's restore timeout in ms, when not the default.
 const CHILD_RESTORE: &str = "RTFLOW_CLUSTER_RESTORE_MS";
+/// The child's retry timeout in ms, if not the default.
+const CHILD_RETRY: &str = "RTFLOW_CLUSTER_RETRY_MS";
 /// The host a child stands for, when not the only one: its checkpoint
 /// location is then its own although its instance name is not.
 const CHILD_HOST: &str = "RTFLOW_CLUSTER_HOST";
@@ -466,6 +468,12 @@ fn cluster_child() {
     {
         cluster = cluster.restore_timeout(Duration::from_millis(ms));
     }
+    if let Some(ms) = std::env::var(CHILD_RETRY)
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+    {
+        cluster = cluster.retry_timeout(Duration::from_millis(ms));
+    }
     let running = cluster
         .start(config(&query).checkpoint_location(location), move |flow| {
             build(flow, &b, &i, &c, &w);
@@ -540,6 +548,8 @@ struct Cluster {
     session_timeout: Option<Duration>,
     /// The children's restore timeout, if not the default.
     restore_timeout: Option<Duration>,
+    /// The children's retry timeout, if not the default.
+    retry_timeout: Option<Duration>,
 }
 
 impl Cluster {
@@ -564,6 +574,7 @@ impl Cluster {
             standby_replicas: 0,
             session_timeout: None,
             restore_timeout: None,
+            retry_timeout: None,
         }
     }
 
@@ -639,6 +650,9 @@ impl Cluster {
         }
         if let Some(timeout) = self.restore_timeout {
             child.env(CHILD_RESTORE, timeout.as_millis().to_string());
+        }
+        if let Some(timeout) = self.retry_timeout {
+            child.env(CHILD_RETRY, timeout.as_millis().to_string());
         }
         let child = child
             .stdout(Stdio::null())
@@ -991,15 +1005,17 @@ fn a_restore_waits_for_a_changelog_transaction_left_open() {
 }
 
 /// A restore that a changelog transaction left open outlasts fails its run
-/// with `CHECKPOINT_FAILED`, naming the open transaction; three such runs
-/// end the process. Nothing is lost: once the transaction ends, the process
-/// started again restores everything and every count comes out once.
+/// with `CHECKPOINT_FAILED`, naming the open transaction. With no retry
+/// timeout, three such runs end the process. Given one, the process tries
+/// again, later each time, and goes on once the transaction ended: nothing
+/// is lost, every count comes out once.
 #[test]
 fn a_restore_outlasted_by_a_changelog_transaction_left_open_fails_naming_it() {
     let Some(bootstrap) = bootstrap() else { return };
     let (mut cluster, open) = killed_with_a_changelog_transaction_left_open(&bootstrap);
     let total = RESTORED + 1_000;
     cluster.restore_timeout = Some(Duration::from_secs(2));
+    cluster.retry_timeout = Some(Duration::ZERO);
     cluster.spawn("p0");
     let deadline = Instant::now() + Duration::from_secs(90);
     let status = loop {
@@ -1020,9 +1036,35 @@ fn a_restore_outlasted_by_a_changelog_transaction_left_open_fails_naming_it() {
         log.contains("CHECKPOINT_FAILED") && log.contains("a transaction there stayed open"),
         "p0 did not fail naming the open transaction:\n{log}"
     );
-    open.abort_transaction(Duration::from_secs(30)).unwrap();
-    cluster.restore_timeout = None;
+
+    cluster.retry_timeout = Some(Duration::from_secs(120));
     cluster.spawn("p0");
+    let failed_runs = |log: &str| log.matches("a transaction there stayed open").count();
+    let before = failed_runs(&log);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let log = std::fs::read_to_string(cluster.dir.join("p0.log")).unwrap();
+        if failed_runs(&log) >= before + 4 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the restore did not fail again:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        cluster
+            .children
+            .get_mut("p0")
+            .unwrap()
+            .try_wait()
+            .unwrap()
+            .is_none(),
+        "p0 gave up within its retry timeout:\n{}",
+        cluster.logs()
+    );
+    open.abort_transaction(Duration::from_secs(30)).unwrap();
     produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected_counts, expected_windows) = reference(total);

@@ -194,6 +194,7 @@ impl ClusterLink for KafkaLink {
         }
         let started = std::time::Instant::now();
         let offsets = self.committed_offsets(&owned)?;
+        tracing::debug!(?offsets, "committed offsets read");
         let changelog = self.settings.changelog_topic();
         // Every stage's partition `p` carries the key groups of changelog
         // partition `p`: read it once.
@@ -243,6 +244,12 @@ impl ClusterLink for KafkaLink {
             }
         }
         let positions = positions(offsets.values(), |topic| self.settings.group_of(topic))?;
+        tracing::debug!(
+            epoch,
+            changes = changes.messages.len(),
+            ?positions,
+            "committing"
+        );
         transactions.commit(epoch, changes, &positions)
     }
 }
@@ -357,12 +364,15 @@ impl KafkaLink {
         let mut images: BTreeMap<i32, Image> = BTreeMap::new();
         // The partitions still to read, each with the end to read it to.
         let mut open: BTreeMap<i32, i64> = BTreeMap::new();
+        // Where each partition's read began: its local copy's offset, or the start.
+        let mut resumed: BTreeMap<i32, i64> = BTreeMap::new();
         for partition in partitions {
             let (low, high) = ends
                 .fetch_watermarks(changelog, *partition, self.settings.operation_timeout)
                 .map_err(|e| self.error(format!("could not read the changelog's end: {e}")))?;
             let copies = self.settings.copies.as_ref();
             let image = local::resume(copies, changelog, *partition, (low, high));
+            resumed.insert(*partition, image.offset);
             read.local_bytes += image.bytes();
             if image.offset < high {
                 list.add_partition_offset(changelog, *partition, Offset::Offset(image.offset))
@@ -443,6 +453,14 @@ impl KafkaLink {
         }
         let mut fold = Fold::default();
         for (partition, image) in &mut images {
+            tracing::debug!(
+                changelog,
+                partition,
+                resumed_at = resumed[partition],
+                read_to = image.offset,
+                keys = image.records.len(),
+                "restored a changelog partition"
+            );
             for (key, value) in &image.records {
                 fold.apply(key, Some(value))?;
             }

@@ -36,6 +36,7 @@ mod departures;
 mod exchange;
 mod link;
 mod local;
+mod retries;
 mod runner;
 mod settle;
 mod shape;
@@ -139,6 +140,7 @@ pub struct KafkaCluster {
     repartition_partitions: Option<usize>,
     session_timeout: Duration,
     restore_timeout: Duration,
+    retry_timeout: Duration,
     standby_replicas: usize,
     static_membership: bool,
     rack: Option<String>,
@@ -154,6 +156,7 @@ impl KafkaCluster {
             repartition_partitions: None,
             session_timeout: Duration::from_secs(6),
             restore_timeout: Duration::from_secs(300),
+            retry_timeout: Duration::from_secs(300),
             standby_replicas: 0,
             static_membership: true,
             rack: None,
@@ -226,8 +229,9 @@ impl KafkaCluster {
     /// where a transaction is still open there (left by a process that died
     /// and was not fenced) it waits for that transaction to end: what was
     /// committed after it is hidden until then, and a restore without it
-    /// would resume the committed offsets with older state. Three failed
-    /// runs in a row end the process.
+    /// would resume the committed offsets with older state. A restore that
+    /// times out fails its run with `CHECKPOINT_FAILED`, which is restarted
+    /// for the [`retry_timeout`](Self::retry_timeout).
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -241,6 +245,31 @@ impl KafkaCluster {
     /// ```
     pub fn restore_timeout(mut self, timeout: Duration) -> Self {
         self.restore_timeout = timeout;
+        self
+    }
+
+    /// How long a process goes on restarting runs that fail on the cluster
+    /// itself (`CHECKPOINT_FAILED`: a restore or commit that could not reach
+    /// a broker, a partition leader or coordinator that moved) before it
+    /// gives up; 5 minutes by default, as Kafka Streams' `task.timeout.ms`.
+    /// After a broker's crash such failures pass once Kafka has recovered.
+    /// Each attempt waits twice as long as the one before, from 100 ms up
+    /// to 5 s. Any other failure ends the process after three failed runs
+    /// in a row, and so do these once the timeout has passed (at once with
+    /// a timeout of zero).
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use rtflow_connectors::kafka::KafkaCluster;
+    /// use rtflow_runtime::QueryConfig;
+    /// let query = KafkaCluster::new("127.0.0.1:9092")
+    ///     .instance("host-a")
+    ///     .retry_timeout(Duration::from_secs(60))
+    ///     .start(QueryConfig::new("clicks-per-user"), |flow| Ok(()))?;
+    /// # Ok::<(), rtflow_runtime::RtflowError>(())
+    /// ```
+    pub fn retry_timeout(mut self, timeout: Duration) -> Self {
+        self.retry_timeout = timeout;
         self
     }
 
@@ -326,7 +355,8 @@ impl KafkaCluster {
         }
         if self.restore_timeout.is_zero() {
             return Err(RtflowError::InvalidConfiguration(
-                "KafkaCluster: a restore timeout of zero fails every restore that has                  changelog to read; give it at least the time a restore takes"
+                "KafkaCluster: a restore timeout of zero fails every restore that has \
+                 changelog to read; give it at least the time a restore takes"
                     .into(),
             ));
         }
@@ -345,6 +375,7 @@ impl KafkaCluster {
             transaction_timeout: (batch_duration * 3).max(Duration::from_secs(10)),
             operation_timeout: Duration::from_secs(30),
             restore_timeout: self.restore_timeout,
+            retry_timeout: self.retry_timeout,
             standby_replicas: self.standby_replicas,
             copies: config
                 .checkpoint_location
@@ -378,6 +409,8 @@ pub(crate) struct ClusterSettings {
     pub(crate) transaction_timeout: Duration,
     pub(crate) operation_timeout: Duration,
     pub(crate) restore_timeout: Duration,
+    /// How long runs that fail on the cluster are restarted (`retries`).
+    pub(crate) retry_timeout: Duration,
     /// How many processes besides a changelog partition's owner keep a
     /// warm copy of it (`standby`).
     pub(crate) standby_replicas: usize,
@@ -526,6 +559,7 @@ mod tests {
             transaction_timeout: Duration::from_secs(10),
             operation_timeout: Duration::from_secs(30),
             restore_timeout: Duration::from_secs(300),
+            retry_timeout: Duration::from_secs(300),
             standby_replicas: 0,
             copies: None,
             options: Options::default(),

@@ -28,6 +28,7 @@ use rtflow_runtime::{
 
 use super::departures::{members, Departures};
 use super::link::{KafkaLink, Mode, RestoreStats, TopicPartition};
+use super::retries::{Retries, Verdict};
 use super::settle::{must_restart, Settling};
 use super::shape::{instance_of, list_group, Shape};
 use super::standby::{placement, Standby};
@@ -37,9 +38,6 @@ use super::{lock, ClusterSettings};
 /// The threads of a process's part, as errors name them.
 const RUNNER_THREAD: &str = "rtflow-cluster";
 const MEMBER_THREAD: &str = "rtflow-member";
-
-/// How many runs in a row may fail before the process gives up.
-const MAX_FAILED_RUNS: u32 = 3;
 
 /// A process's handle on a clustered query.
 pub struct ClusteredQuery {
@@ -644,7 +642,9 @@ where
 {
     let mut seen = shared.generation.load(Ordering::SeqCst);
     let mut running: Option<u64> = None;
-    let mut failures = 0;
+    let mut retries = Retries::new(shared.settings.retry_timeout);
+    // After a failed run, the next one waits until then.
+    let mut not_before = Instant::now();
     loop {
         std::thread::sleep(Duration::from_millis(25));
         if shared.stop.load(Ordering::SeqCst) {
@@ -659,19 +659,16 @@ where
         if let Some(error) = failed {
             lock(&shared.run).take();
             shared.transactions.discard();
-            failures += 1;
-            tracing::warn!(%error, failures, "the run failed; restarting from the last commit");
-            if failures >= MAX_FAILED_RUNS {
-                return Err(error);
-            }
+            not_before = retry_at(&mut retries, error, "the run failed")?;
             running = None;
         }
         let generation = shared.generation.load(Ordering::SeqCst);
         if generation != seen {
             seen = generation;
-            failures = 0;
+            retries.reset();
         }
         if running == Some(seen)
+            || Instant::now() < not_before
             || !lock(&shared.settling).take_settled(shared.groups.len(), Instant::now())
         {
             continue;
@@ -702,12 +699,25 @@ where
             start_run(shared, config, build)
         })?;
         if let Err(error) = started {
-            failures += 1;
-            tracing::warn!(%error, failures, "the run did not start");
-            if failures >= MAX_FAILED_RUNS {
-                return Err(error);
-            }
+            not_before = retry_at(&mut retries, error, "the run did not start")?;
             running = None;
+        }
+    }
+}
+
+/// When to start the next run after one that failed with `error` (`what`
+/// says how), or the error that ends the process's part.
+fn retry_at(retries: &mut Retries, error: RtflowError, what: &str) -> Result<Instant> {
+    let verdict = retries.failed(&error, Instant::now());
+    let failures = retries.in_a_row();
+    match verdict {
+        Verdict::RetryAt(at) => {
+            tracing::warn!(%error, failures, "{what}; restarting from the last commit");
+            Ok(at)
+        }
+        Verdict::GiveUp => {
+            tracing::error!(%error, failures, "{what}; giving up");
+            Err(error)
         }
     }
 }

@@ -443,6 +443,7 @@ mod tests {
             transaction_timeout: Duration::from_secs(10),
             operation_timeout: Duration::from_secs(30),
             restore_timeout: Duration::from_secs(300),
+            retry_timeout: Duration::from_secs(300),
             standby_replicas: 1,
             copies: Some(LocalCopies::open(&dir).unwrap()),
             options: Options::default(),
