@@ -992,16 +992,47 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
 #[test]
 fn a_restore_waits_for_a_changelog_transaction_left_open() {
     let Some(bootstrap) = bootstrap() else { return };
-    let (mut cluster, open) = killed_with_a_changelog_transaction_left_open(&bootstrap);
+    let (cluster, open) = killed_with_a_changelog_transaction_left_open(&bootstrap);
+    restarted_while_it_stays_open(cluster, &bootstrap, open);
+}
+
+/// Starts `p0` again and gives it the rest of the input; aborts `open` past
+/// the 5 s after which a restore used to give up on it; checks that every
+/// count comes out once.
+fn restarted_while_it_stays_open(mut cluster: Cluster, bootstrap: &str, open: BaseProducer) {
     let total = RESTORED + 1_000;
     cluster.spawn("p0");
-    produce(&bootstrap, &cluster.input, (RESTORED..total).map(record));
-    produce(&bootstrap, &cluster.input, flush_records());
-    // Past the 5 s after which the restore used to give up on it.
+    produce(bootstrap, &cluster.input, (RESTORED..total).map(record));
+    produce(bootstrap, &cluster.input, flush_records());
     std::thread::sleep(Duration::from_secs(8));
     open.abort_transaction(Duration::from_secs(30)).unwrap();
     let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
+/// A transaction left open right where a process's last restore ended (its
+/// local copy's offset) holds its next restore too: the read finds no record
+/// before it, and still waits for it rather than resume the committed
+/// offsets without the state committed behind it. (A suspect, ruled out, for
+/// a count that went back once under a broker crash: librdkafka tells the
+/// position where such a read stopped.)
+#[test]
+fn a_restore_waits_for_a_transaction_left_open_where_its_local_copy_ends() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let half = RESTORED / 2;
+    cluster.start(&["p0"], 0..half, Duration::from_secs(90));
+    // Restarted with nothing new to count: its restore reads the changelog
+    // to its end and keeps that as its local copy.
+    cluster.kill("p0");
+    cluster.spawn("p0");
+    cluster.wait_for_shares(Duration::from_secs(90));
+    let open = leave_a_transaction_open(&bootstrap, &format!("rtflow-{}-changelog", cluster.query));
+    produce(&bootstrap, &cluster.input, (half..RESTORED).map(record));
+    let (counts, _) = cluster.outputs(RESTORED, 0, Duration::from_secs(90));
+    assert!(counts.len() >= RESTORED, "no progress:\n{}", cluster.logs());
+    cluster.kill("p0");
+    restarted_while_it_stays_open(cluster, &bootstrap, open);
 }
 
 /// A restore that a changelog transaction left open outlasts fails its run
