@@ -358,7 +358,8 @@ impl KafkaLink {
         // returned; the committed offsets, read before, wait for them. A run
         // restored right after the previous one committed then resumed from
         // the new offsets with the state as it was before that commit.
-        let ends = metadata::client(&self.settings.uncommitted_reader())
+        let ends_config = self.settings.uncommitted_reader();
+        let ends = metadata::client(&ends_config)
             .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
         let mut list = TopicPartitionList::new();
         let mut images: BTreeMap<i32, Image> = BTreeMap::new();
@@ -367,8 +368,11 @@ impl KafkaLink {
         // Where each partition's read began: its local copy's offset, or the start.
         let mut resumed: BTreeMap<i32, i64> = BTreeMap::new();
         for partition in partitions {
+            // A kept client that failed may go on failing (its metadata
+            // stale after a broker's crash): the next run makes a new one.
             let (low, high) = ends
                 .fetch_watermarks(changelog, *partition, self.settings.operation_timeout)
+                .inspect_err(|_| metadata::forget(&ends_config))
                 .map_err(|e| self.error(format!("could not read the changelog's end: {e}")))?;
             let copies = self.settings.copies.as_ref();
             let image = local::resume(copies, changelog, *partition, (low, high));
@@ -391,7 +395,39 @@ impl KafkaLink {
         // whether that was told.
         let mut held_since: Option<std::time::Instant> = None;
         let mut told = false;
+        // The partitions whose read reached the end it could see without a
+        // record, and those read again since their last stable offset passed
+        // the high watermark (`Quiet`).
+        let mut quiet: BTreeSet<i32> = BTreeSet::new();
+        let mut read_again: BTreeSet<i32> = BTreeSet::new();
+        let mut stable_asked = std::time::Instant::now();
         while !open.is_empty() {
+            let asked: Vec<i32> = if stable_asked.elapsed() >= QUIET_ASK_EVERY {
+                stable_asked = std::time::Instant::now();
+                quiet.iter().copied().collect()
+            } else {
+                Vec::new()
+            };
+            for partition in asked {
+                let (_, stable) = consumer
+                    .fetch_watermarks(changelog, partition, self.settings.operation_timeout)
+                    .map_err(|e| self.error(format!("could not read the changelog's end: {e}")))?;
+                match Quiet::after(stable, open[&partition]) {
+                    Quiet::Wait => {
+                        held_since.get_or_insert_with(std::time::Instant::now);
+                    }
+                    Quiet::ReadAgain => {
+                        let began = Offset::Offset(images[&partition].offset);
+                        consumer
+                            .seek(changelog, partition, began, self.settings.operation_timeout)
+                            .map_err(|e| {
+                                self.error(format!("could not read the changelog: {e}"))
+                            })?;
+                        quiet.remove(&partition);
+                        read_again.insert(partition);
+                    }
+                }
+            }
             let held_for = held_since.map(|since| since.elapsed());
             if !told && held_for.is_some_and(|held| held >= OPEN_TRANSACTION_NOTICE) {
                 tracing::warn!(changelog, partitions = ?open.keys(), transaction_timeout = ?self.settings.transaction_timeout, "the restore waits for a changelog transaction left open: a process gone unfenced, whose transaction timeout ends it");
@@ -427,12 +463,30 @@ impl KafkaLink {
                     let offset = position
                         .find_partition(changelog, partition)
                         .map(|p| p.offset());
-                    let (Some(Offset::Offset(offset)), Some(image)) =
-                        (offset, images.get_mut(&partition))
+                    let (Some(image), Some(&high)) =
+                        (images.get_mut(&partition), open.get(&partition))
                     else {
-                        open.remove(&partition);
                         continue;
                     };
+                    // librdkafka may tell no position before a partition's
+                    // first record: where the read ended is then not known,
+                    // and a transaction still open may begin right where it
+                    // began. Taking that for the end once restored a local
+                    // copy without what committed behind such a transaction.
+                    let Some(Offset::Offset(offset)) = offset else {
+                        if read_again.remove(&partition) {
+                            // Read again from where it began once everything
+                            // before the high watermark had ended, it found
+                            // nothing committed there.
+                            image.offset = high;
+                            open.remove(&partition);
+                        } else {
+                            quiet.insert(partition);
+                        }
+                        continue;
+                    };
+                    quiet.remove(&partition);
+                    read_again.remove(&partition);
                     image.offset = offset;
                     // Short of the high watermark, the read stopped at a
                     // transaction: one committed whose markers are on their
@@ -469,6 +523,36 @@ impl KafkaLink {
             }
         }
         Ok((fold.into_states()?, read))
+    }
+}
+
+/// How often a restore asks the last stable offset of the partitions whose
+/// read found no record.
+const QUIET_ASK_EVERY: Duration = Duration::from_millis(100);
+
+/// What a restore does with a changelog partition whose read reached the end
+/// it could see without reading a record, told its last stable offset (what
+/// a `read_committed` reader may read up to) and the high watermark it reads
+/// to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Quiet {
+    /// A transaction before the high watermark is still open (or its
+    /// markers are on their way): what it committed may come, so the read
+    /// waits.
+    Wait,
+    /// Everything before the high watermark has ended: the partition is read
+    /// again from where it began, and a read that again finds nothing there
+    /// is done.
+    ReadAgain,
+}
+
+impl Quiet {
+    fn after(last_stable: i64, high: i64) -> Self {
+        if last_stable >= high {
+            Quiet::ReadAgain
+        } else {
+            Quiet::Wait
+        }
     }
 }
 
