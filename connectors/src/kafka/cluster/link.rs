@@ -365,8 +365,6 @@ impl KafkaLink {
         let mut images: BTreeMap<i32, Image> = BTreeMap::new();
         // The partitions still to read, each with the end to read it to.
         let mut open: BTreeMap<i32, i64> = BTreeMap::new();
-        // Where each partition's read began: its local copy's offset, or the start.
-        let mut resumed: BTreeMap<i32, i64> = BTreeMap::new();
         for partition in partitions {
             // A kept client that failed may go on failing (its metadata
             // stale after a broker's crash): the next run makes a new one.
@@ -376,7 +374,13 @@ impl KafkaLink {
                 .map_err(|e| self.error(format!("could not read the changelog's end: {e}")))?;
             let copies = self.settings.copies.as_ref();
             let image = local::resume(copies, changelog, *partition, (low, high));
-            resumed.insert(*partition, image.offset);
+            tracing::debug!(
+                changelog,
+                partition,
+                from = image.offset,
+                high,
+                "restoring a changelog partition"
+            );
             read.local_bytes += image.bytes();
             if image.offset < high {
                 list.add_partition_offset(changelog, *partition, Offset::Offset(image.offset))
@@ -396,8 +400,8 @@ impl KafkaLink {
         let mut held_since: Option<std::time::Instant> = None;
         let mut told = false;
         // The partitions whose read reached the end it could see without a
-        // record, and those read again since their last stable offset passed
-        // the high watermark (`Quiet`).
+        // record, and those read again since their last stable offset (what
+        // a `read_committed` reader may read up to) passed the high watermark.
         let mut quiet: BTreeSet<i32> = BTreeSet::new();
         let mut read_again: BTreeSet<i32> = BTreeSet::new();
         let mut stable_asked = std::time::Instant::now();
@@ -412,21 +416,21 @@ impl KafkaLink {
                 let (_, stable) = consumer
                     .fetch_watermarks(changelog, partition, self.settings.operation_timeout)
                     .map_err(|e| self.error(format!("could not read the changelog's end: {e}")))?;
-                match Quiet::after(stable, open[&partition]) {
-                    Quiet::Wait => {
-                        held_since.get_or_insert_with(std::time::Instant::now);
-                    }
-                    Quiet::ReadAgain => {
-                        let began = Offset::Offset(images[&partition].offset);
-                        consumer
-                            .seek(changelog, partition, began, self.settings.operation_timeout)
-                            .map_err(|e| {
-                                self.error(format!("could not read the changelog: {e}"))
-                            })?;
-                        quiet.remove(&partition);
-                        read_again.insert(partition);
-                    }
+                // Short of the high watermark, a transaction before it is
+                // still open (or its markers are on their way): what it
+                // committed may come, so the read waits. Past it, everything
+                // there has ended: the partition is read again from where it
+                // began, and a read that again finds nothing is done.
+                if stable < open[&partition] {
+                    held_since.get_or_insert_with(std::time::Instant::now);
+                    continue;
                 }
+                let began = Offset::Offset(images[&partition].offset);
+                consumer
+                    .seek(changelog, partition, began, self.settings.operation_timeout)
+                    .map_err(|e| self.error(format!("could not read the changelog: {e}")))?;
+                quiet.remove(&partition);
+                read_again.insert(partition);
             }
             let held_for = held_since.map(|since| since.elapsed());
             if !told && held_for.is_some_and(|held| held >= OPEN_TRANSACTION_NOTICE) {
@@ -510,7 +514,6 @@ impl KafkaLink {
             tracing::debug!(
                 changelog,
                 partition,
-                resumed_at = resumed[partition],
                 read_to = image.offset,
                 keys = image.records.len(),
                 "restored a changelog partition"
@@ -529,32 +532,6 @@ impl KafkaLink {
 /// How often a restore asks the last stable offset of the partitions whose
 /// read found no record.
 const QUIET_ASK_EVERY: Duration = Duration::from_millis(100);
-
-/// What a restore does with a changelog partition whose read reached the end
-/// it could see without reading a record, told its last stable offset (what
-/// a `read_committed` reader may read up to) and the high watermark it reads
-/// to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Quiet {
-    /// A transaction before the high watermark is still open (or its
-    /// markers are on their way): what it committed may come, so the read
-    /// waits.
-    Wait,
-    /// Everything before the high watermark has ended: the partition is read
-    /// again from where it began, and a read that again finds nothing there
-    /// is done.
-    ReadAgain,
-}
-
-impl Quiet {
-    fn after(last_stable: i64, high: i64) -> Self {
-        if last_stable >= high {
-            Quiet::ReadAgain
-        } else {
-            Quiet::Wait
-        }
-    }
-}
 
 /// How long a restore waits for a changelog transaction it reached to end
 /// (its commit markers, written after the commit returned, or the abort of a
