@@ -5,11 +5,14 @@
 //! every 250 ms, under a read_committed watch. Once they have settled (no
 //! run started for 8 s), `p2` starts (2 -> 3 processes); once all three have
 //! settled, `p2` stops cleanly through a stop file of its own (3 -> 2), and
-//! the two settle again. Each process's status file names the repartition
-//! partitions its run owns; a key's partition follows from its key group
+//! the two settle again. Each process's status file names the input and
+//! repartition partitions its run owns. A key is read from input partition
+//! `k % 6` and counted in the repartition partition of its key group
 //! (`stable_hash`, `key_group`, as `repartition_by` computes it), so the keys
-//! of each transition split into those whose repartition partition stayed
-//! with its process and those that moved. Reported per transition and split:
+//! of each transition split into those that stayed (both partitions with
+//! the process that had them) and those that moved (either partition went
+//! to another process, which reads or counts the key from its next run on).
+//! Reported per transition and split:
 //! each key's longest gap between consecutive updates from the change of
 //! membership until the processes settled, p50 / p99 / max over the keys,
 //! beside the longest gap of any key in the seconds before `p2` starts and
@@ -45,8 +48,8 @@ fn main() -> BenchResult<()> {
 /// The changes of membership of the rebalance measurement: `p2` joins
 /// (2 -> 3 processes), then leaves (3 -> 2).
 const TRANSITIONS: [&str; 2] = ["join", "leave"];
-/// How the keys of a transition split: their repartition partition stayed
-/// with its process, or moved to another.
+/// How the keys of a transition split: their input and repartition
+/// partitions both stayed with their processes, or one of them moved.
 const SPLITS: [&str; 2] = ["stayed", "moved"];
 
 /// One run of the rebalance measurement.
@@ -59,16 +62,36 @@ struct Rebalance {
     steady: f64,
 }
 
-/// Which process's current run owns each partition of the repartition topic.
-fn owners(processes: &Processes, instances: &[&str]) -> BenchResult<HashMap<i32, String>> {
-    let mut owners = HashMap::new();
+/// Which process's current run owns each partition of the input and of the
+/// repartition topic.
+struct Owners {
+    input: HashMap<i32, String>,
+    repartition: HashMap<i32, String>,
+}
+
+fn owners(processes: &Processes, instances: &[&str]) -> BenchResult<Owners> {
+    let mut owners = Owners {
+        input: HashMap::new(),
+        repartition: HashMap::new(),
+    };
     for instance in instances {
-        for partition in processes.status(instance).repartition {
-            owners.insert(partition, (*instance).to_owned());
+        let status = processes.status(instance);
+        for partition in status.input {
+            owners.input.insert(partition, (*instance).to_owned());
+        }
+        for partition in status.repartition {
+            owners.repartition.insert(partition, (*instance).to_owned());
         }
     }
-    if owners.len() != PARTITIONS as usize {
-        return Err(format!("the processes own {owners:?} of {PARTITIONS} partitions").into());
+    for (topic, owned) in [
+        ("input", &owners.input),
+        ("repartition", &owners.repartition),
+    ] {
+        if owned.len() != PARTITIONS as usize {
+            return Err(
+                format!("the processes own {owned:?} of {PARTITIONS} {topic} partitions").into(),
+            );
+        }
     }
     Ok(owners)
 }
@@ -111,13 +134,14 @@ fn rebalance(args: &PacedArgs) -> BenchResult<Rebalance> {
     processes.stop()?;
     topics.delete(&args.common.bootstrap)?;
 
-    let transition = |from: Instant, to: Instant, was: &HashMap<i32, String>, is| {
-        let is: &HashMap<i32, String> = is;
+    let transition = |from: Instant, to: Instant, was: &Owners, is: &Owners| {
         let mut split: [Vec<f64>; 2] = Default::default();
         for k in 0..args.keys {
             let key = format!("k{k}");
+            let input = (k % PARTITIONS as u64) as i32;
             let partition = repartition_partition(&key, key_groups);
-            let moved = was[&partition] != is[&partition];
+            let moved = was.input[&input] != is.input[&input]
+                || was.repartition[&partition] != is.repartition[&partition];
             split[usize::from(moved)].push(watch.longest_gap(&key, from, to));
         }
         split

@@ -167,6 +167,7 @@ pub fn child(spec: &str) -> BenchResult<()> {
         .collect::<Vec<_>>()
         .try_into()
         .map_err(|_| format!("{CHILD_SPEC} has not six fields: {spec}"))?;
+    let read = format!("{input}-");
     let (b, i, o) = (bootstrap.clone(), input, output);
     let dynamic = std::env::var(CHILD_MEMBERSHIP).is_ok_and(|m| m == Membership::Dynamic.name());
     let running = KafkaCluster::new(&bootstrap)
@@ -196,19 +197,26 @@ pub fn child(spec: &str) -> BenchResult<()> {
                 )
             },
         );
-        let owned: Vec<String> = running
-            .partitions()
-            .iter()
-            .filter_map(|p| p.strip_prefix(&repartition).map(str::to_owned))
-            .collect();
-        let owned = if owned.is_empty() {
-            "-".to_owned()
-        } else {
-            owned.join(",")
+        let partitions = running.partitions();
+        let owned = |prefix: &str| {
+            let owned: Vec<&str> = partitions
+                .iter()
+                .filter_map(|p| p.strip_prefix(prefix))
+                .collect();
+            if owned.is_empty() {
+                "-".to_owned()
+            } else {
+                owned.join(",")
+            }
         };
         std::fs::write(
             status.with_extension("tmp"),
-            format!("{} {restore} {owned}", running.runs()),
+            format!(
+                "{} {restore} {} {}",
+                running.runs(),
+                owned(&repartition),
+                owned(&read)
+            ),
         )?;
         std::fs::rename(status.with_extension("tmp"), &status)?;
         std::thread::sleep(Duration::from_millis(50));
@@ -232,11 +240,14 @@ pub struct Status {
     pub restore: Duration,
     /// The partitions of the (first) repartition topic its current run owns.
     pub repartition: Vec<i32>,
+    /// The partitions of the input its current run reads.
+    pub input: Vec<i32>,
 }
 
 impl Status {
     pub fn parse(text: &str) -> Option<Self> {
-        let (numbers, owned) = text.rsplit_once(' ')?;
+        let (numbers, input) = text.rsplit_once(' ')?;
+        let (numbers, repartition) = numbers.rsplit_once(' ')?;
         let fields: Vec<u64> = numbers
             .split(' ')
             .map(str::parse)
@@ -245,13 +256,13 @@ impl Status {
         let [runs, partitions, changelog_bytes, local_bytes, micros] = fields[..] else {
             return None;
         };
-        let repartition = match owned {
-            "-" => Vec::new(),
-            owned => owned
+        let owned = |partitions: &str| match partitions {
+            "-" => Some(Vec::new()),
+            partitions => partitions
                 .split(',')
                 .map(str::parse)
                 .collect::<std::result::Result<_, _>>()
-                .ok()?,
+                .ok(),
         };
         Some(Self {
             runs,
@@ -259,7 +270,8 @@ impl Status {
             changelog_bytes,
             local_bytes,
             restore: Duration::from_micros(micros),
-            repartition,
+            repartition: owned(repartition)?,
+            input: owned(input)?,
         })
     }
 }
