@@ -1687,6 +1687,24 @@ fn start_here(
         )
 }
 
+/// The query of [`build`], but summing event times instead of counting keys.
+fn sum_per_key(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str) {
+    flow.source(
+        KafkaSource::new(bootstrap)
+            .subscribe([input])
+            .starting_offsets(StartingOffsets::Earliest),
+    )
+    .map(event)
+    .with_watermark(|e: &Event| e.time, Duration::from_millis(0))
+    .repartition_by(|e: &Event| e.key.clone())
+    .sum(|e: &Event| e.time)
+    .sink(KafkaSink::new(
+        bootstrap,
+        counts,
+        |(key, sum): &(String, i64)| KafkaMessage::new(format!("{key}:{sum}")),
+    ));
+}
+
 #[test]
 fn a_process_with_another_dataflow_cannot_join_and_is_told_the_difference() {
     let Some(bootstrap) = bootstrap() else { return };
@@ -1725,24 +1743,7 @@ fn a_process_with_another_dataflow_cannot_join_and_is_told_the_difference() {
         );
         assert!(scraped.contains(&line), "{line} not in\n{scraped}");
     }
-    // The same query, but summing event times instead of counting keys.
-    let other = |flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str| {
-        flow.source(
-            KafkaSource::new(bootstrap)
-                .subscribe([input])
-                .starting_offsets(StartingOffsets::Earliest),
-        )
-        .map(event)
-        .with_watermark(|e: &Event| e.time, Duration::from_millis(0))
-        .repartition_by(|e: &Event| e.key.clone())
-        .sum(|e: &Event| e.time)
-        .sink(KafkaSink::new(
-            bootstrap,
-            counts,
-            |(key, sum): &(String, i64)| KafkaMessage::new(format!("{key}:{sum}")),
-        ));
-    };
-    let error = start_here(&bootstrap, &cluster, "b", free_address(), other)
+    let error = start_here(&bootstrap, &cluster, "b", free_address(), sum_per_key)
         .map(|_| ())
         .unwrap_err();
     assert_eq!(error.error_class(), "CLUSTER_SHAPE_MISMATCH", "{error}");
@@ -1755,6 +1756,75 @@ fn a_process_with_another_dataflow_cannot_join_and_is_told_the_difference() {
     // The running process is not disturbed by the one turned away.
     assert!(first.is_active());
     first.stop().unwrap();
+}
+
+/// Two processes of different dataflows started in the same instant both
+/// find the group empty before either joins. Each checks the members again
+/// once it is one itself, before its first run: the later check sees the
+/// other, so they never both run, and one that does not run fails with
+/// `CLUSTER_SHAPE_MISMATCH`.
+#[test]
+fn two_processes_of_different_dataflows_started_at_once_never_both_run() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let cluster = Cluster::new(&bootstrap);
+    produce(&bootstrap, &cluster.input, (0..60).map(record));
+    type BuildIt = fn(&Dataflow, &str, &str, &str, &str);
+    let go = std::sync::Barrier::new(2);
+    let started: Vec<(&str, rtflow::Result<ClusteredQuery>)> = std::thread::scope(|scope| {
+        let starts: Vec<_> = [("count", build as BuildIt), ("sum", sum_per_key)]
+            .into_iter()
+            .map(|(instance, build_it)| {
+                let (bootstrap, cluster, go) = (&bootstrap, &cluster, &go);
+                scope.spawn(move || {
+                    go.wait();
+                    let query = start_here(bootstrap, cluster, instance, free_address(), build_it);
+                    (instance, query)
+                })
+            })
+            .collect();
+        starts.into_iter().map(|s| s.join().unwrap()).collect()
+    });
+    let mut ran: BTreeMap<&str, bool> = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        for (instance, query) in &started {
+            if let Ok(query) = query {
+                *ran.entry(instance).or_default() |= query.runs() > 0;
+            }
+        }
+        assert!(
+            ran.values().filter(|ran| **ran).count() < 2,
+            "both processes ran, each its own dataflow"
+        );
+        let settled = started.iter().all(|(instance, query)| match query {
+            Ok(query) => ran[instance] || !query.is_active(),
+            Err(_) => true,
+        });
+        if settled {
+            break;
+        }
+        assert!(Instant::now() < deadline, "neither ran nor failed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The one that runs goes on; the other does not start later.
+    std::thread::sleep(Duration::from_secs(2));
+    for (instance, query) in &started {
+        match query {
+            Ok(query) if ran[instance] => {
+                assert!(query.is_active(), "{instance}: {:?}", query.exception());
+                query.stop().unwrap();
+            }
+            Ok(query) => {
+                let error = query
+                    .exception()
+                    .expect("a process that did not run failed");
+                assert_eq!(error.error_class(), "CLUSTER_SHAPE_MISMATCH", "{error}");
+            }
+            Err(error) => {
+                assert_eq!(error.error_class(), "CLUSTER_SHAPE_MISMATCH", "{error}");
+            }
+        }
+    }
 }
 
 /// A process of an earlier rtflow version in the group, which could not read

@@ -75,6 +75,9 @@ struct Shared {
     /// How many repartitions the dataflow has.
     stages: usize,
     lister: BaseConsumer,
+    /// The dataflow's shape, checked against the members again before the
+    /// first run.
+    shape: Shape,
     departures: Mutex<Departures>,
     /// The process's standby replicas, if it keeps any.
     standby: Option<Standby>,
@@ -249,6 +252,10 @@ impl ClusteredQuery {
 
     /// The error the process's part ended with, if it failed.
     pub fn exception(&self) -> Option<RtflowError> {
+        if !self.is_active() {
+            // Ended on its own: its outcome is the runner thread's.
+            let _ = self.join();
+        }
         lock(&self.ended).clone().and_then(Result::err)
     }
 
@@ -383,7 +390,7 @@ where
     let topics = probe.probed_topics();
     shape.check_members(&settings, &lister)?;
     let client_id = shape.client_id(&settings, &uuid::Uuid::new_v4().simple().to_string());
-    publish_aside(&settings, shape);
+    publish_aside(&settings, shape.clone());
     let stages = topics
         .iter()
         .filter(|topic| settings.is_repartition_topic(topic))
@@ -416,6 +423,7 @@ where
         groups: groups.keys().cloned().collect(),
         stages,
         lister,
+        shape,
         departures: Mutex::default(),
         standby: (settings.standby_replicas > 0)
             .then(|| Standby::start(settings.clone()))
@@ -686,6 +694,9 @@ where
             continue;
         }
         running = Some(seen);
+        if shared.runs.load(Ordering::SeqCst) == 0 {
+            check_again(shared)?;
+        }
         // A process gone is fenced while this one's run stops and its next
         // one starts: the next run reads its committed offsets
         // `require_stable`, which waits until the fencing aborts the open
@@ -702,6 +713,24 @@ where
             not_before = retry_at(&mut retries, error, "the run did not start")?;
             running = None;
         }
+    }
+}
+
+/// Checks the members' shapes once more, now that this process is one of
+/// them. Two processes of different dataflows starting in the same instant
+/// both find the other absent before they join; of the checks they make as
+/// members, the later sees the other. A process refused here has not run,
+/// so nothing it did needs undoing; one that has run stays, and the other
+/// is refused by its own check. A check that cannot list the members is
+/// logged: the one before joining passed.
+fn check_again(shared: &Shared) -> Result<()> {
+    match shared.shape.check_members(&shared.settings, &shared.lister) {
+        Err(mismatch @ RtflowError::ClusterShapeMismatch { .. }) => Err(mismatch),
+        Err(error) => {
+            tracing::warn!(%error, "could not check the members' dataflows again before the first run");
+            Ok(())
+        }
+        Ok(()) => Ok(()),
     }
 }
 

@@ -5,7 +5,9 @@
 //! shape in the compacted `rtflow-<query>-shapes` topic under that
 //! fingerprint. Before it joins, a process compares its fingerprint with the
 //! live members' and, on a difference, fails with `CLUSTER_SHAPE_MISMATCH`
-//! naming the first step that differs.
+//! naming the first step that differs. It compares them again before its
+//! first run, once it is a member itself: two processes starting in the same
+//! instant both find the other absent before they join.
 //!
 //! The shape's first line is the [`CLUSTER_PROTOCOL`] the process speaks, so
 //! that processes of two rtflow versions that cannot read each other's
@@ -48,6 +50,7 @@ const FINGERPRINT_MARK: &str = ".shape-";
 const START_MARK: &str = ".start-";
 
 /// A dataflow's shape and its fingerprint.
+#[derive(Clone)]
 pub(crate) struct Shape {
     pub(crate) lines: Vec<String>,
     pub(crate) fingerprint: String,
