@@ -285,6 +285,32 @@ fn a_fenced_writer_fails_the_query() {
     );
 }
 
+/// A barrier does not wait for the broker to take an epoch's records: a
+/// record the broker refuses fails the epoch's commit, and the query fails
+/// with the refusal, not with a commit that merely did not go through.
+#[test]
+fn a_record_too_large_for_the_broker_fails_the_exactly_once_query_naming_it() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let output = topic(&bootstrap, "rtflow-eos-large", 1);
+    let flow = Dataflow::new("exactly-once-large");
+    let input = MemorySource::new(1);
+    flow.source(input.clone()).sink(
+        KafkaSink::new(&bootstrap, &output, |size: &usize| {
+            KafkaMessage::new(vec![b'x'; *size])
+        })
+        .delivery(DeliveryGuarantee::ExactlyOnce),
+    );
+    let query = flow.start(checkpointed("exactly-once-large")).unwrap();
+    input.push(0, 100).unwrap();
+    input.push(0, 3_000_000).unwrap();
+    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    assert!(
+        error.to_string().to_lowercase().contains("too large"),
+        "{error}"
+    );
+}
+
 /// A producer that holds a transaction open on `commits`, as a writer killed
 /// while committing does until it restarts or its transaction times out.
 fn open_transaction_on(bootstrap: &str, commits: &str) -> rdkafka::producer::BaseProducer {

@@ -2,8 +2,10 @@
 //! transaction per epoch, committed only once the epoch's checkpoint is durable.
 //!
 //! 1. During epoch E the writer sends records in a transaction and keeps a copy.
-//! 2. At E's barrier it flushes the producer (pre-commit) and hands the copy to the
-//!    checkpoint as its state, so the manifest of E holds E's output.
+//! 2. At E's barrier it hands the copy to the checkpoint as its state, so the
+//!    manifest of E holds E's output. It does not wait for the broker to
+//!    acknowledge E's records first: the checkpoint can send them again, and
+//!    the commit waits for them.
 //! 3. When the coordinator says E committed, the writer adds a commit record
 //!    (its transactional id -> E) to the compacted commit topic inside the
 //!    transaction, and commits. Records that arrive between the barrier and that
@@ -47,8 +49,7 @@ use rtflow_runtime::{Data, Epoch, Record, Result, RtflowError, SinkContext, Sink
 use self::outbox::{Outbox, Pending, Transactions};
 use super::admin::KafkaAdmin;
 use super::producer::{
-    commit_transaction, flush, send, Deliveries, KafkaMessage, ProducerSettings,
-    Serialize as SerializeFn,
+    commit_transaction, send, Deliveries, KafkaMessage, ProducerSettings, Serialize as SerializeFn,
 };
 
 /// The name of the writer's state within its sink.
@@ -254,16 +255,6 @@ impl Transactions for KafkaTransactions {
             .map_err(|failure| self.error(failure))
     }
 
-    fn flush(&mut self) -> Result<()> {
-        flush(&self.producer, self.timeout).map_err(|e| {
-            self.error(format!(
-                "records not acknowledged within {:?}: {e}",
-                self.timeout
-            ))
-        })?;
-        self.check()
-    }
-
     fn commit(&mut self, id: &str, epoch: Epoch, run: &str) -> Result<()> {
         let payload = CommitRecord {
             epoch,
@@ -278,9 +269,12 @@ impl Transactions for KafkaTransactions {
             .send(record)
             .map_err(|(e, _)| self.error(format!("could not write the commit record: {e}")))?;
         commit_transaction(&self.producer, self.timeout).map_err(|e| {
-            self.error(format!(
-                "could not commit the transaction of epoch {epoch}: {e}"
-            ))
+            // A record the broker refused fails the commit: its refusal says why.
+            self.check().err().unwrap_or_else(|| {
+                self.error(format!(
+                    "could not commit the transaction of epoch {epoch}: {e}"
+                ))
+            })
         })?;
         self.in_transaction = false;
         self.check()
@@ -488,9 +482,7 @@ impl<T: Data> SinkWriter<T> for TransactionalWriter<T> {
 
     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         self.resolve_restored()?;
-        let pending = self
-            .outbox
-            .end_epoch(self.barrier.take(), &mut self.producer)?;
+        let pending = self.outbox.end_epoch(self.barrier.take());
         self.pending.set(pending);
         self.pending.snapshot(out)
     }

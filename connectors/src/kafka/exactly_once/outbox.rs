@@ -3,10 +3,13 @@
 //!
 //! A producer has one transaction open at a time, but the next epoch's records
 //! arrive before the previous epoch's checkpoint is durable. So an ended epoch
-//! waits in the open transaction, flushed, until its checkpoint commits; the
-//! epochs that end behind it wait unsent, in order. Until an epoch's transaction
-//! commits, every checkpoint holds its messages: a restart from any of them can
-//! write them again if, and only if, the commit record for them is missing.
+//! waits in the open transaction until its checkpoint commits; the epochs that
+//! end behind it wait unsent, in order. Until an epoch's transaction commits,
+//! every checkpoint holds its messages: a restart from any of them can write
+//! them again if, and only if, the commit record for them is missing. That is
+//! also why a barrier does not wait for the broker to acknowledge the epoch's
+//! messages (a pre-commit): what the commit cannot deliver, a restart sends
+//! again from the checkpoint, and the commit itself waits for them.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -19,9 +22,6 @@ use crate::kafka::KafkaMessage;
 pub(crate) trait Transactions {
     /// Sends `message` in the open transaction, beginning one if none is open.
     fn send(&mut self, message: &KafkaMessage) -> Result<()>;
-
-    /// Waits until every message sent is acknowledged: the pre-commit.
-    fn flush(&mut self) -> Result<()>;
 
     /// Commits the open transaction together with a commit record saying that
     /// writer `id` committed `epoch`, whose checkpoints run `run` wrote.
@@ -75,7 +75,7 @@ pub(crate) struct Pending {
 #[derive(Debug, Default)]
 pub(crate) struct Outbox {
     /// Ended epochs waiting for their checkpoint, oldest first. The first is in
-    /// the producer's transaction, flushed; the others are not sent yet.
+    /// the producer's transaction; the others are not sent yet.
     ended: VecDeque<Ended>,
     /// The running epoch's messages: in the producer's transaction when nothing
     /// ended waits, held back otherwise.
@@ -108,11 +108,7 @@ impl Outbox {
 
     /// Ends the running epoch at its barrier (`Some`) or at the end of the input
     /// (`None`), and returns what the checkpoint must hold.
-    pub(crate) fn end_epoch(
-        &mut self,
-        barrier: Option<Epoch>,
-        tx: &mut impl Transactions,
-    ) -> Result<Pending> {
+    pub(crate) fn end_epoch(&mut self, barrier: Option<Epoch>) -> Pending {
         let end = match barrier {
             Some(epoch) => End::Barrier(epoch),
             None => End::Input {
@@ -123,17 +119,14 @@ impl Outbox {
             self.last_barrier = epoch;
         }
         if !self.current.is_empty() {
-            if self.ended.is_empty() {
-                tx.flush()?;
-            }
             self.ended.push_back(Ended {
                 end,
                 messages: std::mem::take(&mut self.current),
             });
         }
-        Ok(Pending {
+        Pending {
             ended: self.ended.iter().cloned().collect(),
-        })
+        }
     }
 
     /// The checkpoint of `epoch`, written by run `run`, is durable: commits every
@@ -167,7 +160,6 @@ impl Outbox {
                 for message in &next.messages {
                     tx.send(message)?;
                 }
-                tx.flush()?;
             }
             None => {
                 for message in &self.current {
@@ -217,7 +209,6 @@ mod tests {
     #[derive(Default)]
     struct Log {
         open: Vec<KafkaMessage>,
-        flushed: usize,
         visible: Vec<KafkaMessage>,
         records: HashMap<String, Epoch>,
     }
@@ -228,15 +219,9 @@ mod tests {
             Ok(())
         }
 
-        fn flush(&mut self) -> Result<()> {
-            self.flushed = self.open.len();
-            Ok(())
-        }
-
         fn commit(&mut self, id: &str, epoch: Epoch, _run: &str) -> Result<()> {
             assert!(!self.open.is_empty(), "an empty transaction committed");
             self.visible.append(&mut self.open);
-            self.flushed = 0;
             let previous = self.records.insert(id.to_string(), epoch);
             assert!(previous.is_none_or(|p| p < epoch), "commit records regress");
             Ok(())
@@ -247,7 +232,6 @@ mod tests {
         /// The fencing of a restarted producer aborts the open transaction.
         fn crash(&mut self) {
             self.open.clear();
-            self.flushed = 0;
         }
     }
 
@@ -317,11 +301,7 @@ mod tests {
                 }
                 Step::Barrier => {
                     self.epoch += 1;
-                    let pending = self
-                        .outbox
-                        .end_epoch(Some(self.epoch), &mut self.log)
-                        .unwrap();
-                    assert_eq!(self.log.flushed, self.log.open.len(), "pre-committed");
+                    let pending = self.outbox.end_epoch(Some(self.epoch));
                     self.acked.push_back((self.epoch, pending, self.position));
                 }
                 Step::Durable => {
@@ -364,7 +344,7 @@ mod tests {
         /// The input ends; `crash` strikes after the final manifest is durable
         /// and before the writer hears of it, and the restart ends at once.
         fn finish(&mut self, crash: bool) {
-            let pending = self.outbox.end_epoch(None, &mut self.log).unwrap();
+            let pending = self.outbox.end_epoch(None);
             while !self.acked.is_empty() {
                 self.apply(Step::Durable);
             }
@@ -373,7 +353,7 @@ mod tests {
             self.unnotified.push_back(self.epoch);
             if crash {
                 self.restart();
-                let pending = self.outbox.end_epoch(None, &mut self.log).unwrap();
+                let pending = self.outbox.end_epoch(None);
                 assert!(pending.ended.is_empty(), "nothing replays after the end");
                 return;
             }
@@ -409,9 +389,9 @@ mod tests {
         let mut log = Log::default();
         let mut outbox = Outbox::after(None);
         outbox.write(message(0), &mut log).unwrap();
-        outbox.end_epoch(Some(1), &mut log).unwrap();
+        outbox.end_epoch(Some(1));
         outbox.write(message(1), &mut log).unwrap();
-        let pending = outbox.end_epoch(Some(2), &mut log).unwrap();
+        let pending = outbox.end_epoch(Some(2));
         assert_eq!(log.open, vec![message(0)]);
         assert_eq!(
             pending.ended.iter().map(|e| e.end).collect::<Vec<_>>(),
