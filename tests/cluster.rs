@@ -143,15 +143,7 @@ fn event(record: KafkaRecord) -> Event {
 
 /// The dataflow every process runs.
 fn build(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, windows: &str) {
-    let by_key = flow
-        .source(
-            KafkaSource::new(bootstrap)
-                .subscribe([input])
-                .starting_offsets(StartingOffsets::Earliest),
-        )
-        .map(event)
-        .with_watermark(|e: &Event| e.time, Duration::from_millis(0))
-        .repartition_by(|e: &Event| e.key.clone());
+    let by_key = side(flow, bootstrap, input).repartition_by(|e: &Event| e.key.clone());
     count_and_window(&by_key, bootstrap, counts, windows);
 }
 
@@ -290,6 +282,7 @@ fn maybe_row(e: &Option<Event>) -> String {
     e.as_ref().map_or_else(|| "-".to_owned(), row)
 }
 
+/// The events of `topic` from its start, their event time their watermark.
 fn side(flow: &Dataflow, bootstrap: &str, topic: &str) -> Stream<Event> {
     flow.source(
         KafkaSource::new(bootstrap)
@@ -1689,20 +1682,14 @@ fn start_here(
 
 /// The query of [`build`], but summing event times instead of counting keys.
 fn sum_per_key(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str) {
-    flow.source(
-        KafkaSource::new(bootstrap)
-            .subscribe([input])
-            .starting_offsets(StartingOffsets::Earliest),
-    )
-    .map(event)
-    .with_watermark(|e: &Event| e.time, Duration::from_millis(0))
-    .repartition_by(|e: &Event| e.key.clone())
-    .sum(|e: &Event| e.time)
-    .sink(KafkaSink::new(
-        bootstrap,
-        counts,
-        |(key, sum): &(String, i64)| KafkaMessage::new(format!("{key}:{sum}")),
-    ));
+    side(flow, bootstrap, input)
+        .repartition_by(|e: &Event| e.key.clone())
+        .sum(|e: &Event| e.time)
+        .sink(KafkaSink::new(
+            bootstrap,
+            counts,
+            |(key, sum): &(String, i64)| KafkaMessage::new(format!("{key}:{sum}")),
+        ));
 }
 
 #[test]

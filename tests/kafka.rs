@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use common::kafka::{bootstrap, consume, produce, topic};
-use common::{config, TIMEOUT};
+use common::{a_record_too_large_fails, config, TIMEOUT};
 use rtflow::prelude::*;
 use rtflow::runtime::metrics::{Role, SourceLag};
 use rtflow::runtime::{Source, SourceContext, SourceOutput, SourceWaker};
@@ -367,22 +367,7 @@ fn an_unreachable_broker_fails_at_start_within_seconds() {
 #[test]
 fn a_record_too_large_for_the_broker_fails_the_query() {
     let Some(bootstrap) = bootstrap() else { return };
-    let output = topic(&bootstrap, "rtflow-large", 1);
-    let flow = Dataflow::new("large");
-    let input = MemorySource::new(1);
-    flow.source(input.clone())
-        .sink(KafkaSink::new(&bootstrap, &output, |size: &usize| {
-            KafkaMessage::new(vec![b'x'; *size])
-        }));
-    let query = flow.start(config("large")).unwrap();
-    input.push(0, 100).unwrap();
-    input.push(0, 3_000_000).unwrap();
-    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
-    assert_eq!(error.error_class(), "SINK_FAILED");
-    assert!(
-        error.to_string().to_lowercase().contains("too large"),
-        "{error}"
-    );
+    a_record_too_large_fails(&bootstrap, config("large"), DeliveryGuarantee::AtLeastOnce);
 }
 
 #[test]

@@ -11,7 +11,7 @@ use common::kafka::{
     bootstrap, compacted_topic, consume, consume_to_end, expected_key_counts, keyed_records,
     produce, topic,
 };
-use common::{config, TIMEOUT};
+use common::{a_record_too_large_fails, config, TIMEOUT};
 use rtflow::prelude::*;
 
 /// Epochs end every 200 ms.
@@ -291,23 +291,10 @@ fn a_fenced_writer_fails_the_query() {
 #[test]
 fn a_record_too_large_for_the_broker_fails_the_exactly_once_query_naming_it() {
     let Some(bootstrap) = bootstrap() else { return };
-    let output = topic(&bootstrap, "rtflow-eos-large", 1);
-    let flow = Dataflow::new("exactly-once-large");
-    let input = MemorySource::new(1);
-    flow.source(input.clone()).sink(
-        KafkaSink::new(&bootstrap, &output, |size: &usize| {
-            KafkaMessage::new(vec![b'x'; *size])
-        })
-        .delivery(DeliveryGuarantee::ExactlyOnce),
-    );
-    let query = flow.start(checkpointed("exactly-once-large")).unwrap();
-    input.push(0, 100).unwrap();
-    input.push(0, 3_000_000).unwrap();
-    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
-    assert_eq!(error.error_class(), "SINK_FAILED");
-    assert!(
-        error.to_string().to_lowercase().contains("too large"),
-        "{error}"
+    a_record_too_large_fails(
+        &bootstrap,
+        checkpointed("exactly-once-large"),
+        DeliveryGuarantee::ExactlyOnce,
     );
 }
 

@@ -46,6 +46,31 @@ pub fn tool(var: &str, name: &str) -> Option<std::path::PathBuf> {
     }
 }
 
+/// Writes a 100-byte and then a 3 MB record through a `KafkaSink` of
+/// `delivery` to a fresh topic of the broker at `bootstrap`, whose default
+/// `message.max.bytes` (1 MB) refuses the second, and checks that the query
+/// fails with `SINK_FAILED` naming the refusal.
+pub fn a_record_too_large_fails(bootstrap: &str, config: QueryConfig, delivery: DeliveryGuarantee) {
+    let output = kafka::topic(bootstrap, "rtflow-large", 1);
+    let flow = Dataflow::new("large");
+    let input = MemorySource::new(1);
+    flow.source(input.clone()).sink(
+        KafkaSink::new(bootstrap, &output, |size: &usize| {
+            KafkaMessage::new(vec![b'x'; *size])
+        })
+        .delivery(delivery),
+    );
+    let query = flow.start(config).unwrap();
+    input.push(0, 100).unwrap();
+    input.push(0, 3_000_000).unwrap();
+    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    assert!(
+        error.to_string().to_lowercase().contains("too large"),
+        "{error}"
+    );
+}
+
 /// Runs a dataflow whose sources end, and waits until it has drained.
 pub fn run_to_end(flow: Dataflow, config: QueryConfig) -> StreamingQuery {
     let query = flow.start(config).expect("query starts");
