@@ -5,13 +5,14 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::Duration;
 
 use common::kafka::{
     bootstrap, compacted_topic, consume, consume_to_end, expected_key_counts, keyed_records,
     produce, topic,
 };
-use common::{a_record_too_large_fails, config, TIMEOUT};
+use common::{a_record_too_large_fails, config, copy_dir, TIMEOUT};
 use rtflow::prelude::*;
 
 /// Epochs end every 200 ms.
@@ -426,4 +427,46 @@ fn sink_records(query: &StreamingQuery) -> u64 {
         .filter(|operator| operator.role == rtflow::runtime::metrics::Role::Sink)
         .map(|operator| operator.records_in)
         .sum()
+}
+
+/// A checkpoint written by the writer of 2026-12-04 holds its epoch's output
+/// whole (tests/fixtures/exactly-once-pending-2026-12-04 says how it was
+/// made). The writer of today restores it, writes that output once, with a
+/// commit record, and a restart does not write it again. The sink commits to a
+/// topic of this test's own, so no commit record from the run that wrote the
+/// checkpoint is found, as after a crash before the commit.
+#[test]
+fn output_an_earlier_version_checkpointed_whole_is_written_once_after_an_upgrade() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let output = topic(&bootstrap, "rtflow-eos-upgrade-out", 1);
+    let commits = compacted_topic(&bootstrap, "rtflow-eos-upgrade-commits");
+    let config = config("exactly-once-upgrade").trigger(Trigger::real_time("5 minutes"));
+    let location = config.checkpoint_location.clone().unwrap();
+    copy_dir(
+        &Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/exactly-once-pending-2026-12-04"),
+        &location,
+    );
+    for _ in 0..2 {
+        let flow = Dataflow::new("exactly-once-upgrade");
+        flow.source(
+            GeneratorSource::new(|partition: usize, offset: u64| format!("{partition}-{offset}"))
+                .partitions(2)
+                .rows_per_partition(20),
+        )
+        .sink(
+            KafkaSink::new(&bootstrap, &output, |row: &String| {
+                KafkaMessage::new(row.clone()).key(row.clone())
+            })
+            .delivery(DeliveryGuarantee::ExactlyOnce)
+            .commit_topic(commits.clone()),
+        );
+        let query = flow.start(config.clone()).unwrap();
+        assert!(query.await_termination(Some(TIMEOUT)).unwrap());
+        assert_eq!(query.exception(), None);
+    }
+    let expected: BTreeMap<String, usize> = (0..2)
+        .flat_map(|partition| (0..20).map(move |offset| (format!("{partition}-{offset}"), 1)))
+        .collect();
+    assert_eq!(multiset(&bootstrap, &output, 40), expected);
 }

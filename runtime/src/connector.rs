@@ -1,6 +1,7 @@
 //! The traits connectors implement: a [`Source`] hands out one [`SourceReader`] per
 //! source actor, a [`Sink`] one [`SinkWriter`] per sink actor.
 
+use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::thread::Thread;
 use std::time::Duration;
@@ -367,6 +368,9 @@ pub struct SinkContext {
     pub first_epoch: Epoch,
     /// The writer's state, as the last committed checkpoint left it.
     pub state: StateContext,
+    /// The query's checkpoint location, if it has one: a writer may keep files
+    /// there that its checkpointed state names.
+    pub checkpoint_location: Option<PathBuf>,
     /// The query-wide numbers of the source partitions whose records reach
     /// this writer.
     pub source_partitions: Vec<u32>,

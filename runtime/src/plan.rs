@@ -587,6 +587,7 @@ impl Plan {
                                 batch_duration: config.trigger.batch_duration()?,
                                 first_epoch: resume.first_epoch,
                                 state,
+                                checkpoint_location: config.checkpoint_location.clone(),
                                 source_partitions: self.partitions_reaching(id, subtask),
                                 upstream_partitions: self.upstream_partition_count(id),
                                 watermark_delay: self.watermark_delay_before(id),

@@ -3,6 +3,7 @@
 
 pub mod kafka;
 
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -119,6 +120,20 @@ impl Spec {
             Spec::Sliding { size, slide } if size == slide => Window::tumbling(ms(size)),
             Spec::Sliding { size, slide } => Window::sliding(ms(size), ms(slide)),
             Spec::Session { gap } => Window::session(ms(gap)),
+        }
+    }
+}
+
+/// Copies the files and directories under `from` into `to`.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.metadata().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
         }
     }
 }

@@ -1,11 +1,12 @@
 //! The exactly-once writer of [`KafkaSink`](super::KafkaSink): one Kafka
 //! transaction per epoch, committed only once the epoch's checkpoint is durable.
 //!
-//! 1. During epoch E the writer sends records in a transaction and keeps a copy.
-//! 2. At E's barrier it hands the copy to the checkpoint as its state, so the
-//!    manifest of E holds E's output. It does not wait for the broker to
-//!    acknowledge E's records first: the checkpoint can send them again, and
-//!    the commit waits for them.
+//! 1. During epoch E the writer sends records in a transaction and appends a
+//!    copy to a file in the checkpoint location (`spill`), synced as it goes.
+//! 2. At E's barrier it syncs the file's tail and names the file in its
+//!    checkpointed state, so the checkpoint of E holds E's output. It does not
+//!    wait for the broker to acknowledge E's records first: the checkpoint can
+//!    send them again, and the commit waits for them.
 //! 3. When the coordinator says E committed, the writer adds a commit record
 //!    (its transactional id -> E) to the compacted commit topic inside the
 //!    transaction, and commits. Records that arrive between the barrier and that
@@ -34,6 +35,7 @@
 //! with `CHECKPOINT_FAILED` rather than skip or repeat that output.
 
 mod outbox;
+mod spill;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -47,12 +49,15 @@ use rtflow_runtime::state::{StateSnapshot, SubtaskState};
 use rtflow_runtime::{Data, Epoch, Record, Result, RtflowError, SinkContext, SinkWriter};
 
 use self::outbox::{Outbox, Pending, Transactions};
+use self::spill::{Spill, SpilledOutput};
 use super::admin::KafkaAdmin;
 use super::producer::{
     commit_transaction, send, Deliveries, KafkaMessage, ProducerSettings, Serialize as SerializeFn,
 };
 
-/// The name of the writer's state within its sink.
+/// The name of the writer's state within its sink: its output files.
+const SPILLED: &str = "spilled";
+/// The name under which earlier versions checkpointed the output itself.
 const PENDING: &str = "pending";
 
 pub(crate) struct TransactionalWriter<T> {
@@ -63,7 +68,14 @@ pub(crate) struct TransactionalWriter<T> {
     bootstrap_servers: String,
     commit_topic: String,
     serialize: SerializeFn<T>,
-    pending: SubtaskState<Pending>,
+    spilled: SubtaskState<SpilledOutput>,
+    /// The output an earlier version checkpointed whole, if restored: cleared
+    /// by the first snapshot.
+    pending: Option<SubtaskState<Pending>>,
+    /// The output restored, by the subtask that checkpointed it: settled at
+    /// the first record or barrier.
+    restored_output: Vec<(u32, RestoredOutput)>,
+    spill: Spill,
     /// Whether the restored checkpoint is still to be checked against the commit
     /// topic and its output settled.
     unresolved: bool,
@@ -89,10 +101,23 @@ impl<T: Data> TransactionalWriter<T> {
         };
         let producer_for = |id: &str| transactional_producer(sink, id, &transaction_timeout);
         let producer = producer_for(&transactional_id)?;
+        let location = ctx.checkpoint_location.as_deref().ok_or_else(|| {
+            sink.error("an exactly-once Kafka sink needs the query's checkpoint location")
+        })?;
+        let spill = Spill::open(location, &ctx.uid, &ctx.run_id, ctx.subtask)
+            .map_err(|e| RtflowError::Checkpoint(format!("{}: {e}", sink.name())))?;
+        let spilled = ctx.state.per_subtask::<SpilledOutput>(SPILLED)?;
         let pending = ctx.state.per_subtask::<Pending>(PENDING)?;
+        let restored_output: Vec<_> = (pending.restored().iter())
+            .map(|(old, whole)| (*old, RestoredOutput::Whole(whole.clone())))
+            .chain(
+                (spilled.restored().iter())
+                    .map(|(old, files)| (*old, RestoredOutput::Spilled(files.clone()))),
+            )
+            .collect();
         // Writers that no longer run after a parallelism change may have left a
         // transaction open: fence them too, so it cannot commit later.
-        for (old, _) in pending.restored() {
+        for (old, _) in &restored_output {
             if *old != ctx.subtask as u32 {
                 // Initialising is the fencing; the producer has no other use.
                 drop(producer_for(&id_of(*old))?);
@@ -139,7 +164,10 @@ impl<T: Data> TransactionalWriter<T> {
             bootstrap_servers: sink.bootstrap_servers.clone(),
             commit_topic,
             serialize: sink.serialize.clone(),
-            pending,
+            spilled,
+            pending: (!pending.restored().is_empty()).then_some(pending),
+            restored_output,
+            spill,
             unresolved: true,
             restored: restored.map(|epoch| (epoch, restored_run)),
             run_id: ctx.run_id.clone(),
@@ -147,6 +175,14 @@ impl<T: Data> TransactionalWriter<T> {
             barrier: None,
         })
     }
+}
+
+/// What a checkpoint held for one writer.
+enum RestoredOutput {
+    /// The output itself, as earlier versions checkpointed it.
+    Whole(Pending),
+    /// The files holding it.
+    Spilled(SpilledOutput),
 }
 
 /// How long the broker lets a transaction stay open before it aborts it
@@ -282,6 +318,15 @@ impl Transactions for KafkaTransactions {
 }
 
 impl<T> TransactionalWriter<T> {
+    /// A failure to keep the output in the checkpoint location: the checkpoint
+    /// cannot hold it, so the query cannot go on exactly once.
+    fn spill_error(&self, error: std::io::Error) -> RtflowError {
+        RtflowError::Checkpoint(format!(
+            "{}: could not keep the output of writer '{}' in the checkpoint location: {error}",
+            self.producer.sink, self.transactional_id
+        ))
+    }
+
     /// Settles the output restored from the checkpoint: what a crash kept from
     /// committing is written again, once. Runs on the actor's thread, after every
     /// writer of the sink fenced its previous incarnation.
@@ -300,26 +345,32 @@ impl<T> TransactionalWriter<T> {
             self.producer.timeout,
         )
         .map_err(|e| self.producer.error(e))?;
-        let mut ids: Vec<String> = self
-            .pending
-            .restored()
-            .iter()
+        let mut ids: Vec<String> = (self.restored_output.iter())
             .map(|(old, _)| (self.id_of)(*old))
             .collect();
         ids.push(self.transactional_id.clone());
         for id in &ids {
             check_restored(id, records.get(id), (epoch, &run)).map_err(RtflowError::Checkpoint)?;
         }
-        let restored: Vec<_> = self
-            .pending
-            .restored()
-            .iter()
-            .filter(|(_, pending)| !pending.ended.is_empty())
-            .map(|(old, pending)| ((self.id_of)(*old), pending))
-            .collect();
         let committed: HashMap<String, Epoch> = records
             .into_iter()
             .map(|(id, record)| (id, record.epoch))
+            .collect();
+        let mut restored = Vec::new();
+        for (old, output) in std::mem::take(&mut self.restored_output) {
+            let id = (self.id_of)(old);
+            let pending = match output {
+                RestoredOutput::Whole(pending) => pending,
+                RestoredOutput::Spilled(files) => (self.spill)
+                    .load(&files, committed.get(&id).copied())
+                    .map_err(RtflowError::Checkpoint)?,
+            };
+            if !pending.ended.is_empty() {
+                restored.push((id, pending));
+            }
+        }
+        let restored: Vec<_> = (restored.iter())
+            .map(|(id, pending)| (id.clone(), pending))
             .collect();
         for (id, ended) in outbox::resolve(&restored, epoch, &run, &committed, &mut self.producer)?
         {
@@ -467,6 +518,9 @@ impl<T: Data> SinkWriter<T> for TransactionalWriter<T> {
     fn write(&mut self, record: Record<T>) -> Result<()> {
         self.resolve_restored()?;
         let message = (self.serialize)(&record.value);
+        self.spill
+            .append(&message)
+            .map_err(|e| self.spill_error(e))?;
         self.outbox.write(message, &mut self.producer)
     }
 
@@ -482,9 +536,16 @@ impl<T: Data> SinkWriter<T> for TransactionalWriter<T> {
 
     fn snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         self.resolve_restored()?;
-        let pending = self.outbox.end_epoch(self.barrier.take());
-        self.pending.set(pending);
-        self.pending.snapshot(out)
+        let ended = self.outbox.end_epoch(self.barrier.take());
+        let spilled = (self.spill.end_epoch(ended)).map_err(|e| self.spill_error(e))?;
+        self.spilled.set(spilled);
+        self.spilled.snapshot(out)?;
+        if let Some(mut pending) = self.pending.take() {
+            // Settled by now: the checkpoint no longer needs it.
+            pending.clear();
+            pending.snapshot(out)?;
+        }
+        Ok(())
     }
 
     fn on_commit(&mut self, epoch: Epoch) -> Result<()> {
@@ -493,7 +554,8 @@ impl<T: Data> SinkWriter<T> for TransactionalWriter<T> {
             &self.transactional_id,
             &self.run_id,
             &mut self.producer,
-        )
+        )?;
+        self.spill.committed(epoch).map_err(|e| self.spill_error(e))
     }
 
     fn close(&mut self, _error: Option<&RtflowError>) -> Result<()> {

@@ -40,7 +40,7 @@ pub(crate) enum End {
 
 impl End {
     /// Whether the output is published once the checkpoint of `epoch` committed.
-    fn covered_by(self, epoch: Epoch) -> bool {
+    pub(crate) fn covered_by(self, epoch: Epoch) -> bool {
         match self {
             End::Barrier(end) => end <= epoch,
             End::Input { after } => epoch > after,
@@ -64,8 +64,10 @@ pub(crate) struct Ended {
     pub(crate) messages: Vec<KafkaMessage>,
 }
 
-/// The writer's checkpointed state: every ended epoch whose transaction had not
-/// committed at the barrier, oldest first.
+/// Every ended epoch whose transaction had not committed at a barrier, oldest
+/// first: what a restart writes again unless its commit record says it
+/// committed. Checkpoints hold it in files ([`super::spill`]); those of rtflow
+/// 0.x before spilling held it whole.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Pending {
     pub(crate) ended: Vec<Ended>,
@@ -107,8 +109,9 @@ impl Outbox {
     }
 
     /// Ends the running epoch at its barrier (`Some`) or at the end of the input
-    /// (`None`), and returns what the checkpoint must hold.
-    pub(crate) fn end_epoch(&mut self, barrier: Option<Epoch>) -> Pending {
+    /// (`None`); returns where it ended if it had output, which waits for its
+    /// checkpoint from now on.
+    pub(crate) fn end_epoch(&mut self, barrier: Option<Epoch>) -> Option<End> {
         let end = match barrier {
             Some(epoch) => End::Barrier(epoch),
             None => End::Input {
@@ -118,12 +121,19 @@ impl Outbox {
         if let Some(epoch) = barrier {
             self.last_barrier = epoch;
         }
-        if !self.current.is_empty() {
-            self.ended.push_back(Ended {
-                end,
-                messages: std::mem::take(&mut self.current),
-            });
+        if self.current.is_empty() {
+            return None;
         }
+        self.ended.push_back(Ended {
+            end,
+            messages: std::mem::take(&mut self.current),
+        });
+        Some(end)
+    }
+
+    /// What a checkpoint taken now holds.
+    #[cfg(test)]
+    fn pending(&self) -> Pending {
         Pending {
             ended: self.ended.iter().cloned().collect(),
         }
@@ -301,7 +311,8 @@ mod tests {
                 }
                 Step::Barrier => {
                     self.epoch += 1;
-                    let pending = self.outbox.end_epoch(Some(self.epoch));
+                    self.outbox.end_epoch(Some(self.epoch));
+                    let pending = self.outbox.pending();
                     self.acked.push_back((self.epoch, pending, self.position));
                 }
                 Step::Durable => {
@@ -344,7 +355,8 @@ mod tests {
         /// The input ends; `crash` strikes after the final manifest is durable
         /// and before the writer hears of it, and the restart ends at once.
         fn finish(&mut self, crash: bool) {
-            let pending = self.outbox.end_epoch(None);
+            self.outbox.end_epoch(None);
+            let pending = self.outbox.pending();
             while !self.acked.is_empty() {
                 self.apply(Step::Durable);
             }
@@ -353,8 +365,11 @@ mod tests {
             self.unnotified.push_back(self.epoch);
             if crash {
                 self.restart();
-                let pending = self.outbox.end_epoch(None);
-                assert!(pending.ended.is_empty(), "nothing replays after the end");
+                assert_eq!(
+                    self.outbox.end_epoch(None),
+                    None,
+                    "nothing replays after the end"
+                );
                 return;
             }
             while !self.unnotified.is_empty() {
@@ -391,10 +406,15 @@ mod tests {
         outbox.write(message(0), &mut log).unwrap();
         outbox.end_epoch(Some(1));
         outbox.write(message(1), &mut log).unwrap();
-        let pending = outbox.end_epoch(Some(2));
+        outbox.end_epoch(Some(2));
         assert_eq!(log.open, vec![message(0)]);
         assert_eq!(
-            pending.ended.iter().map(|e| e.end).collect::<Vec<_>>(),
+            outbox
+                .pending()
+                .ended
+                .iter()
+                .map(|e| e.end)
+                .collect::<Vec<_>>(),
             vec![End::Barrier(1), End::Barrier(2)],
             "the checkpoint of 2 holds epoch 1 too: it has not committed"
         );
