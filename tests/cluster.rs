@@ -1287,6 +1287,46 @@ fn a_second_live_process_under_one_name_ends_one_of_them_with_a_typed_error() {
     cluster.await_and_check(&expected_counts, &expected_windows);
 }
 
+/// A process that dies while it is the only one, and whose session times out
+/// before any other process starts, is in no survivor's memory: a newcomer
+/// of another name reads its name from the query's instances topic and
+/// fences it, rather than wait for the transaction it left open to time
+/// out, and every count comes out once. Its name is then deleted: the next
+/// newcomer has no one to fence.
+#[test]
+fn a_process_that_died_alone_is_fenced_by_a_newcomer_of_another_name() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let total = 3_000;
+    let third = total / 3;
+    cluster.start(&["p0"], 0..third, Duration::from_secs(90));
+    produce(&bootstrap, &cluster.input, (third..2 * third).map(record));
+    cluster.kill("p0");
+    // Past its session timeout (6 s): the groups have forgotten it.
+    std::thread::sleep(Duration::from_secs(8));
+    cluster.spawn("p1");
+    produce(&bootstrap, &cluster.input, (2 * third..total).map(record));
+    let (counts, _) = cluster.outputs(total, 0, Duration::from_secs(90));
+    assert!(counts.len() >= total, "no progress:\n{}", cluster.logs());
+    cluster.stop_one("p1");
+    cluster.spawn("p2");
+    produce(&bootstrap, &cluster.input, flush_records());
+    let (expected_counts, expected_windows) = reference(total);
+    cluster.await_and_check(&expected_counts, &expected_windows);
+    let logs = cluster.logs();
+    let fenced = |instance: &str| {
+        logs.lines().any(|line| {
+            line.contains("fenced a process that left the cluster")
+                && line.contains(&format!("instance={instance} "))
+        })
+    };
+    assert!(fenced("p0"), "p1 did not fence p0:\n{logs}");
+    assert!(
+        !fenced("p1"),
+        "p1 stopped cleanly, yet p2 fenced it:\n{logs}"
+    );
+}
+
 /// A static member that stops leaves the groups all the same: the other
 /// process takes its partitions over long before its session (60 s) would
 /// time out, and every count comes out once.

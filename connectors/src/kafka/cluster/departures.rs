@@ -11,6 +11,15 @@
 //! instances by name fences those gone since at once: fencers of one
 //! transactional id would only wait on each other. Fencing a process that
 //! stopped cleanly is harmless: it has nothing open.
+//!
+//! A process that died while no other ran is in no survivor's memory. So
+//! each process, as its first run starts, writes its name in the compacted
+//! `rtflow-<query>-instances` topic and takes the names written there before
+//! as seen ([`recall`]): a newcomer of another name fences the one that died
+//! alone, rather than wait for its transaction to time out (three batch
+//! durations, at least 10 s). A name fenced, or of a process that stopped,
+//! is deleted from the topic, so that the next newcomer does not fence it
+//! again.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -19,7 +28,7 @@ use rdkafka::consumer::BaseConsumer;
 use rtflow_runtime::{Result, RtflowError};
 
 use super::shape::{instance_of, list_group};
-use super::ClusterSettings;
+use super::{compacted, ClusterSettings};
 
 /// The instances a process saw in its groups, and which of them are gone.
 #[derive(Debug, Default)]
@@ -42,6 +51,32 @@ impl Departures {
         self.known = live;
         gone
     }
+
+    /// Takes `instances` as seen: those not among the live ones at the next
+    /// look are gone.
+    pub(crate) fn recall(&mut self, instances: impl IntoIterator<Item = String>) {
+        self.known.extend(instances);
+    }
+}
+
+/// Writes this process's name among the query's instances, and returns the
+/// others written there before it.
+pub(crate) fn recall(settings: &ClusterSettings) -> std::result::Result<Vec<String>, String> {
+    let topic = settings.instances_topic();
+    compacted::write(settings, &topic, &settings.instance, Some(b"ran"))?;
+    Ok(compacted::read(settings, &topic)?
+        .into_keys()
+        .map(|name| String::from_utf8_lossy(&name).into_owned())
+        .filter(|name| *name != settings.instance)
+        .collect())
+}
+
+/// Deletes `instance` from the query's instances: it has nothing open.
+pub(crate) fn forget(
+    settings: &ClusterSettings,
+    instance: &str,
+) -> std::result::Result<(), String> {
+    compacted::write(settings, &settings.instances_topic(), instance, None)
 }
 
 /// The members of a clustered query's groups now.
@@ -258,6 +293,23 @@ mod tests {
         assert!(
             departures.departed(set(&["a", "c"]), "a").is_empty(),
             "once"
+        );
+    }
+
+    #[test]
+    fn an_instance_that_ran_before_this_process_and_is_not_live_is_fenced_once() {
+        let mut departures = Departures::default();
+        departures.recall(["old".to_owned(), "b".to_owned()]);
+        assert_eq!(departures.departed(set(&["a", "b"]), "a"), ["old"]);
+        assert!(
+            departures.departed(set(&["a", "b"]), "a").is_empty(),
+            "once"
+        );
+        let mut second = Departures::default();
+        second.recall(["old".to_owned()]);
+        assert!(
+            second.departed(set(&["a", "b"]), "b").is_empty(),
+            "only the first live instance fences"
         );
     }
 

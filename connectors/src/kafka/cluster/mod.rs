@@ -24,14 +24,16 @@
 //!   new run for what it then owns, restoring offsets from the group and keyed
 //!   state from the changelog (`runner`);
 //! - a process that died is fenced by those that stay as soon as the group
-//!   drops it, so that the transaction it left open is aborted at once
-//!   (`departures`);
+//!   drops it, or by the next to start if it died alone, so that the
+//!   transaction it left open is aborted at once (`departures`, with the
+//!   instances in a compacted topic, `compacted`);
 //! - processes check that they run the same dataflow (`shape`);
 //! - with standby replicas, a process keeps warm copies of changelog
 //!   partitions others own, so that a failover restores only a tail
 //!   (`standby`).
 
 mod changelog;
+mod compacted;
 mod departures;
 mod exchange;
 mod link;
@@ -481,6 +483,12 @@ impl ClusterSettings {
 
     pub(crate) fn shapes_topic(&self) -> String {
         format!("rtflow-{}-shapes", self.query)
+    }
+
+    /// The compacted topic naming the instances that ran the query and may
+    /// have left a transaction open (`departures`).
+    pub(crate) fn instances_topic(&self) -> String {
+        format!("rtflow-{}-instances", self.query)
     }
 
     pub(crate) fn transactional_id(&self) -> String {

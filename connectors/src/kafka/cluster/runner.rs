@@ -26,7 +26,7 @@ use rtflow_runtime::{
     guard, Dataflow, QueryConfig, Result, RtflowError, StreamingQuery, StreamingQueryProgress,
 };
 
-use super::departures::{members, Departures};
+use super::departures::{self, members, Departures};
 use super::link::{KafkaLink, Mode, RestoreStats, TopicPartition};
 use super::retries::{Retries, Verdict};
 use super::settle::{must_restart, Settling};
@@ -79,6 +79,8 @@ struct Shared {
     /// first run.
     shape: Shape,
     departures: Mutex<Departures>,
+    /// Whether the instances that ran before were read (`departures::recall`).
+    recalled: AtomicBool,
     /// The process's standby replicas, if it keeps any.
     standby: Option<Standby>,
 }
@@ -140,6 +142,16 @@ impl Shared {
     /// time out; copies stay as they are), so it is logged, not raised.
     fn after_rebalance(&self, owned: &BTreeSet<TopicPartition>) {
         let settings = &self.settings;
+        // Once a member, so that a process that reads this name also finds
+        // this process among the members unless it died since.
+        if !self.recalled.swap(true, Ordering::SeqCst) {
+            match departures::recall(settings) {
+                Ok(instances) => lock(&self.departures).recall(instances),
+                Err(error) => {
+                    tracing::warn!(%error, "could not read which processes ran the query before")
+                }
+            }
+        }
         let members = match members(
             settings,
             &self.lister,
@@ -185,7 +197,10 @@ impl Shared {
             let fencing = Instant::now();
             match fence(settings, &instance) {
                 Ok(()) => {
-                    tracing::info!(%instance, took = ?fencing.elapsed(), "fenced a process that left the cluster")
+                    tracing::info!(%instance, took = ?fencing.elapsed(), "fenced a process that left the cluster");
+                    if let Err(error) = departures::forget(settings, &instance) {
+                        tracing::warn!(%instance, %error, "could not delete a fenced process from the instances");
+                    }
                 }
                 Err(error) => {
                     tracing::warn!(%instance, %error, "could not fence a process that left the cluster")
@@ -425,6 +440,7 @@ where
         lister,
         shape,
         departures: Mutex::default(),
+        recalled: AtomicBool::new(false),
         standby: (settings.standby_replicas > 0)
             .then(|| Standby::start(settings.clone()))
             .transpose()?,
@@ -476,7 +492,15 @@ where
             for poller in pollers {
                 let _ = poller.join();
             }
-            result.and(stopped)
+            let result = result.and(stopped);
+            if result.is_ok() {
+                // Its last commit left nothing open: no one need fence it.
+                if let Err(error) = departures::forget(&runner.settings, &runner.settings.instance)
+                {
+                    tracing::warn!(%error, "could not delete this process from the instances");
+                }
+            }
+            result
         })
         .map_err(spawn_failed)?;
     Ok(ClusteredQuery {

@@ -19,16 +19,10 @@ use std::time::Duration;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaResult;
 use rdkafka::groups::GroupList;
-use rdkafka::producer::DefaultProducerContext;
-use rdkafka::producer::{BaseRecord, ThreadedProducer};
-use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::key_groups::stable_hash;
 use rtflow_runtime::{Result, RtflowError};
 
-use super::{while_coordinator_moves, ClusterSettings};
-use crate::kafka::admin::KafkaAdmin;
-use crate::kafka::closing::ClosingConsumer;
-use crate::kafka::producer::flush;
+use super::{compacted, while_coordinator_moves, ClusterSettings};
 
 /// The version of what a query's processes exchange through Kafka: the
 /// repartition words (`exchange::Wire`), the watermarks in the offsets'
@@ -83,18 +77,14 @@ impl Shape {
 
     /// Publishes the shape under its fingerprint.
     pub(crate) fn publish(&self, settings: &ClusterSettings) -> Result<()> {
-        let topic = settings.shapes_topic();
-        KafkaAdmin::new(&settings.bootstrap_servers)?.create_compacted_topic(&topic)?;
-        let producer: ThreadedProducer<DefaultProducerContext> = settings
-            .client_config()
-            .create()
-            .map_err(|e| shape_error(format!("could not create a producer: {e}")))?;
         let text = self.lines.join("\n");
-        producer
-            .send(BaseRecord::to(&topic).key(&self.fingerprint).payload(&text))
-            .map_err(|(e, _)| shape_error(format!("could not publish the shape: {e}")))?;
-        flush(&producer, settings.operation_timeout)
-            .map_err(|e| shape_error(format!("could not publish the shape: {e}")))
+        compacted::write(
+            settings,
+            &settings.shapes_topic(),
+            &self.fingerprint,
+            Some(text.as_bytes()),
+        )
+        .map_err(|e| shape_error(format!("could not publish the shape: {e}")))
     }
 
     /// Fails when a live member of the group runs another dataflow, as
@@ -169,35 +159,10 @@ fn shape_error(message: impl std::fmt::Display) -> RtflowError {
 
 /// The shape published under `fingerprint`, if it can be found.
 fn published(settings: &ClusterSettings, fingerprint: &str) -> Result<Option<Vec<String>>> {
-    // Reading the shapes topic takes a group id, though nothing is committed.
-    let consumer: BaseConsumer = settings
-        .client_config()
-        .set("group.id", format!("{}-shapes", settings.group()))
-        .create()
-        .map_err(|e| shape_error(format!("could not create a consumer: {e}")))?;
-    let consumer = ClosingConsumer::new(consumer);
-    let topic = settings.shapes_topic();
-    let (_, high) = consumer
-        .fetch_watermarks(&topic, 0, settings.operation_timeout)
-        .map_err(|e| shape_error(format!("could not read '{topic}': {e}")))?;
-    let mut list = TopicPartitionList::new();
-    list.add_partition_offset(&topic, 0, Offset::Beginning)
-        .map_err(shape_error)?;
-    consumer.assign(&list).map_err(shape_error)?;
-    let mut found = None;
-    let deadline = std::time::Instant::now() + settings.operation_timeout;
-    let mut position = 0;
-    while position < high && std::time::Instant::now() < deadline {
-        if let Some(Ok(message)) = consumer.poll(Duration::from_millis(100)) {
-            position = message.offset() + 1;
-            if message.key() == Some(fingerprint.as_bytes()) {
-                found = message
-                    .payload()
-                    .map(|text| with_protocol(String::from_utf8_lossy(text).lines()));
-            }
-        }
-    }
-    Ok(found)
+    let shapes = compacted::read(settings, &settings.shapes_topic()).map_err(shape_error)?;
+    Ok(shapes
+        .get(fingerprint.as_bytes())
+        .map(|text| with_protocol(String::from_utf8_lossy(text).lines())))
 }
 
 /// A published shape's lines, led by its protocol: a process of protocol 1
