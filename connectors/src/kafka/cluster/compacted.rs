@@ -13,6 +13,13 @@ use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::flush;
 
+/// Makes `topic` compacted, unless it exists.
+pub(crate) fn create(settings: &ClusterSettings, topic: &str) -> Result<(), String> {
+    KafkaAdmin::new(&settings.bootstrap_servers)
+        .and_then(|admin| admin.create_compacted_topic(topic))
+        .map_err(|e| e.to_string())
+}
+
 /// Writes `payload` under `key` in `topic` (created compacted if missing),
 /// or deletes the key if `payload` is `None`, and waits until the broker has
 /// it.
@@ -22,9 +29,7 @@ pub(crate) fn write(
     key: &str,
     payload: Option<&[u8]>,
 ) -> Result<(), String> {
-    KafkaAdmin::new(&settings.bootstrap_servers)
-        .and_then(|admin| admin.create_compacted_topic(topic))
-        .map_err(|e| e.to_string())?;
+    create(settings, topic)?;
     let producer: ThreadedProducer<DefaultProducerContext> = (settings.client_config())
         .create()
         .map_err(|e| format!("could not create a producer: {e}"))?;

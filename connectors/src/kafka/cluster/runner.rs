@@ -26,6 +26,7 @@ use rtflow_runtime::{
     guard, Dataflow, QueryConfig, Result, RtflowError, StreamingQuery, StreamingQueryProgress,
 };
 
+use super::compacted;
 use super::departures::{self, members, Departures};
 use super::link::{KafkaLink, Mode, RestoreStats, TopicPartition};
 use super::retries::{Retries, Verdict};
@@ -513,7 +514,9 @@ where
 /// Publishes the process's shape on a thread of its own. Only a process
 /// refused for another shape reads it, to name the difference, and a first
 /// start waits a third of a second for it (a new topic, a new leader):
-/// nothing of the query's waits on it, and a failure is logged.
+/// nothing of the query's waits on it, and a failure is logged. The
+/// instances topic is made there too, for the same reason: this process
+/// writes its name in it once it is a member (`departures::recall`).
 fn publish_aside(settings: &Arc<ClusterSettings>, shape: Shape) {
     let settings = settings.clone();
     let spawned = std::thread::Builder::new()
@@ -521,6 +524,9 @@ fn publish_aside(settings: &Arc<ClusterSettings>, shape: Shape) {
         .spawn(move || {
             if let Err(error) = shape.publish(&settings) {
                 tracing::warn!(%error, "could not publish the dataflow's shape: a process refused for another one is told less of the difference");
+            }
+            if let Err(error) = compacted::create(&settings, &settings.instances_topic()) {
+                tracing::warn!(%error, "could not make the instances topic");
             }
         });
     if let Err(error) = spawned {
