@@ -7,7 +7,8 @@
 //! waited for the checkpoint to become visible. Instead the writer appends each
 //! message to a file of its own as it sends it, through a thread that writes
 //! the file and syncs it every few milliseconds, so at the barrier only the
-//! tail is left to sync, and the checkpoint holds the file's name, length and checksum ([`Spilled`]).
+//! tail is left to sync, and the checkpoint holds the file's name, length and
+//! checksum ([`Spilled`]).
 //!
 //! Files live in `<checkpoint location>/sink-output/<sink uid>/`, one per ended
 //! epoch of each writer, named `<run>-<subtask>-<sequence>`. An epoch's file is
