@@ -99,13 +99,17 @@ impl<T: Data> TransactionalWriter<T> {
                 .as_millis()
                 .to_string(),
         };
+        // Checked before the producer fences anything.
+        let location =
+            (ctx.checkpoint_location.as_deref()).ok_or(RtflowError::CheckpointLocationRequired)?;
+        let spill = Spill::open(location, &ctx.uid, &ctx.run_id, ctx.subtask).map_err(|e| {
+            RtflowError::CheckpointLocationUnusable {
+                path: location.display().to_string(),
+                reason: format!("{} cannot keep its output there: {e}", sink.name()),
+            }
+        })?;
         let producer_for = |id: &str| transactional_producer(sink, id, &transaction_timeout);
         let producer = producer_for(&transactional_id)?;
-        let location = ctx.checkpoint_location.as_deref().ok_or_else(|| {
-            sink.error("an exactly-once Kafka sink needs the query's checkpoint location")
-        })?;
-        let spill = Spill::open(location, &ctx.uid, &ctx.run_id, ctx.subtask)
-            .map_err(|e| RtflowError::Checkpoint(format!("{}: {e}", sink.name())))?;
         let spilled = ctx.state.per_subtask::<SpilledOutput>(SPILLED)?;
         let pending = ctx.state.per_subtask::<Pending>(PENDING)?;
         let restored_output: Vec<_> = (pending.restored().iter())
@@ -369,9 +373,6 @@ impl<T> TransactionalWriter<T> {
                 restored.push((id, pending));
             }
         }
-        let restored: Vec<_> = (restored.iter())
-            .map(|(id, pending)| (id.clone(), pending))
-            .collect();
         for (id, ended) in outbox::resolve(&restored, epoch, &run, &committed, &mut self.producer)?
         {
             tracing::info!(
@@ -573,7 +574,70 @@ impl<T: Data> SinkWriter<T> for TransactionalWriter<T> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use rtflow_runtime::state::StateContext;
+
     use super::*;
+
+    /// Writer 0 of one, for a query checkpointing to `location`.
+    fn context(location: Option<&std::path::Path>) -> SinkContext {
+        SinkContext {
+            query: "q".into(),
+            query_id: "q-id".into(),
+            run_id: "run".into(),
+            uid: "kafka-sink-0".into(),
+            name: "kafka".into(),
+            subtask: 0,
+            parallelism: 1,
+            batch_duration: Duration::from_secs(1),
+            first_epoch: 1,
+            state: StateContext::detached("kafka", 0, 1, 128),
+            checkpoint_location: location.map(|path| path.to_path_buf()),
+            source_partitions: vec![0],
+            upstream_partitions: 1,
+            watermark_delay: None,
+            cluster: None,
+        }
+    }
+
+    /// Settings for a broker nobody listens on: the tests fail before any
+    /// broker is asked.
+    fn settings() -> ProducerSettings<u64> {
+        ProducerSettings {
+            bootstrap_servers: "127.0.0.1:1".into(),
+            topic: Some("out".into()),
+            serialize: Arc::new(|n: &u64| KafkaMessage::new(n.to_string())),
+            config: rdkafka::ClientConfig::new(),
+            flush_timeout: Duration::from_secs(1),
+            commit_topic: None,
+        }
+    }
+
+    #[test]
+    fn a_writer_without_a_checkpoint_location_fails_before_it_fences_anything() {
+        let error = TransactionalWriter::open(&settings(), &context(None))
+            .err()
+            .expect("no location");
+        assert_eq!(error.error_class(), "CHECKPOINT_LOCATION_REQUIRED");
+    }
+
+    #[test]
+    fn a_location_that_cannot_hold_the_output_files_is_named_unusable() {
+        let location = tempfile::tempdir().unwrap();
+        // A file where the writer's directory would go.
+        std::fs::write(location.path().join("sink-output"), b"").unwrap();
+        let error = TransactionalWriter::open(&settings(), &context(Some(location.path())))
+            .err()
+            .expect("the directory cannot be made");
+        assert_eq!(error.error_class(), "CHECKPOINT_LOCATION_UNUSABLE");
+        let message = error.to_string();
+        assert!(
+            message.contains(&location.path().display().to_string())
+                && message.contains("cannot keep its output there"),
+            "{message}"
+        );
+    }
 
     fn record(epoch: Epoch, run: Option<&str>) -> CommitRecord {
         CommitRecord {

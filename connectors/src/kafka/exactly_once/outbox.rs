@@ -66,8 +66,8 @@ pub(crate) struct Ended {
 
 /// Every ended epoch whose transaction had not committed at a barrier, oldest
 /// first: what a restart writes again unless its commit record says it
-/// committed. Checkpoints hold it in files ([`super::spill`]); those of rtflow
-/// 0.x before spilling held it whole.
+/// committed. Checkpoints hold it in files ([`super::spill`]); those of
+/// earlier versions held it whole, and a restart still reads them.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Pending {
     pub(crate) ended: Vec<Ended>,
@@ -186,7 +186,7 @@ impl Outbox {
 /// `committed` (the last epoch committed under each writer id). `restored` is
 /// by the writer id that checkpointed it.
 pub(crate) fn resolve(
-    restored: &[(String, &Pending)],
+    restored: &[(String, Pending)],
     epoch: Epoch,
     run: &str,
     committed: &HashMap<String, Epoch>,
@@ -338,7 +338,7 @@ mod tests {
                 self.durable.clone().unwrap_or((0, Pending::default(), 0));
             let committed = self.log.records.clone();
             resolve(
-                &[(ID.to_string(), &pending)],
+                &[(ID.to_string(), pending)],
                 epoch,
                 RUN,
                 &committed,
@@ -443,7 +443,7 @@ mod tests {
         let mut log = Log::default();
         let committed = HashMap::from([(ID.to_string(), 4)]);
         let rewritten =
-            resolve(&[(ID.to_string(), &pending)], 5, RUN, &committed, &mut log).unwrap();
+            resolve(&[(ID.to_string(), pending)], 5, RUN, &committed, &mut log).unwrap();
         assert_eq!(rewritten.len(), 1);
         assert_eq!(log.visible, vec![message(5)]);
         assert_eq!(log.records[ID], 5);
