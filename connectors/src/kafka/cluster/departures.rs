@@ -13,13 +13,13 @@
 //! stopped cleanly is harmless: it has nothing open.
 //!
 //! A process that died while no other ran is in no survivor's memory. So
-//! each process, as its first run starts, writes its name in the compacted
-//! `rtflow-<query>-instances` topic and takes the names written there before
-//! as seen ([`recall`]): a newcomer of another name fences the one that died
-//! alone, rather than wait for its transaction to time out (three batch
-//! durations, at least 10 s). A name fenced, or of a process that stopped,
-//! is deleted from the topic, so that the next newcomer does not fence it
-//! again.
+//! each process, once a member and before its first transaction begins,
+//! writes its name in the compacted `rtflow-<query>-instances` topic
+//! ([`announce`]), and takes the names written there before as seen
+//! ([`recall`]): a newcomer of another name fences the one that died alone,
+//! rather than wait for its transaction to time out (three batch durations,
+//! at least 10 s). A name fenced, or of a process that stopped, is deleted
+//! from the topic, so that the next newcomer does not fence it again.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -59,12 +59,15 @@ impl Departures {
     }
 }
 
-/// Writes this process's name among the query's instances, and returns the
-/// others written there before it.
-pub(crate) fn recall(settings: &ClusterSettings) -> std::result::Result<Vec<String>, String> {
+/// Writes this process's name among the query's instances.
+pub(crate) fn announce(settings: &ClusterSettings) -> std::result::Result<(), String> {
     let topic = settings.instances_topic();
-    compacted::write(settings, &topic, &settings.instance, Some(b"ran"))?;
-    Ok(compacted::read(settings, &topic)?
+    compacted::write(settings, &topic, &settings.instance, Some(b"ran"))
+}
+
+/// The other instances written among the query's instances.
+pub(crate) fn recall(settings: &ClusterSettings) -> std::result::Result<Vec<String>, String> {
+    Ok(compacted::read(settings, &settings.instances_topic())?
         .into_keys()
         .map(|name| String::from_utf8_lossy(&name).into_owned())
         .filter(|name| *name != settings.instance)

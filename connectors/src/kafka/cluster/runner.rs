@@ -144,8 +144,20 @@ impl Shared {
     fn after_rebalance(&self, owned: &BTreeSet<TopicPartition>) {
         let settings = &self.settings;
         // Once a member, so that a process that reads this name also finds
-        // this process among the members unless it died since.
+        // this process among the members unless it died since; and before
+        // the first transaction begins, so that a process that dies with
+        // one open has a name for the next to fence.
         if !self.recalled.swap(true, Ordering::SeqCst) {
+            let announcing = Instant::now();
+            match departures::announce(settings) {
+                Ok(()) => {
+                    tracing::info!(took = ?announcing.elapsed(), "the process's name is written among the query's instances")
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "could not write the process's name among the query's instances")
+                }
+            }
+            self.transactions.release();
             match departures::recall(settings) {
                 Ok(instances) => lock(&self.departures).recall(instances),
                 Err(error) => {

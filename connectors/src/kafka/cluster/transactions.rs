@@ -78,6 +78,10 @@ struct Feed {
     failed: Option<RtflowError>,
     /// The process stops: the feeder ends.
     closed: bool,
+    /// No transaction may begin yet: the process has not written its name
+    /// among the query's instances (`departures`), and one that died with a
+    /// transaction open would be in no newcomer's list to fence.
+    held: bool,
 }
 
 /// What the feeder does next.
@@ -132,6 +136,9 @@ impl Feed {
 
     fn step(&mut self) -> Step {
         if self.committing || self.busy {
+            return Step::Wait;
+        }
+        if self.held {
             return Step::Wait;
         }
         if self.stale {
@@ -263,7 +270,10 @@ impl Transactions {
         let producer = initialised(&config, settings.operation_timeout, &name)?;
         let inner = Arc::new(Inner {
             producer: Mutex::new(Arc::new(producer)),
-            feed: Mutex::default(),
+            feed: Mutex::new(Feed {
+                held: true,
+                ..Feed::default()
+            }),
             changed: Condvar::new(),
             groups: Mutex::default(),
             config,
@@ -289,6 +299,14 @@ impl Transactions {
             Some(metadata) => groups.insert(group.to_owned(), Arc::new(metadata)),
             None => groups.remove(group),
         };
+    }
+
+    /// Lets transactions begin, once the process's name is written among
+    /// the query's instances (or could not be: then one that dies alone with
+    /// a transaction open is left to its transaction timeout, as before).
+    pub(crate) fn release(&self) {
+        lock(&self.inner.feed).held = false;
+        self.inner.changed.notify_all();
     }
 
     /// Drops every record not committed (a run that stopped without its
@@ -321,12 +339,18 @@ impl Transactions {
             // rather than hold it for good.
             let (mut feed, waited) = inner
                 .changed
-                .wait_timeout_while(lock(&inner.feed), inner.timeout, |feed| feed.busy)
+                .wait_timeout_while(lock(&inner.feed), inner.timeout, |feed| {
+                    feed.busy || feed.held
+                })
                 .unwrap_or_else(|p| p.into_inner());
             if waited.timed_out() {
+                let why = if feed.held {
+                    "the process's name was not written among the query's instances"
+                } else {
+                    "its records were not produced"
+                };
                 return Err(RtflowError::Checkpoint(format!(
-                    "{}: could not commit the transaction of epoch {epoch}: its records \
-                     were not produced within {:?}",
+                    "{}: could not commit the transaction of epoch {epoch}: {why} within {:?}",
                     inner.name, inner.timeout
                 )));
             }
@@ -799,6 +823,19 @@ mod tests {
             matches!(feed.step(), Step::Wait),
             "after a failed commit, the next epoch is not known"
         );
+    }
+
+    #[test]
+    fn no_transaction_begins_until_the_process_is_released() {
+        let mut feed = Feed {
+            held: true,
+            ..Feed::default()
+        };
+        let run = feed.join(1);
+        assert!(feed.stage(run, 1, batch("a")));
+        assert!(feed_all(&mut feed).is_empty(), "held, the feeder waits");
+        feed.held = false;
+        assert_eq!(feed_all(&mut feed), [("a".to_owned(), true)]);
     }
 
     #[test]

@@ -411,6 +411,36 @@ mod tests {
     }
 
     #[test]
+    fn a_disk_that_refuses_the_output_fails_the_epochs_seal_and_the_checkpoint_never_names_it() {
+        let location = tempfile::tempdir().unwrap();
+        let mut spill = Spill::open(location.path(), "sink-1", "run-a", 0).unwrap();
+        // The epoch's file is a full device: every write fails with ENOSPC.
+        std::os::unix::fs::symlink("/dev/full", spill.dir.join("run-a-0-0")).unwrap();
+        for n in 0..1000 {
+            spill.append(&message(n)).unwrap();
+        }
+        let error = spill.end_epoch(Some(End::Barrier(1))).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(28), "ENOSPC: {error}");
+        assert!(
+            spill.end_epoch(None).unwrap().ended.is_empty(),
+            "an epoch whose file is not durable is never in a checkpoint"
+        );
+    }
+
+    #[test]
+    fn a_committed_epochs_file_that_cannot_be_deleted_fails_the_commit() {
+        let location = tempfile::tempdir().unwrap();
+        let mut spill = Spill::open(location.path(), "sink-1", "run-a", 0).unwrap();
+        spill.append(&message(0)).unwrap();
+        let state = spill.end_epoch(Some(End::Barrier(1))).unwrap();
+        let path = spill.dir.join(&state.ended[0].file);
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let error = spill.committed(1).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::IsADirectory, "{error}");
+    }
+
+    #[test]
     fn a_runs_first_commit_deletes_earlier_runs_files_and_keeps_its_own() {
         let location = tempfile::tempdir().unwrap();
         let mut crashed = Spill::open(location.path(), "sink-1", "run-a", 0).unwrap();
