@@ -4,9 +4,11 @@
 //! A producer has one transaction open at a time, but the next epoch's records
 //! arrive before the previous epoch's checkpoint is durable. So an ended epoch
 //! waits in the open transaction until its checkpoint commits; the epochs that
-//! end behind it wait unsent, in order. Until an epoch's transaction commits,
-//! every checkpoint holds its messages: a restart from any of them can write
-//! them again if, and only if, the commit record for them is missing. That is
+//! end behind it wait unsent, in order; the outbox keeps only messages not
+//! sent yet. Until an epoch's transaction commits, every checkpoint holds its
+//! messages (in the writer's files, [`super::spill`]): a restart from any of
+//! them can write them again if, and only if, the commit record for them is
+//! missing. That is
 //! also why a barrier does not wait for the broker to acknowledge the epoch's
 //! messages (a pre-commit): what the commit cannot deliver, a restart sends
 //! again from the checkpoint, and the commit itself waits for them.
@@ -73,17 +75,29 @@ pub(crate) struct Pending {
     pub(crate) ended: Vec<Ended>,
 }
 
-/// The messages of one writer between their arrival and their commit.
+/// The messages of one writer between their arrival and their commit. Only
+/// messages not sent yet are kept: every message is in the writer's files
+/// ([`super::spill`]) until its epoch commits, and a restart sends them
+/// from there.
 #[derive(Debug, Default)]
 pub(crate) struct Outbox {
     /// Ended epochs waiting for their checkpoint, oldest first. The first is in
     /// the producer's transaction; the others are not sent yet.
-    ended: VecDeque<Ended>,
-    /// The running epoch's messages: in the producer's transaction when nothing
-    /// ended waits, held back otherwise.
-    current: Vec<KafkaMessage>,
+    ended: VecDeque<Waiting>,
+    /// The running epoch's messages held back while an ended epoch waits.
+    held: Vec<KafkaMessage>,
+    /// Whether the running epoch has output, sent or held.
+    running: bool,
     /// The last epoch whose barrier passed, or the restored epoch.
     last_barrier: Epoch,
+}
+
+/// An ended epoch waiting for its checkpoint, and its messages if they are not
+/// sent yet (none once it is the producer's open transaction).
+#[derive(Debug)]
+struct Waiting {
+    end: End,
+    unsent: Vec<KafkaMessage>,
 }
 
 impl Outbox {
@@ -103,8 +117,10 @@ impl Outbox {
     ) -> Result<()> {
         if self.ended.is_empty() {
             tx.send(&message)?;
+        } else {
+            self.held.push(message);
         }
-        self.current.push(message);
+        self.running = true;
         Ok(())
     }
 
@@ -121,22 +137,20 @@ impl Outbox {
         if let Some(epoch) = barrier {
             self.last_barrier = epoch;
         }
-        if self.current.is_empty() {
+        if !std::mem::take(&mut self.running) {
             return None;
         }
-        self.ended.push_back(Ended {
+        self.ended.push_back(Waiting {
             end,
-            messages: std::mem::take(&mut self.current),
+            unsent: std::mem::take(&mut self.held),
         });
         Some(end)
     }
 
-    /// What a checkpoint taken now holds.
+    /// Where the ended epochs that wait for their checkpoint ended, oldest first.
     #[cfg(test)]
-    fn pending(&self) -> Pending {
-        Pending {
-            ended: self.ended.iter().cloned().collect(),
-        }
+    fn waiting(&self) -> Vec<End> {
+        self.ended.iter().map(|waiting| waiting.end).collect()
     }
 
     /// The checkpoint of `epoch`, written by run `run`, is durable: commits every
@@ -149,33 +163,24 @@ impl Outbox {
         run: &str,
         tx: &mut impl Transactions,
     ) -> Result<()> {
-        let mut in_transaction = true;
         let mut committed_any = false;
         while self.ended.front().is_some_and(|e| e.end.covered_by(epoch)) {
-            let ended = self.ended.pop_front().expect("front exists");
-            if !in_transaction {
-                for message in &ended.messages {
-                    tx.send(message)?;
-                }
+            let waiting = self.ended.pop_front().expect("front exists");
+            for message in &waiting.unsent {
+                tx.send(message)?;
             }
-            tx.commit(id, ended.end.record(epoch), run)?;
-            in_transaction = false;
+            tx.commit(id, waiting.end.record(epoch), run)?;
             committed_any = true;
         }
         if !committed_any {
             return Ok(());
         }
-        match self.ended.front() {
-            Some(next) => {
-                for message in &next.messages {
-                    tx.send(message)?;
-                }
-            }
-            None => {
-                for message in &self.current {
-                    tx.send(message)?;
-                }
-            }
+        let next = match self.ended.front_mut() {
+            Some(next) => &mut next.unsent,
+            None => &mut self.held,
+        };
+        for message in std::mem::take(next) {
+            tx.send(&message)?;
         }
         Ok(())
     }
@@ -270,12 +275,37 @@ mod tests {
         ]
     }
 
-    /// One writer, its checkpoints and its replaying source, driven through any
-    /// interleaving of records, barriers, durable manifests, commit
-    /// notifications and crashes.
+    /// The writer's files as [`super::super::spill`] keeps them: every message,
+    /// by ended epoch, until the epoch commits.
+    #[derive(Default)]
+    struct Files {
+        running: Vec<KafkaMessage>,
+        ended: Vec<Ended>,
+    }
+
+    impl Files {
+        fn end_epoch(&mut self, end: Option<End>) -> Pending {
+            if let Some(end) = end {
+                let messages = std::mem::take(&mut self.running);
+                self.ended.push(Ended { end, messages });
+            }
+            Pending {
+                ended: self.ended.clone(),
+            }
+        }
+
+        fn committed(&mut self, epoch: Epoch) {
+            self.ended.retain(|ended| !ended.end.covered_by(epoch));
+        }
+    }
+
+    /// One writer, its files, its checkpoints and its replaying source, driven
+    /// through any interleaving of records, barriers, durable manifests,
+    /// commit notifications and crashes.
     struct Run {
         log: Log,
         outbox: Outbox,
+        files: Files,
         /// The next record the source emits.
         position: u64,
         epoch: Epoch,
@@ -293,6 +323,7 @@ mod tests {
             Self {
                 log: Log::default(),
                 outbox: Outbox::after(None),
+                files: Files::default(),
                 position: 0,
                 epoch: 0,
                 acked: VecDeque::new(),
@@ -304,6 +335,7 @@ mod tests {
         fn apply(&mut self, step: Step) {
             match step {
                 Step::Write => {
+                    self.files.running.push(message(self.position));
                     self.outbox
                         .write(message(self.position), &mut self.log)
                         .unwrap();
@@ -311,8 +343,8 @@ mod tests {
                 }
                 Step::Barrier => {
                     self.epoch += 1;
-                    self.outbox.end_epoch(Some(self.epoch));
-                    let pending = self.outbox.pending();
+                    let end = self.outbox.end_epoch(Some(self.epoch));
+                    let pending = self.files.end_epoch(end);
                     self.acked.push_back((self.epoch, pending, self.position));
                 }
                 Step::Durable => {
@@ -326,6 +358,7 @@ mod tests {
                         self.outbox
                             .committed(epoch, ID, RUN, &mut self.log)
                             .unwrap();
+                        self.files.committed(epoch);
                     }
                 }
                 Step::Crash => self.restart(),
@@ -346,6 +379,7 @@ mod tests {
             )
             .unwrap();
             self.outbox = Outbox::after(self.durable.as_ref().map(|d| d.0));
+            self.files = Files::default();
             self.position = position;
             self.epoch = epoch;
             self.acked.clear();
@@ -355,8 +389,8 @@ mod tests {
         /// The input ends; `crash` strikes after the final manifest is durable
         /// and before the writer hears of it, and the restart ends at once.
         fn finish(&mut self, crash: bool) {
-            self.outbox.end_epoch(None);
-            let pending = self.outbox.pending();
+            let end = self.outbox.end_epoch(None);
+            let pending = self.files.end_epoch(end);
             while !self.acked.is_empty() {
                 self.apply(Step::Durable);
             }
@@ -409,15 +443,15 @@ mod tests {
         outbox.end_epoch(Some(2));
         assert_eq!(log.open, vec![message(0)]);
         assert_eq!(
-            outbox
-                .pending()
-                .ended
-                .iter()
-                .map(|e| e.end)
-                .collect::<Vec<_>>(),
+            outbox.waiting(),
             vec![End::Barrier(1), End::Barrier(2)],
-            "the checkpoint of 2 holds epoch 1 too: it has not committed"
+            "epoch 1 still waits for its checkpoint when epoch 2 ends"
         );
+        assert!(
+            outbox.ended[0].unsent.is_empty(),
+            "epoch 1 is sent: only the files keep it"
+        );
+        assert_eq!(outbox.ended[1].unsent, vec![message(1)]);
         outbox.committed(1, ID, RUN, &mut log).unwrap();
         assert_eq!(log.visible, vec![message(0)]);
         assert_eq!(log.open, vec![message(1)]);
