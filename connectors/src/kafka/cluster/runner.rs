@@ -80,7 +80,9 @@ struct Shared {
     /// first run.
     shape: Shape,
     departures: Mutex<Departures>,
-    /// Whether the instances that ran before were read (`departures::recall`).
+    /// Whether the process wrote its name among the query's instances and
+    /// read the others' (`departures::announce`, `departures::recall`): once,
+    /// at its first rebalance.
     recalled: AtomicBool,
     /// The process's standby replicas, if it keeps any.
     standby: Option<Standby>,
@@ -528,7 +530,7 @@ where
 /// start waits a third of a second for it (a new topic, a new leader):
 /// nothing of the query's waits on it, and a failure is logged. The
 /// instances topic is made there too, for the same reason: this process
-/// writes its name in it once it is a member (`departures::recall`).
+/// writes its name in it once it is a member (`departures::announce`).
 fn publish_aside(settings: &Arc<ClusterSettings>, shape: Shape) {
     let settings = settings.clone();
     let spawned = std::thread::Builder::new()

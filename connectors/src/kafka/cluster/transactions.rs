@@ -135,10 +135,7 @@ impl Feed {
     }
 
     fn step(&mut self) -> Step {
-        if self.committing || self.busy {
-            return Step::Wait;
-        }
-        if self.held {
+        if self.committing || self.busy || self.held {
             return Step::Wait;
         }
         if self.stale {

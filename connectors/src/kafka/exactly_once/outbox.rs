@@ -147,12 +147,6 @@ impl Outbox {
         Some(end)
     }
 
-    /// Where the ended epochs that wait for their checkpoint ended, oldest first.
-    #[cfg(test)]
-    fn waiting(&self) -> Vec<End> {
-        self.ended.iter().map(|waiting| waiting.end).collect()
-    }
-
     /// The checkpoint of `epoch`, written by run `run`, is durable: commits every
     /// ended epoch it covers, each in its own transaction, then starts sending
     /// what waited behind them.
@@ -443,7 +437,7 @@ mod tests {
         outbox.end_epoch(Some(2));
         assert_eq!(log.open, vec![message(0)]);
         assert_eq!(
-            outbox.waiting(),
+            outbox.ended.iter().map(|w| w.end).collect::<Vec<_>>(),
             vec![End::Barrier(1), End::Barrier(2)],
             "epoch 1 still waits for its checkpoint when epoch 2 ends"
         );
