@@ -35,7 +35,9 @@
 //! visible. Each run prints one JSON line to stdout (latency in ms; for
 //! rtflow in one process also its processing latency, read -> handed to the
 //! producer, and its source queuing latency, Kafka timestamp -> read, from
-//! `query.metrics()`); the command, a summary table, each rtflow pipeline's
+//! `query.metrics()`), and the CPU this process's threads (by name) and the
+//! local broker used while the records measured were produced, in percent of
+//! a core (`common/cpu.rs`); the command, a summary table, each rtflow pipeline's
 //! ratio to its floor (`relay`, or `relay-eo` for the exactly-once ones) at
 //! p50, p99 and p99.9 per rate, the exactly-once p99s beside their target
 //! (the batch duration plus the relay's p99), and the highest rate each
@@ -70,6 +72,8 @@
 //! The broker is `--bootstrap`, else `$RTFLOW_KAFKA_BOOTSTRAP`, else 127.0.0.1:9092.
 //! `RUST_LOG` (e.g. `rtflow_runtime::coordinator=debug`) prints rtflow's logs to stderr.
 
+#[path = "common/cpu.rs"]
+mod cpu;
 #[path = "common/transactions.rs"]
 mod transactions;
 
@@ -661,6 +665,8 @@ struct Run {
     quarters: (f64, f64),
     /// rtflow's own figures (rtflow runs in one process only).
     rtflow: Option<LatencyReport>,
+    /// The CPU used while the records measured were produced.
+    cpu: cpu::Usage,
 }
 
 impl Run {
@@ -718,15 +724,23 @@ fn run(args: &Args, rate: u64, pipeline: Pipeline) -> BenchResult<Run> {
     let until = Instant::now() + Duration::from_secs(args.seconds);
     let expected = AtomicU64::new(u64::MAX);
     let stop_relay = AtomicBool::new(false);
-    let (produced, (received, mut latencies)) = std::thread::scope(|scope| {
+    let (produced, (received, mut latencies), cpu) = std::thread::scope(|scope| {
+        let cpu = scope.spawn(|| {
+            std::thread::sleep(WARM_UP);
+            let from = cpu::Sample::now();
+            std::thread::sleep(until.saturating_duration_since(Instant::now()));
+            cpu::Sample::now().since(&from)
+        });
         let relay = match pipeline {
-            Pipeline::Relay => Some(scope.spawn(|| relay(args, &input, &output, &stop_relay))),
-            Pipeline::RelayExactlyOnce => {
-                Some(scope.spawn(|| relay_exactly_once(args, &input, &output, &stop_relay)))
-            }
+            Pipeline::Relay => Some(named("relay", scope, || {
+                relay(args, &input, &output, &stop_relay)
+            })),
+            Pipeline::RelayExactlyOnce => Some(named("relay", scope, || {
+                relay_exactly_once(args, &input, &output, &stop_relay)
+            })),
             _ => None,
         };
-        let consumer = scope.spawn(|| {
+        let consumer = named("consumer", scope, || {
             consume(
                 args,
                 rate,
@@ -743,7 +757,8 @@ fn run(args: &Args, rate: u64, pipeline: Pipeline) -> BenchResult<Run> {
         if let Some(relay) = relay {
             relay.join().expect("the relay thread does not panic")?;
         }
-        Ok::<_, BoxError>((produced?, consumed?))
+        let cpu = cpu.join().expect("the CPU sampler does not panic");
+        Ok::<_, BoxError>((produced?, consumed?, cpu))
     })?;
     let rtflow = match query {
         Some(query) => {
@@ -777,6 +792,7 @@ fn run(args: &Args, rate: u64, pipeline: Pipeline) -> BenchResult<Run> {
         latencies,
         quarters,
         rtflow,
+        cpu,
     })
 }
 
@@ -825,6 +841,18 @@ fn main() -> BenchResult<()> {
     Ok(())
 }
 
+/// Spawns `f` on a thread named `name` (the CPU figures' name for it).
+fn named<'scope, T: Send + 'scope>(
+    name: &str,
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    f: impl FnOnce() -> T + Send + 'scope,
+) -> std::thread::ScopedJoinHandle<'scope, T> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn_scoped(scope, f)
+        .expect("a thread starts")
+}
+
 /// The median of `latencies` (µs, any order, not empty) in milliseconds.
 fn median_ms(latencies: &[u64]) -> f64 {
     let mut sorted = latencies.to_vec();
@@ -845,12 +873,25 @@ fn print_json(args: &Args, run: &Run) {
             latency.source_queuing.p99
         )
     });
+    let threads: Vec<String> = run
+        .cpu
+        .by_thread
+        .iter()
+        .filter(|(_, percent)| **percent >= 0.5)
+        .map(|(name, percent)| format!("\"{name}\":{percent:.1}"))
+        .collect();
+    let cpu = format!(
+        ",\"cpu_pct\":{:.1},\"broker_cpu_pct\":{:.1},\"cpu_pct_by_thread\":{{{}}}",
+        run.cpu.process,
+        run.cpu.broker,
+        threads.join(",")
+    );
     println!(
         "{{\"bench\":\"kafka_latency\",\"pipeline\":\"{}\",\"records\":{},\"produced\":{},\
          \"received\":{},\"rate\":{},\"partitions\":{},\"record_bytes\":{},\"seconds\":{},\
          \"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\"p95_ms\":{p95:.3},\"p99_ms\":{p99:.3},\
          \"p999_ms\":{p999:.3},\"max_ms\":{max:.3},\"first_quarter_p50_ms\":{:.3},\
-         \"last_quarter_p50_ms\":{:.3},\"sustained\":{}{rtflow}}}",
+         \"last_quarter_p50_ms\":{:.3},\"sustained\":{}{rtflow}{cpu}}}",
         run.pipeline.name(),
         run.latencies.len(),
         run.produced,

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use common::kafka::{bootstrap, consume, produce, topic};
-use common::{a_record_too_large_fails, config, TIMEOUT};
+use common::{a_record_the_broker_refuses_fails, a_record_too_large_fails, config, TIMEOUT};
 use rtflow::prelude::*;
 use rtflow::runtime::metrics::{Role, SourceLag};
 use rtflow::runtime::{Source, SourceContext, SourceOutput, SourceWaker};
@@ -368,6 +368,16 @@ fn an_unreachable_broker_fails_at_start_within_seconds() {
 fn a_record_too_large_for_the_broker_fails_the_query() {
     let Some(bootstrap) = bootstrap() else { return };
     a_record_too_large_fails(&bootstrap, config("large"), DeliveryGuarantee::AtLeastOnce);
+}
+
+#[test]
+fn a_record_the_broker_refuses_fails_the_query_with_its_delivery_error() {
+    let Some(bootstrap) = bootstrap() else { return };
+    a_record_the_broker_refuses_fails(
+        &bootstrap,
+        config("refused"),
+        DeliveryGuarantee::AtLeastOnce,
+    );
 }
 
 #[test]

@@ -12,7 +12,9 @@ use common::kafka::{
     bootstrap, compacted_topic, consume, consume_to_end, expected_key_counts, keyed_records,
     produce, topic,
 };
-use common::{a_record_too_large_fails, config, copy_dir, TIMEOUT};
+use common::{
+    a_record_the_broker_refuses_fails, a_record_too_large_fails, config, copy_dir, TIMEOUT,
+};
 use rtflow::prelude::*;
 
 /// Epochs end every 200 ms.
@@ -295,6 +297,16 @@ fn a_record_too_large_for_the_broker_fails_the_exactly_once_query_naming_it() {
     a_record_too_large_fails(
         &bootstrap,
         checkpointed("exactly-once-large"),
+        DeliveryGuarantee::ExactlyOnce,
+    );
+}
+
+#[test]
+fn a_record_the_broker_refuses_fails_the_exactly_once_query_with_its_delivery_error() {
+    let Some(bootstrap) = bootstrap() else { return };
+    a_record_the_broker_refuses_fails(
+        &bootstrap,
+        checkpointed("exactly-once-refused"),
         DeliveryGuarantee::ExactlyOnce,
     );
 }

@@ -37,6 +37,25 @@ pub fn topic(bootstrap: &str, name: &str, partitions: i32) -> String {
     topic
 }
 
+/// A new topic, as [`topic`], whose broker-side config `key` is `value`.
+pub fn topic_with(bootstrap: &str, name: &str, partitions: i32, key: &str, value: &str) -> String {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+
+    let topic = unique(name);
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .unwrap();
+    let new = NewTopic::new(&topic, partitions, TopicReplication::Fixed(1)).set(key, value);
+    let created = futures_executor::block_on(admin.create_topics([&new], &AdminOptions::new()));
+    for result in created.unwrap() {
+        result.unwrap();
+    }
+    await_metadata(bootstrap, &topic, partitions);
+    topic
+}
+
 /// Waits until the broker's metadata holds `topic` with its partitions: a
 /// query started right after the topic was made once found none ("does not
 /// exist") on a broker that had just started.

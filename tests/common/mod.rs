@@ -72,6 +72,37 @@ pub fn a_record_too_large_fails(bootstrap: &str, config: QueryConfig, delivery: 
     );
 }
 
+/// A record the client sends but the broker refuses (the topic takes at most
+/// 1,000 bytes a batch) fails the query with its delivery report's error: the
+/// producers ask for reports of failures only, so this is the one path a
+/// failure takes.
+pub fn a_record_the_broker_refuses_fails(
+    bootstrap: &str,
+    config: QueryConfig,
+    delivery: DeliveryGuarantee,
+) {
+    let output = kafka::topic_with(bootstrap, "rtflow-refused", 1, "max.message.bytes", "1000");
+    let flow = Dataflow::new("refused");
+    let input = MemorySource::new(1);
+    flow.source(input.clone()).sink(
+        KafkaSink::new(bootstrap, &output, |size: &usize| {
+            KafkaMessage::new(vec![b'x'; *size])
+        })
+        .delivery(delivery),
+    );
+    let query = flow.start(config).unwrap();
+    input.push(0, 100).unwrap();
+    input.push(0, 5_000).unwrap();
+    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
+    assert_eq!(error.error_class(), "SINK_FAILED");
+    let message = error.to_string();
+    assert!(
+        message.contains(&format!("delivery to {output}-0 failed")),
+        "{message}"
+    );
+    assert!(message.to_lowercase().contains("too large"), "{message}");
+}
+
 /// Runs a dataflow whose sources end, and waits until it has drained.
 pub fn run_to_end(flow: Dataflow, config: QueryConfig) -> StreamingQuery {
     let query = flow.start(config).expect("query starts");

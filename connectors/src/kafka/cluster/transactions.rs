@@ -669,7 +669,9 @@ fn producer_config(settings: &ClusterSettings, transactional_id: &str) -> Client
             "transaction.timeout.ms",
             settings.transaction_timeout.as_millis().to_string(),
         )
-        .set("linger.ms", "5");
+        .set("linger.ms", "5")
+        // As the sink's producers: only failures need a report.
+        .set("delivery.report.only.error", "true");
     config
 }
 
