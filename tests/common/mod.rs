@@ -53,19 +53,7 @@ pub fn tool(var: &str, name: &str) -> Option<std::path::PathBuf> {
 /// fails with `SINK_FAILED` naming the refusal.
 pub fn a_record_too_large_fails(bootstrap: &str, config: QueryConfig, delivery: DeliveryGuarantee) {
     let output = kafka::topic(bootstrap, "rtflow-large", 1);
-    let flow = Dataflow::new("large");
-    let input = MemorySource::new(1);
-    flow.source(input.clone()).sink(
-        KafkaSink::new(bootstrap, &output, |size: &usize| {
-            KafkaMessage::new(vec![b'x'; *size])
-        })
-        .delivery(delivery),
-    );
-    let query = flow.start(config).unwrap();
-    input.push(0, 100).unwrap();
-    input.push(0, 3_000_000).unwrap();
-    let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
-    assert_eq!(error.error_class(), "SINK_FAILED");
+    let error = writing_fails(bootstrap, &output, 3_000_000, config, delivery);
     assert!(
         error.to_string().to_lowercase().contains("too large"),
         "{error}"
@@ -82,25 +70,37 @@ pub fn a_record_the_broker_refuses_fails(
     delivery: DeliveryGuarantee,
 ) {
     let output = kafka::topic_with(bootstrap, "rtflow-refused", 1, "max.message.bytes", "1000");
+    let message = writing_fails(bootstrap, &output, 5_000, config, delivery).to_string();
+    assert!(
+        message.contains(&format!("delivery to {output}-0 failed")),
+        "{message}"
+    );
+    assert!(message.to_lowercase().contains("too large"), "{message}");
+}
+
+/// Writes a 100-byte record and then one of `size` bytes to `output`, and
+/// returns the `SINK_FAILED` error the query ends with.
+fn writing_fails(
+    bootstrap: &str,
+    output: &str,
+    size: usize,
+    config: QueryConfig,
+    delivery: DeliveryGuarantee,
+) -> RtflowError {
     let flow = Dataflow::new("refused");
     let input = MemorySource::new(1);
     flow.source(input.clone()).sink(
-        KafkaSink::new(bootstrap, &output, |size: &usize| {
+        KafkaSink::new(bootstrap, output, |size: &usize| {
             KafkaMessage::new(vec![b'x'; *size])
         })
         .delivery(delivery),
     );
     let query = flow.start(config).unwrap();
     input.push(0, 100).unwrap();
-    input.push(0, 5_000).unwrap();
+    input.push(0, size).unwrap();
     let error = query.await_termination(Some(TIMEOUT)).unwrap_err();
     assert_eq!(error.error_class(), "SINK_FAILED");
-    let message = error.to_string();
-    assert!(
-        message.contains(&format!("delivery to {output}-0 failed")),
-        "{message}"
-    );
-    assert!(message.to_lowercase().contains("too large"), "{message}");
+    error
 }
 
 /// Runs a dataflow whose sources end, and waits until it has drained.
