@@ -5,9 +5,10 @@
 //!   assigned manually and offsets are tracked by rtflow: there is no consumer
 //!   group and no rebalancing.
 //! - [`KafkaSink`] writes records to a fixed topic or to the topic each record
-//!   names, with `linger.ms=0` and one request in flight by default (records keep
-//!   their order on retries); at-least-once, or exactly-once through Kafka
-//!   transactions committed with each checkpoint (`exactly_once`).
+//!   names, with one request in flight by default (records keep their order on
+//!   retries); at-least-once (`linger.ms=0`), or exactly-once through Kafka
+//!   transactions committed with each checkpoint (`exactly_once`, `linger.ms=20`:
+//!   its records show only at the commit).
 //! - [`KafkaCluster`] runs one query in several processes: a consumer group
 //!   shares the partitions out, `repartition_by` goes through a repartition
 //!   topic, keyed state through a changelog topic, and each process commits
