@@ -47,7 +47,7 @@ pub fn topic_with(bootstrap: &str, name: &str, partitions: i32, key: &str, value
         .set("bootstrap.servers", bootstrap)
         .create()
         .unwrap();
-    let new = NewTopic::new(&topic, partitions, TopicReplication::Fixed(1)).set(key, value);
+    let new = NewTopic::new(&topic, partitions, TopicReplication::Fixed(-1)).set(key, value);
     let created = futures_executor::block_on(admin.create_topics([&new], &AdminOptions::new()));
     for result in created.unwrap() {
         result.unwrap();
