@@ -28,30 +28,16 @@ pub fn bootstrap() -> Option<String> {
 
 /// A new topic with a name no other test uses.
 pub fn topic(bootstrap: &str, name: &str, partitions: i32) -> String {
+    topic_with(bootstrap, name, partitions, &[])
+}
+
+/// A new topic, as [`topic`], with the topic-level settings `config`.
+pub fn topic_with(bootstrap: &str, name: &str, partitions: i32, config: &[(&str, &str)]) -> String {
     let topic = unique(name);
     KafkaAdmin::new(bootstrap)
         .unwrap()
-        .create_topic(&topic, partitions)
+        .create_topic_with(&topic, partitions, config)
         .unwrap();
-    await_metadata(bootstrap, &topic, partitions);
-    topic
-}
-
-/// A new topic, as [`topic`], whose broker-side config `key` is `value`.
-pub fn topic_with(bootstrap: &str, name: &str, partitions: i32, key: &str, value: &str) -> String {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::client::DefaultClientContext;
-
-    let topic = unique(name);
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .create()
-        .unwrap();
-    let new = NewTopic::new(&topic, partitions, TopicReplication::Fixed(-1)).set(key, value);
-    let created = futures_executor::block_on(admin.create_topics([&new], &AdminOptions::new()));
-    for result in created.unwrap() {
-        result.unwrap();
-    }
     await_metadata(bootstrap, &topic, partitions);
     topic
 }

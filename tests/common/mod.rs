@@ -69,7 +69,12 @@ pub fn a_record_the_broker_refuses_fails(
     config: QueryConfig,
     delivery: DeliveryGuarantee,
 ) {
-    let output = kafka::topic_with(bootstrap, "rtflow-refused", 1, "max.message.bytes", "1000");
+    let output = kafka::topic_with(
+        bootstrap,
+        "rtflow-refused",
+        1,
+        &[("max.message.bytes", "1000")],
+    );
     let message = writing_fails(bootstrap, &output, 5_000, config, delivery).to_string();
     assert!(
         message.contains(&format!("delivery to {output}-0 failed")),

@@ -47,19 +47,19 @@ impl KafkaAdmin {
     /// Creates `topic` with `partitions` partitions; an existing topic is left
     /// as it is.
     pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<()> {
-        self.create(topic, partitions, &[])
+        self.create_topic_with(topic, partitions, &[])
     }
 
     /// Creates a one-partition compacted topic (for the latest value per key),
     /// unless it exists: what an exactly-once sink's commit topic must be.
     pub fn create_compacted_topic(&self, topic: &str) -> Result<()> {
-        self.create(topic, 1, &[("cleanup.policy", "compact")])
+        self.create_topic_with(topic, 1, &[("cleanup.policy", "compact")])
     }
 
     /// Creates a compacted topic of `partitions` partitions unless it exists:
     /// a clustered query's changelog.
     pub(crate) fn create_compacted_topic_of(&self, topic: &str, partitions: i32) -> Result<()> {
-        self.create(topic, partitions, &[("cleanup.policy", "compact")])
+        self.create_topic_with(topic, partitions, &[("cleanup.policy", "compact")])
     }
 
     /// The cleanup policy of an existing `topic` (`delete`, `compact`, or both).
@@ -107,7 +107,22 @@ impl KafkaAdmin {
             .map_err(|code| admin_error(format!("could not describe topic '{topic}': {code}")))
     }
 
-    fn create(&self, topic: &str, partitions: i32, config: &[(&str, &str)]) -> Result<()> {
+    /// Creates `topic` with `partitions` partitions and the topic-level
+    /// settings `config` (e.g. `retention.ms`); an existing topic is left as
+    /// it is.
+    ///
+    /// ```no_run
+    /// use rtflow_connectors::kafka::KafkaAdmin;
+    /// let admin = KafkaAdmin::new("127.0.0.1:9092")?;
+    /// admin.create_topic_with("alerts", 3, &[("retention.ms", "3600000")])?;
+    /// # Ok::<(), rtflow_runtime::RtflowError>(())
+    /// ```
+    pub fn create_topic_with(
+        &self,
+        topic: &str,
+        partitions: i32,
+        config: &[(&str, &str)],
+    ) -> Result<()> {
         // -1: the broker's default, so that a cluster that keeps every topic on
         // three brokers keeps the commit records there too.
         let mut new_topic = NewTopic::new(topic, partitions, TopicReplication::Fixed(-1));
