@@ -203,6 +203,22 @@ impl Blob {
     pub fn iter(&self) -> impl ExactSizeIterator<Item = EntryRef<'_>> + '_ {
         self.range(0..self.len())
     }
+
+    /// A blob of `entries`, as a snapshot stores and reads them back: for
+    /// state an operator instance hands to its successor in memory.
+    ///
+    /// ```
+    /// use rtflow_checkpoint::snapshot::Blob;
+    /// use rtflow_checkpoint::Entry;
+    /// let entry = Entry { group: 3, key: b"k".to_vec(), value: Some(b"v".to_vec()) };
+    /// let blob = Blob::of(&[entry.clone()]);
+    /// assert_eq!(blob.iter().map(|e| e.to_entry()).collect::<Vec<_>>(), [entry]);
+    /// ```
+    pub fn of(entries: &[Entry]) -> Self {
+        let bytes = encode_blob(entries);
+        let reference = blob_ref(0, 0, 0, &bytes);
+        decode_blob(&StateId::new("", ""), reference, bytes).expect("a blob just encoded decodes")
+    }
 }
 
 impl fmt::Debug for Blob {

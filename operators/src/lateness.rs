@@ -27,7 +27,7 @@
 use std::hash::Hash;
 
 use rtflow_runtime::key_groups::{key_group, stable_hash};
-use rtflow_runtime::state::{KeyedState, StateSnapshot, SubtaskState, Table};
+use rtflow_runtime::state::{Image, KeyedState, StateSnapshot, SubtaskState, Table};
 use rtflow_runtime::{EventTime, OperatorContext, RecordMeta, Result};
 
 /// The name of an operator instance's input watermark within its operator.
@@ -153,6 +153,10 @@ impl Table for GroupWatermarks {
 
     fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
         self.watermarks.continue_snapshot(budget, out)
+    }
+
+    fn image(&self, keep: &dyn Fn(u32) -> bool) -> Result<Option<Image>> {
+        Table::image(&self.watermarks, keep)
     }
 }
 

@@ -10,7 +10,10 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Select, TryRecvError};
 use rtflow_checkpoint::{ActorId, Offsets};
 
 use crate::cancel::Cancel;
-use crate::connector::{Progress, SourceOutput, SourceReader, SourceStatus, SourceWaker};
+use crate::cluster::handover::{Bound, Handovers};
+use crate::connector::{
+    Progress, ReaderHandover, SourceOutput, SourceReader, SourceStatus, SourceWaker,
+};
 use crate::error::{Result, RtflowError};
 use crate::guard::{self, Place};
 use crate::inputs::{Alignment, IdleStep, Inputs};
@@ -87,6 +90,45 @@ pub(crate) struct ActorEnv {
     /// The actor's chain of operators: blamed for a panic that no place of
     /// it claims.
     pub(crate) chain: Place,
+    /// The run's handovers, which the actor meets at barriers.
+    pub(crate) handovers: Arc<Handovers>,
+    /// For a source actor: which reader of which source it is.
+    pub(crate) reading: Option<Reading>,
+}
+
+/// A source reader's part in the run's handovers.
+#[derive(Clone)]
+pub(crate) struct Reading {
+    pub(crate) uid: String,
+    pub(crate) subtask: usize,
+    pub(crate) partitions: Vec<usize>,
+}
+
+impl Reading {
+    /// After `epoch`'s barrier: changes the reader's partitions as a
+    /// handover at it says.
+    fn hand_over<T>(
+        &mut self,
+        bound: Option<Arc<Bound>>,
+        place: &Place,
+        reader: &mut dyn SourceReader<T>,
+    ) -> Result<()> {
+        let Some(bound) = bound else {
+            return Ok(());
+        };
+        let after = bound.read_by(&self.uid, self.subtask);
+        let starts_over = bound.reach.starts_over;
+        if after != self.partitions || starts_over {
+            let change = ReaderHandover {
+                partitions: after,
+                start_offsets: &bound.handover.offsets,
+                starts_over,
+            };
+            place.run("SourceReader::hand_over", || reader.hand_over(&change))?;
+            self.partitions = after.to_vec();
+        }
+        Ok(())
+    }
 }
 
 impl ActorEnv {
@@ -201,6 +243,7 @@ fn source_loop<T: Data>(
     let mut out =
         SourceOutput::for_reader(env.max_records, env.partition_base, env.first_partition);
     let mut unacked = None;
+    let mut reading = env.reading.clone();
     loop {
         env.check_cancel()?;
         if env.stop.load(Ordering::Relaxed) {
@@ -210,6 +253,9 @@ fn source_loop<T: Data>(
         // reader's offsets are exactly where the epoch ends.
         for epoch in env.barriers.iter().flat_map(|b| b.try_iter()) {
             env.barrier(epoch, reader.offsets(), &mut unacked, emit)?;
+            if let Some(reading) = &mut reading {
+                reading.hand_over(env.handovers.at(epoch), place, &mut *reader)?;
+            }
         }
         env.continue_snapshot(&mut unacked, SNAPSHOT_SLICE, emit)?;
         let status = place.watch(|| reader.poll(&mut out, IDLE_WAIT))?;
@@ -358,6 +404,9 @@ fn handle<T>(
         Message::Barrier(epoch) => {
             if let Alignment::Aligned(epoch) = inputs.on_barrier(lane, epoch) {
                 env.barrier(epoch, Offsets::new(), unacked, emit)?;
+                if env.handovers.at(epoch).is_some_and(|b| b.reach.starts_over) {
+                    inputs.start_over();
+                }
             }
             Ok(Step::LanesChanged)
         }

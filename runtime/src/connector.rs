@@ -10,6 +10,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 pub use rtflow_checkpoint::Offsets;
 
 use crate::cancel::Cancel;
+use crate::cluster::handover::Handovers;
 use crate::cluster::membership::Membership;
 use crate::error::{Result, RtflowError};
 use crate::guard::Place;
@@ -197,6 +198,33 @@ pub trait SourceReader<T>: Send {
     /// choosing: recorded at each checkpoint barrier and handed back through
     /// [`SourceContext::start_offsets`] on recovery.
     fn offsets(&self) -> Offsets;
+
+    /// The process's partitions changed inside a run at the barrier just
+    /// emitted ([`Handover`](crate::cluster::Handover)). A reader that
+    /// cannot follow fails the run, which then restarts over the process's
+    /// new share.
+    fn hand_over(&mut self, change: &ReaderHandover<'_>) -> Result<()> {
+        Err(RtflowError::Checkpoint(format!(
+            "this reader cannot change its partitions inside a run (to {:?})",
+            change.partitions
+        )))
+    }
+}
+
+/// How a [`Handover`](crate::cluster::Handover) changes a source reader, at
+/// the barrier it happens at.
+#[derive(Debug, Clone, Copy)]
+pub struct ReaderHandover<'a> {
+    /// The partitions it reads from now on, numbered as
+    /// [`SourceContext::partitions`]; it reports offsets for them alone.
+    pub partitions: &'a [usize],
+    /// Where those it did not read already resume, labelled as its
+    /// [`offsets`](SourceReader::offsets) label them.
+    pub start_offsets: &'a Offsets,
+    /// Whether event time starts over, as in a new run (the process adopted
+    /// partitions): a reader that passes on event time of its own tells it
+    /// again.
+    pub starts_over: bool,
 }
 
 /// The batch a reader fills in one poll.
@@ -475,6 +503,16 @@ pub trait SinkWriter<T>: Send {
         Ok(())
     }
 
+    /// The process's partitions changed inside a run at the barrier just
+    /// passed ([`Handover`](crate::cluster::Handover)): the source partitions
+    /// whose records reach the writer from now on, and whether event time
+    /// `starts_over` (the process adopted partitions: the watermarks so far
+    /// did not wait for them). For a writer that speaks for them, as a
+    /// repartition's does.
+    fn on_hand_over(&mut self, _source_partitions: &[u32], _starts_over: bool) -> Result<()> {
+        Ok(())
+    }
+
     /// The input ended (`None`) or the query is failing (`Some(error)`).
     fn close(&mut self, _error: Option<&RtflowError>) -> Result<()> {
         Ok(())
@@ -504,6 +542,9 @@ pub(crate) struct SinkEmit<T> {
     /// Epochs the coordinator committed; closed once the query committed its last.
     commits: Receiver<Epoch>,
     cancel: Cancel,
+    /// Where the run's handovers are, and which sink instance this is.
+    handovers: Arc<Handovers>,
+    instance: (String, usize),
 }
 
 /// How long a finished sink waits between looks at the cancel flag while it waits
@@ -517,13 +558,14 @@ impl<T> SinkEmit<T> {
         latency: LatencyRecorder,
         metrics: Arc<OperatorMetrics>,
         wiring: SinkWiring,
-        restored_watermark: Option<EventTime>,
+        ctx: &SinkContext,
     ) -> Self {
         let SinkWiring {
             snapshots,
             commits,
             cancel,
         } = wiring;
+        let restored_watermark = ctx.state.restored_watermark();
         Self {
             place,
             writer,
@@ -535,6 +577,8 @@ impl<T> SinkEmit<T> {
             watermark: restored_watermark,
             commits,
             cancel,
+            handovers: ctx.state.restored.handovers.clone(),
+            instance: (ctx.uid.clone(), ctx.subtask),
         }
     }
 
@@ -601,7 +645,17 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
         // Commits always precede the next barrier in time: take them first.
         self.take_commits()?;
         self.place.watch(|| self.writer.on_barrier(epoch))?;
-        self.snapshot()
+        self.snapshot()?;
+        if let Some(bound) = self.handovers.at(epoch) {
+            let (uid, subtask) = &self.instance;
+            let reaching = bound.reaching(uid, *subtask);
+            let starts_over = bound.reach.starts_over;
+            if starts_over {
+                self.watermark = None;
+            }
+            (self.place).watch(|| self.writer.on_hand_over(reaching, starts_over))?;
+        }
+        Ok(())
     }
 
     fn flush(&mut self) -> Result<()> {

@@ -51,6 +51,17 @@ impl Inputs {
         }
     }
 
+    /// Event time starts over, as in a new run: every open lane's watermark
+    /// is unknown again, idle ones included, and none is passed on until
+    /// each tells a watermark or that it is idle. A lane left idle would let
+    /// the others' watermarks past the records it is about to deliver.
+    pub(crate) fn start_over(&mut self) {
+        self.watermarks.fill(EventTime::MIN);
+        self.idle.fill(false);
+        self.output_watermark = EventTime::MIN;
+        self.output_idle = false;
+    }
+
     /// Whether the actor should read `lane` now.
     pub(crate) fn readable(&self, lane: usize) -> bool {
         !self.ended[lane]
@@ -167,6 +178,26 @@ mod tests {
             "a lane going back changes nothing"
         );
         assert_eq!(inputs.on_watermark(0, 30), Some(20));
+    }
+
+    #[test]
+    fn starting_over_forgets_every_lanes_watermark_until_each_tells_again() {
+        let mut inputs = Inputs::new(3);
+        inputs.on_watermark(0, 50);
+        inputs.on_idle(2);
+        assert_eq!(inputs.on_watermark(1, 40), Some(40));
+        inputs.start_over();
+        assert_eq!(
+            inputs.on_watermark(0, 30),
+            None,
+            "lane 1 told nothing since"
+        );
+        assert_eq!(inputs.on_watermark(1, 20), None, "nor lane 2, idle before");
+        assert_eq!(
+            inputs.on_idle(2),
+            Some(IdleStep::Watermark(20)),
+            "lower, as a new run's"
+        );
     }
 
     #[test]

@@ -68,8 +68,8 @@ mod wiring;
 
 pub use config::{OutputMode, QueryConfig, Trigger};
 pub use connector::{
-    Sink, SinkContext, SinkWriter, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
-    SourceWaker,
+    ReaderHandover, Sink, SinkContext, SinkWriter, Source, SourceContext, SourceOutput,
+    SourceReader, SourceStatus, SourceWaker,
 };
 pub use dataflow::{Dataflow, KeyedStream, Stream};
 pub use error::{BoxError, Result, RtflowError};

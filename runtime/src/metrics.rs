@@ -364,6 +364,12 @@ impl SourceLag {
         });
         metrics
     }
+
+    /// Reports `partition` of `topic` no more: the reader let it go.
+    pub fn forget(&self, topic: &str, partition: &str) {
+        lock(&self.registry)
+            .retain(|r| (r.topic.as_str(), r.partition.as_str()) != (topic, partition));
+    }
 }
 
 impl std::fmt::Debug for SourceLag {

@@ -1,14 +1,16 @@
 //! The operator model: a struct that implements [`Operator`] and writes only the
 //! hooks it needs. The runtime calls the hooks from the actor's one loop.
 
+use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
+use crate::cluster::handover::Bound;
 use crate::error::{Result, RtflowError};
 use crate::guard::Place;
 use crate::metrics::{OperatorMetrics, Role};
 use crate::record::{now_nanos, Epoch, EventTime, Record, RecordMeta};
-use crate::state::{StateContext, StateSnapshot, Table};
+use crate::state::{Restored, StateContext, StateSnapshot, Table};
 
 /// Where the stateful operators of one actor put their snapshots at a barrier; the
 /// actor sends them to the coordinator with its acknowledgement.
@@ -222,15 +224,65 @@ pub trait Operator<In, Out>: Send + 'static {
         Ok(())
     }
 
+    /// Called at the barrier where the process's partitions change inside a
+    /// run ([`Handover`](crate::cluster::Handover)), with the instance's
+    /// context as it is from then on: for an operator that keeps no state but
+    /// follows the source partitions reaching it, such as `with_watermark`.
+    /// `starts_over`: the process adopted partitions, and event time starts
+    /// over as in a new run (the watermarks so far did not wait for them). A
+    /// stateful operator is made again from its state instead.
+    fn on_hand_over(&mut self, _ctx: &OperatorContext, _starts_over: bool) -> Result<()> {
+        Ok(())
+    }
+
     /// Called once when every input has ended, before the end is passed downstream.
     fn on_close(&mut self, _out: &mut Collector<'_, Out>) -> Result<()> {
         Ok(())
     }
 }
 
+/// What makes an operator's instances, again for a rebuild.
+pub(crate) type Remake<O> = Arc<dyn Fn(&OperatorContext) -> Result<O> + Send + Sync>;
+
+/// The operator `make` makes in `ctx`, started, checked to declare every
+/// state it claimed: its factory and hooks run under its `place`.
+fn made<O: Operator<In, Out>, In, Out>(
+    place: &Place,
+    make: impl FnOnce(&OperatorContext) -> Result<O>,
+    ctx: &OperatorContext,
+) -> Result<O> {
+    let mut operator = place.run("its factory", || make(ctx))?;
+    place.run("on_start", || operator.on_start(ctx))?;
+    let mut declared = 0;
+    place.run("tables", || {
+        operator.tables(&mut |_| {
+            declared += 1;
+            Ok(())
+        })
+    })?;
+    let claimed = ctx.state.claims.load(std::sync::atomic::Ordering::Relaxed);
+    if declared < claimed {
+        return Err(RtflowError::Operator {
+            operator: ctx.operator.clone(),
+            subtask: ctx.subtask,
+            message: format!(
+                "it claimed {claimed} states from its StateContext but declares {declared} \
+                 in Operator::tables ({}): its checkpoints would miss the others; declare \
+                 every state it holds",
+                std::any::type_name::<O>()
+            ),
+        });
+    }
+    Ok(operator)
+}
+
 /// An operator fused with whatever follows it in the same actor.
 pub(crate) struct Chained<O, In, Out> {
     operator: O,
+    /// The context the operator was made in, and what makes it again when a
+    /// handover rebuilds it (`None`: it cannot be).
+    ctx: OperatorContext,
+    remake: Option<Remake<O>>,
     /// Where the operator's hooks run, for their failures.
     place: Place,
     next: Box<dyn Emit<Out>>,
@@ -250,36 +302,18 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
     /// `on_start` run under its place.
     pub(crate) fn start(
         make: impl FnOnce(&OperatorContext) -> Result<O>,
+        remake: Option<Remake<O>>,
         ctx: &OperatorContext,
         next: Box<dyn Emit<Out>>,
         metrics: Arc<OperatorMetrics>,
         snapshots: SnapshotBuffer,
     ) -> Result<Self> {
         let place = Place::new(Role::Operator, &ctx.operator, ctx.subtask);
-        let mut operator = place.run("its factory", || make(ctx))?;
-        place.run("on_start", || operator.on_start(ctx))?;
-        let mut declared = 0;
-        place.run("tables", || {
-            operator.tables(&mut |_| {
-                declared += 1;
-                Ok(())
-            })
-        })?;
-        let claimed = ctx.state.claims.load(std::sync::atomic::Ordering::Relaxed);
-        if declared < claimed {
-            return Err(RtflowError::Operator {
-                operator: ctx.operator.clone(),
-                subtask: ctx.subtask,
-                message: format!(
-                    "it claimed {claimed} states from its StateContext but declares {declared} \
-                     in Operator::tables ({}): its checkpoints would miss the others; declare \
-                     every state it holds",
-                    std::any::type_name::<O>()
-                ),
-            });
-        }
+        let operator = made(&place, make, ctx)?;
         Ok(Self {
             operator,
+            ctx: ctx.clone(),
+            remake,
             place,
             next,
             metrics,
@@ -290,6 +324,98 @@ impl<O: Operator<In, Out>, In, Out: 'static> Chained<O, In, Out> {
             watermark_out: EventTime::MIN,
             _input: PhantomData,
         })
+    }
+
+    /// Meets the handover at `epoch`'s barrier, after the snapshot. A
+    /// stateful operator is made again from what it holds of the key groups
+    /// it keeps and the state of those it adopts, as a restore from that
+    /// checkpoint would make it, so that nothing derived from a group let go
+    /// survives; another is told ([`Operator::on_hand_over`]). When the
+    /// process adopts partitions, event time starts over as in a new run:
+    /// the watermarks passed on so far were not waiting for them.
+    fn hand_over(&mut self, epoch: Epoch, bound: &Bound) -> Result<()> {
+        let reaching = bound.reaching(&self.ctx.state.uid, self.ctx.subtask);
+        let starts_over = bound.reach.starts_over;
+        if starts_over {
+            self.watermark_in = EventTime::MIN;
+            self.watermark_out = EventTime::MIN;
+        }
+        if !O::stateful() {
+            self.ctx.source_partitions = reaching.to_vec();
+            let (operator, ctx) = (&mut self.operator, &self.ctx);
+            return self
+                .place
+                .run("on_hand_over", || operator.on_hand_over(ctx, starts_over));
+        }
+        let handover = &bound.handover;
+        let cannot = |why: &str| RtflowError::Operator {
+            operator: self.ctx.operator.clone(),
+            subtask: self.ctx.subtask,
+            message: format!("cannot take part in a handover of partitions inside a run: {why}"),
+        };
+        let Some(remake) = self.remake.clone() else {
+            return Err(cannot("it was not made by a dataflow"));
+        };
+        let keep = |group: u32| handover.membership.owns_key_group(group);
+        let mut states = BTreeMap::new();
+        let mut imageless = false;
+        {
+            let mut snapshot = self.snapshots.lock().expect("snapshots are never poisoned");
+            let operator = &mut self.operator;
+            self.place.watch(|| {
+                operator.tables(&mut |table| {
+                    table.continue_snapshot(usize::MAX, &mut snapshot)?;
+                    match table.image(&keep)? {
+                        // What an instance holds for itself, its watermark
+                        // among it, a new run would not restore either.
+                        Some(image) if image.keyed || !starts_over => {
+                            states.insert(image.id, image.state);
+                        }
+                        Some(_) => {}
+                        None => imageless = true,
+                    }
+                    Ok(())
+                })
+            })?;
+        }
+        if imageless {
+            return Err(cannot("one of its tables has no image (Table::image)"));
+        }
+        let uid = &self.ctx.state.uid;
+        let adopted = handover
+            .adopted
+            .iter()
+            .filter(|(id, _)| id.operator == *uid);
+        for (id, adopted) in adopted {
+            let blobs = adopted.blobs.iter().cloned();
+            match states.get_mut(id) {
+                Some(held) => held.blobs.extend(blobs),
+                None => {
+                    states.insert(id.clone(), adopted.clone());
+                }
+            }
+        }
+        let before = &self.ctx.state.restored;
+        let watermark = Some(self.watermark_in)
+            .filter(|w| *w > EventTime::MIN)
+            .or(before.watermark)
+            .filter(|_| !starts_over);
+        let mut restored = Restored::new(
+            states,
+            Some(epoch),
+            watermark,
+            before.run_id.clone(),
+            before.key_groups,
+        );
+        restored.cluster = Some(handover.membership.clone());
+        restored.handovers = before.handovers.clone();
+        let mut ctx = self.ctx.clone();
+        ctx.source_partitions = reaching.to_vec();
+        ctx.state.restored = Arc::new(restored);
+        ctx.state.claims = Arc::default();
+        self.operator = made(&self.place, |ctx| remake(ctx), &ctx)?;
+        self.ctx = ctx;
+        Ok(())
     }
 
     /// Runs the operator's `hook` watched as its [`Place`], with
@@ -393,6 +519,9 @@ impl<O: Operator<In, Out>, In, Out: 'static> Emit<In> for Chained<O, In, Out> {
 
     fn barrier(&mut self, epoch: Epoch) -> Result<()> {
         self.snapshot()?;
+        if let Some(bound) = self.ctx.state.restored.handovers.at(epoch) {
+            self.hand_over(epoch, &bound)?;
+        }
         self.next.barrier(epoch)
     }
 

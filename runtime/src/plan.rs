@@ -8,7 +8,8 @@ use std::time::Duration;
 use crossbeam_channel::Sender;
 use rtflow_checkpoint::Offsets;
 
-use crate::actor::ActorEnv;
+use crate::actor::{ActorEnv, Reading};
+use crate::cluster::handover::Reach;
 use crate::cluster::membership::Membership;
 use crate::config::QueryConfig;
 use crate::connector::SinkWiring;
@@ -231,8 +232,8 @@ pub(crate) struct Plan {
     parallelism: Vec<usize>,
     source_partitions: Vec<usize>,
     /// For source nodes: the partitions this process reads, all of them unless
-    /// the query is clustered.
-    owned_partitions: Vec<Vec<usize>>,
+    /// the query is clustered, as each reader reads them.
+    read: Vec<Vec<Vec<usize>>>,
     /// For source nodes: the query-wide number of their partition 0. The
     /// partitions of all sources are numbered in one range, in node order.
     partition_base: Vec<u32>,
@@ -324,11 +325,24 @@ impl Plan {
                 Some(base)
             })
             .collect();
+        let read = (0..n)
+            .map(|id| {
+                (0..parallelism[id])
+                    .map(|reader| {
+                        let owned = owned_partitions[id].iter().enumerate();
+                        owned
+                            .filter(|(i, _)| reader_of(*i, parallelism[id]) == reader)
+                            .map(|(_, p)| *p)
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
         let plan = Self {
             graph,
             parallelism,
             source_partitions,
-            owned_partitions,
+            read,
             partition_base,
             consumers,
             chained_next,
@@ -412,11 +426,12 @@ impl Plan {
     fn collect_partitions(&self, node: NodeId, subtask: Option<usize>, found: &mut BTreeSet<u32>) {
         if matches!(self.graph.nodes[node].body, Body::Source(..)) {
             let base = self.partition_base[node];
+            let readers = &self.read[node];
             let read = match subtask {
-                Some(subtask) => self.read_by(node, subtask),
-                None => self.owned_partitions[node].clone(),
+                Some(subtask) => &readers[subtask..=subtask],
+                None => &readers[..],
             };
-            found.extend(read.into_iter().map(|p| base + p as u32));
+            found.extend(read.iter().flatten().map(|p| base + *p as u32));
             return;
         }
         for edge in &self.graph.nodes[node].inputs {
@@ -425,17 +440,53 @@ impl Plan {
         }
     }
 
-    /// The partitions reader `subtask` of source node `id` reads: this process's
-    /// partitions dealt round the readers.
-    fn read_by(&self, id: NodeId, subtask: usize) -> Vec<usize> {
-        let readers = self.parallelism[id];
-        let owned = &self.owned_partitions[id];
-        owned
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| reader_of(*i, readers) == subtask)
-            .map(|(_, p)| *p)
-            .collect()
+    /// Where a handover to `after` leaves the readers and the instances
+    /// after them: each reader keeps the partitions of its own that `after`
+    /// still owns, and the partitions `after` adds are dealt round the
+    /// readers by number. Records the change.
+    pub(crate) fn hand_over(&mut self, after: &dyn Membership) -> Reach {
+        let mut read = self.read.clone();
+        let mut starts_over = false;
+        for (id, node) in self.graph.nodes.iter().enumerate() {
+            let Body::Source(source, _) = &node.body else {
+                continue;
+            };
+            // A source of one process only (a test's) reads on as it did.
+            let Some(owned) = source.cluster_partitions(after) else {
+                continue;
+            };
+            let owned: BTreeSet<usize> = owned.into_iter().collect();
+            let held: BTreeSet<usize> = read[id].iter().flatten().copied().collect();
+            let readers = read[id].len();
+            for reader in &mut read[id] {
+                reader.retain(|p| owned.contains(p));
+            }
+            for adopted in owned.difference(&held) {
+                read[id][reader_of(*adopted, readers)].push(*adopted);
+                starts_over = true;
+            }
+            for reader in &mut read[id] {
+                reader.sort_unstable();
+            }
+        }
+        self.read = read;
+        let mut reach = Reach {
+            starts_over,
+            ..Reach::default()
+        };
+        for (id, node) in self.graph.nodes.iter().enumerate() {
+            for subtask in 0..self.parallelism[id] {
+                let key = (node.uid.clone(), subtask);
+                if matches!(node.body, Body::Source(..)) {
+                    reach.readers.insert(key, self.read[id][subtask].clone());
+                } else {
+                    reach
+                        .reaching
+                        .insert(key, self.partitions_reaching(id, subtask));
+                }
+            }
+        }
+        reach
     }
 
     /// The source partitions, numbered query-wide, that feed `id` over all
@@ -540,7 +591,7 @@ impl Plan {
     /// Makes every lane, dispatcher, operator instance and reader, and returns the
     /// body of every actor, named.
     pub(crate) fn wire(
-        self,
+        &self,
         config: &QueryConfig,
         metrics: &QueryMetrics,
         env: &ActorEnv,
@@ -627,6 +678,7 @@ impl Plan {
                     actor: actors.len(),
                     snapshots,
                     chain: Place::new(Role::Operator, &label, subtask),
+                    handovers: resume.state.handovers.clone(),
                     ..env.clone()
                 };
                 let (main, source) = match &node.body {
@@ -636,7 +688,7 @@ impl Plan {
                         let ctx = SourceContext {
                             subtask,
                             parallelism: readers,
-                            partitions: self.read_by(head, subtask),
+                            partitions: self.read[head][subtask].clone(),
                             start_offsets: resume
                                 .offsets
                                 .get(&node.uid)
@@ -658,6 +710,11 @@ impl Plan {
                             waker: Some(waker),
                             partition_base: self.partition_base[head],
                             first_partition: ctx.partitions.first().map_or(0, |p| *p as u32),
+                            reading: Some(Reading {
+                                uid: node.uid.clone(),
+                                subtask,
+                                partitions: ctx.partitions.clone(),
+                            }),
                             ..env
                         };
                         (

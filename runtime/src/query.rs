@@ -10,9 +10,10 @@ use actix::{Actor, Addr};
 use rtflow_checkpoint::{CheckpointStore, Recovery};
 use uuid::Uuid;
 
+use crate::cluster::Handover;
 use crate::config::QueryConfig;
 use crate::coordinator::{
-    Abandon, CheckpointNow, Coordinator, Location, StartClaim, Startup, StopQuery,
+    Abandon, CheckpointNow, Coordinator, HandOver, Location, StartClaim, Startup, StopQuery,
 };
 use crate::endpoint::{register, Registration};
 use crate::error::{Result, RtflowError};
@@ -360,6 +361,33 @@ impl StreamingQuery {
                     RtflowError::Checkpoint("the query ended without a checkpoint".into())
                 }),
             },
+        }
+    }
+
+    /// Hands partitions over inside the run: from the barrier of the next
+    /// epoch that starts, the query's stateful instances keep only the key
+    /// groups `handover.membership` owns and take on the state
+    /// `handover.adopted` carries, without stopping (see
+    /// [`Handover`](crate::cluster::Handover)). Returns that epoch once it
+    /// committed: the last checkpoint to carry changes of a group let go.
+    ///
+    /// For a [`ClusterLink`](crate::cluster::ClusterLink) whose process's
+    /// share changes; it needs the query to checkpoint. An instance that
+    /// cannot be rebuilt (one of its tables has no
+    /// [`image`](crate::state::Table::image)) fails the query, which then
+    /// restarts from its last commit.
+    pub fn hand_over(&self, handover: Handover, timeout: Duration) -> Result<Epoch> {
+        let (reply, answer) = mpsc::channel();
+        self.coordinator.do_send(HandOver(handover, reply));
+        match answer.recv_timeout(timeout) {
+            Ok(epoch) => Ok(epoch),
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(RtflowError::Checkpoint(format!(
+                "no checkpoint committed within {timeout:?} of a handover"
+            ))),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(match self.shared.wait(None) {
+                Lifecycle::Terminated(Some(error)) => error,
+                _ => RtflowError::Checkpoint("the query ended before its handover".into()),
+            }),
         }
     }
 

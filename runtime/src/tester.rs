@@ -106,6 +106,7 @@ impl<In: Send + 'static, Out: Send + 'static> OperatorTester<In, Out> {
         let snapshots = SnapshotBuffer::default();
         let chain = Chained::start(
             make,
+            None,
             &ctx,
             Box::new(Recorder(emitted.clone())),
             Arc::new(OperatorMetrics::default()),

@@ -97,6 +97,36 @@ impl WatermarkTracker {
     /// assert!(tracker.is_behind(0, 89));
     /// assert!(!tracker.is_behind(1, 20), "partition 1 is its own");
     /// ```
+    /// Stops waiting for the source partitions not in `partitions`, which
+    /// no longer reach it (the process let them go: another reads them on);
+    /// the others keep what they delivered.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use rtflow_runtime::watermark::{Signal, WatermarkTracker};
+    /// let mut tracker = WatermarkTracker::new(&[0, 1], Duration::ZERO, None, None, 0);
+    /// tracker.observe(0, 50, 0);
+    /// assert_eq!(tracker.advance(0), None, "partition 1 has delivered nothing");
+    /// tracker.retain(&[0]);
+    /// assert_eq!(tracker.advance(0), Some(Signal::Watermark(50)));
+    /// ```
+    pub fn retain(&mut self, partitions: &[u32]) {
+        let mut kept = Vec::new();
+        for (partition, slot) in self.slots.iter_mut().enumerate() {
+            if *slot == usize::MAX {
+                continue;
+            }
+            if partitions.contains(&(partition as u32)) {
+                kept.push(*slot);
+                *slot = kept.len() - 1;
+            } else {
+                *slot = usize::MAX;
+            }
+        }
+        self.max = kept.iter().map(|slot| self.max[*slot]).collect();
+        self.last_seen = kept.iter().map(|slot| self.last_seen[*slot]).collect();
+    }
+
     #[inline]
     pub fn is_behind(&self, partition: u32, event_time: EventTime) -> bool {
         let own = self
@@ -212,6 +242,15 @@ impl<T: Send + 'static> Operator<T, T> for AssignWatermarks<T> {
         }
         tracker.observe(partition, event_time, record.meta.ingest_time);
         out.emit_record(record)
+    }
+
+    fn on_hand_over(&mut self, ctx: &OperatorContext, starts_over: bool) -> Result<()> {
+        if starts_over {
+            return self.on_start(ctx);
+        }
+        let tracker = self.tracker.as_mut().expect("started");
+        tracker.retain(&ctx.source_partitions);
+        Ok(())
     }
 
     fn on_flush(&mut self, out: &mut Collector<'_, T>) -> Result<()> {

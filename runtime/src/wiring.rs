@@ -123,14 +123,14 @@ pub(crate) trait ErasedOperator: Send {
 }
 
 pub(crate) struct OperatorNode<In, Out, O, F> {
-    factory: F,
+    factory: Arc<F>,
     _types: PhantomData<fn(In, O) -> Out>,
 }
 
 impl<In, Out, O, F> OperatorNode<In, Out, O, F> {
     pub(crate) fn new(factory: F) -> Self {
         Self {
-            factory,
+            factory: Arc::new(factory),
             _types: PhantomData,
         }
     }
@@ -160,7 +160,8 @@ where
     ) -> Result<AnyBox> {
         let next: Box<dyn Emit<Out>> = unbox(next);
         let chained = Chained::start(
-            &self.factory,
+            &*self.factory,
+            Some(self.factory.clone()),
             ctx,
             next,
             metrics.operator(&ctx.operator, ctx.subtask, Role::Operator),
@@ -229,7 +230,7 @@ impl<T: Data> ErasedSink for SinkNode<T> {
             metrics.latency_recorder(),
             metrics.operator(name, ctx.subtask, role),
             wiring,
-            ctx.state.restored_watermark(),
+            ctx,
         ));
         Ok(Box::new(emit))
     }

@@ -73,6 +73,11 @@ impl LagWatch {
     pub(super) fn watch(&self, topic: &str, partition: i32, lag: Arc<PartitionLag>) {
         lock(&self.watched.partitions).push((topic.to_owned(), partition, lag));
     }
+
+    /// Stops looking up the end of `partition` of `topic`.
+    pub(super) fn unwatch(&self, topic: &str, partition: i32) {
+        lock(&self.watched.partitions).retain(|(t, p, _)| (t.as_str(), *p) != (topic, partition));
+    }
 }
 
 impl Drop for LagWatch {

@@ -13,8 +13,9 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use regex::Regex;
 use rtflow_runtime::cluster::Membership;
 use rtflow_runtime::connector::Offsets;
-use rtflow_runtime::metrics::PartitionLag;
+use rtflow_runtime::metrics::{PartitionLag, SourceLag};
 use rtflow_runtime::record::now_nanos;
+use rtflow_runtime::ReaderHandover;
 use rtflow_runtime::{
     Result, RtflowError, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
 };
@@ -543,7 +544,9 @@ impl Source<KafkaRecord> for KafkaSource {
             numbers: ctx.partitions.clone(),
             positions,
             lags,
-            _watch: watch,
+            watch,
+            lag: ctx.lag.clone(),
+            all: assigned.clone(),
         }))
     }
 }
@@ -560,7 +563,12 @@ struct KafkaReader {
     /// Where each partition's position is published, once per poll.
     lags: Vec<Arc<PartitionLag>>,
     /// Held so the ends go on being looked up while the reader lives.
-    _watch: Arc<LagWatch>,
+    watch: Arc<LagWatch>,
+    /// Where the partitions' lags are reported.
+    lag: SourceLag,
+    /// Every partition of the source, by number: a handover may hand the
+    /// reader any of them.
+    all: Vec<(String, i32)>,
 }
 
 impl KafkaReader {
@@ -623,6 +631,58 @@ impl SourceReader<KafkaRecord> for KafkaReader {
             .collect()
     }
 
+    fn hand_over(&mut self, change: &ReaderHandover<'_>) -> Result<()> {
+        // It passes on no event time of its own: `with_watermark` does.
+        if change.partitions == self.numbers {
+            return Ok(());
+        }
+        let held = std::mem::take(&mut self.partitions)
+            .into_iter()
+            .zip(std::mem::take(&mut self.numbers))
+            .zip(std::mem::take(&mut self.positions))
+            .zip(std::mem::take(&mut self.lags));
+        for ((((topic, partition), number), position), lag) in held {
+            if change.partitions.contains(&number) {
+                self.partitions.push((topic, partition));
+                self.numbers.push(number);
+                self.positions.push(position);
+                self.lags.push(lag);
+            } else {
+                self.watch.unwatch(&topic, partition);
+                self.lag.forget(&topic, &partition.to_string());
+            }
+        }
+        for number in change.partitions {
+            if self.numbers.contains(number) {
+                continue;
+            }
+            let (topic, partition) = self.all[*number].clone();
+            let label = partition_label(&topic, partition);
+            let Some(position) = change.start_offsets.get(&label).copied() else {
+                return Err(RtflowError::source(
+                    &self.source,
+                    format!("{label} was handed over with no offset to resume from"),
+                ));
+            };
+            let lag = self.lag.partition(&topic, &partition.to_string());
+            lag.set_position(position);
+            self.watch.watch(&topic, partition, lag.clone());
+            self.partitions.push((topic, partition));
+            self.numbers.push(*number);
+            self.positions.push(position);
+            self.lags.push(lag);
+        }
+        let mut assignment = TopicPartitionList::new();
+        for ((topic, partition), offset) in self.partitions.iter().zip(&self.positions) {
+            assignment
+                .add_partition_offset(topic, *partition, Offset::Offset(*offset))
+                .map_err(|e| RtflowError::source(&self.source, e.to_string()))?;
+        }
+        self.consumer.assign(&assignment).map_err(|e| {
+            RtflowError::source(&self.source, format!("could not change partitions: {e}"))
+        })
+    }
+
     fn poll(
         &mut self,
         out: &mut SourceOutput<KafkaRecord>,
@@ -635,14 +695,16 @@ impl SourceReader<KafkaRecord> for KafkaReader {
                 None => std::thread::park_timeout(max_wait),
                 Some(Ok(message)) => {
                     let (topic, partition) = (message.topic(), message.partition());
-                    if let Some(i) = self
+                    // One fetched before the reader let its partition go.
+                    let Some(i) = self
                         .partitions
                         .iter()
                         .position(|(t, p)| *p == partition && t == topic)
-                    {
-                        self.positions[i] = message.offset() + 1;
-                        out.set_partition(self.numbers[i]);
-                    }
+                    else {
+                        continue;
+                    };
+                    self.positions[i] = message.offset() + 1;
+                    out.set_partition(self.numbers[i]);
                     let (record, timestamp) = record(&message);
                     match timestamp {
                         Some(ms) => out.push_at(record, ms as u64 * 1_000_000, ms),

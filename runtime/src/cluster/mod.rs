@@ -13,7 +13,10 @@
 //! and key groups) is what sources and keyed state ask; it names no connector,
 //! so they can hold it while the link hands out connectors. `repartition.rs`
 //! has the steps that encode records before the repartition's topic and
-//! decode them after it.
+//! decode them after it. When the process's share changes, its run goes on:
+//! a [`Handover`] (`handover.rs`) names what it owns from a barrier on and
+//! carries the state and offsets of what it adopts, and every actor meets it
+//! at that barrier ([`StreamingQuery::hand_over`](crate::StreamingQuery::hand_over)).
 //!
 //! Watermarks cross a repartition in band: the writers of the repartition in
 //! each process tell every partition, together ([`WritersProgress`]), the
@@ -26,6 +29,7 @@
 //! committed offset passed is then known to every reader, whichever run
 //! reads the partition next.
 
+pub(crate) mod handover;
 pub(crate) mod membership;
 pub(crate) mod repartition;
 
@@ -34,6 +38,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use rtflow_checkpoint::{Delta, Manifest, Offsets, Recovery, RestoredState, StateId};
 use serde::{Deserialize, Serialize};
 
+pub use self::handover::Handover;
 pub use self::membership::Membership;
 use crate::config::QueryConfig;
 use crate::connector::{Sink, Source};
@@ -198,6 +203,19 @@ pub struct WritersProgress {
     /// watermark), as the writers merged it, and as last told.
     passed: BTreeMap<u32, EventTime>,
     passed_told: BTreeMap<u32, EventTime>,
+    /// Changes of the source partitions the writers speak for, by the epoch
+    /// whose barrier they came at; each takes effect once that epoch was
+    /// told of.
+    changes: BTreeMap<Epoch, PartitionsChange>,
+}
+
+/// What a handover changed of the source partitions a process's writers
+/// speak for ([`WritersProgress::hand_over`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct PartitionsChange {
+    gone: BTreeSet<u32>,
+    added: BTreeSet<u32>,
+    starts_over: bool,
 }
 
 impl WritersProgress {
@@ -212,6 +230,7 @@ impl WritersProgress {
             progress: WriterProgress::default(),
             passed: BTreeMap::new(),
             passed_told: BTreeMap::new(),
+            changes: BTreeMap::new(),
         }
     }
 
@@ -234,6 +253,45 @@ impl WritersProgress {
     /// A writer that forwards the records of source `partitions`.
     pub fn join(&mut self, partitions: &[u32]) {
         self.partitions.extend(partitions);
+    }
+
+    /// The process's partitions changed inside a run at epoch `epoch`'s
+    /// barrier: after that epoch the writers forward no records of source
+    /// partitions `gone` (their next reader's writers speak for them) and
+    /// those of `added`, and if the process adopted partitions event time
+    /// `starts_over` as in a new run. The word about `epoch` is still about
+    /// the partitions before, whichever writer ends it last: its records
+    /// came from them.
+    ///
+    /// Starting over forgets what was not told yet: the inputs that reached
+    /// it did not wait for the partitions adopted. The writers tell again
+    /// from their inputs' next watermarks.
+    ///
+    /// ```
+    /// use rtflow_runtime::cluster::{WriterInput, WritersProgress};
+    /// let at = |watermark| {
+    ///     let mut input = WriterInput::default();
+    ///     input.watermark(watermark);
+    ///     input
+    /// };
+    /// let mut writers = WritersProgress::new(2, 4);
+    /// writers.join(&[0, 1]);
+    /// writers.reached(0, 7, at(30));
+    /// writers.hand_over(7, &[1], &[2], true);
+    /// let told = writers.reached(1, 7, at(40)).progress;
+    /// assert_eq!(told[0].partitions, [0, 1], "epoch 7 still had records of 1");
+    /// writers.reached(0, 8, at(90));
+    /// let told = writers.reached(1, 8, WriterInput::default()).progress;
+    /// assert!(told.is_empty(), "2 was adopted: no watermark until every writer has one");
+    /// writers.reached(0, 9, at(50));
+    /// let told = writers.reached(1, 9, at(60)).progress;
+    /// assert_eq!((told[0].partitions.as_slice(), told[0].watermark), (&[0, 2][..], Some(50)));
+    /// ```
+    pub fn hand_over(&mut self, epoch: Epoch, gone: &[u32], added: &[u32], starts_over: bool) {
+        let change = self.changes.entry(epoch).or_default();
+        change.gone.extend(gone);
+        change.added.extend(added);
+        change.starts_over |= starts_over;
     }
 
     /// Writer `writer` ended epoch `epoch`, its input as `input`, after it
@@ -280,6 +338,21 @@ impl WritersProgress {
             return WritersWord::default();
         }
         self.told_through = Some(through);
+        while let Some(entry) = self.changes.first_entry() {
+            if *entry.key() >= through {
+                break;
+            }
+            let change = entry.remove();
+            for partition in &change.gone {
+                self.partitions.remove(partition);
+                self.passed.remove(partition);
+                self.passed_told.remove(partition);
+            }
+            self.partitions.extend(&change.added);
+            if change.starts_over {
+                self.progress = WriterProgress::default();
+            }
+        }
         let passed: Vec<(u32, EventTime)> = self
             .passed
             .iter()
@@ -701,6 +774,23 @@ mod tests {
             partitions: partitions.to_vec(),
             watermark,
         }
+    }
+
+    #[test]
+    fn a_source_partition_let_go_and_taken_back_is_told_of_again() {
+        let at = |watermark| {
+            let mut input = WriterInput::default();
+            input.watermark(watermark);
+            input
+        };
+        let mut writers = WritersProgress::new(1, 3);
+        writers.join(&[0, 1]);
+        writers.hand_over(4, &[1], &[], false);
+        writers.hand_over(5, &[], &[1], true);
+        writers.reached(0, 4, at(10));
+        assert_eq!(writers.reached(0, 5, at(20)).progress[0].partitions, [0]);
+        let told = writers.reached(0, 6, at(30)).progress;
+        assert_eq!(told[0].partitions, [0, 1]);
     }
 
     #[test]

@@ -29,8 +29,10 @@ use rtflow_checkpoint::{CheckpointStore, CheckpointTracker, CommitStats, Manifes
 use self::epochs::{assemble, Ack, Assembled, Requests};
 use crate::actor::{ActorEnv, Report};
 use crate::cancel::Cancel;
+use crate::cluster::handover::Handovers;
 use crate::cluster::membership::Membership;
 use crate::cluster::ClusterLink;
+use crate::cluster::Handover;
 use crate::config::QueryConfig;
 use crate::error::{Result, RtflowError};
 use crate::guard::{self, Place};
@@ -61,6 +63,12 @@ pub(crate) struct StopQuery;
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct CheckpointNow(pub(crate) mpsc::Sender<Epoch>);
+
+/// `StreamingQuery::hand_over()`: a handover at the barrier of an epoch that
+/// starts after this request, whose number is sent once it committed.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct HandOver(pub(crate) Handover, pub(crate) mpsc::Sender<Epoch>);
 
 /// `StreamingQuery::abandon()`: cancel every actor at once, as a killed process
 /// would stop, with no final checkpoint.
@@ -168,6 +176,10 @@ struct Checkpoints {
     /// When the epoch in flight was triggered.
     triggered_at: Instant,
     requests: Requests<mpsc::Sender<Epoch>>,
+    /// The handovers the actors meet at barriers, and the plan that says
+    /// where each leaves them.
+    handovers: Arc<Handovers>,
+    plan: Plan,
 }
 
 pub(crate) struct Coordinator {
@@ -198,6 +210,8 @@ impl Coordinator {
             source_metrics: None,
             snapshots: Default::default(),
             chain: Place::new(Role::Operator, String::new(), 0),
+            handovers: Arc::default(),
+            reading: None,
         };
         Self {
             shared,
@@ -310,6 +324,8 @@ impl Coordinator {
             committed,
             triggered_at: Instant::now(),
             requests: Requests::default(),
+            handovers: restored.handovers.clone(),
+            plan,
         });
         tracing::info!(actors = actors.len(), "starting actors");
         for (index, actor) in actors.into_iter().enumerate() {
@@ -365,6 +381,7 @@ impl Coordinator {
         tracing::debug!(epoch, "ending epoch");
         checkpoints.triggered_at = Instant::now();
         checkpoints.requests.triggered(epoch);
+        checkpoints.handovers.bind(epoch);
         for (_, barriers) in checkpoints.sources.iter().flatten() {
             // A source that already exited acknowledged through its final report.
             let _ = barriers.send(epoch);
@@ -441,6 +458,7 @@ impl Coordinator {
             written_in = ?commit,
             "checkpoint committed"
         );
+        checkpoints.handovers.committed(epoch);
         for sink in &checkpoints.commits {
             // A sink that already exited has nothing left to commit.
             let _ = sink.send(epoch);
@@ -757,6 +775,20 @@ impl Handler<CheckpointNow> for Coordinator {
     fn handle(&mut self, CheckpointNow(reply): CheckpointNow, ctx: &mut Context<Self>) {
         // A failing query drops the request: the caller learns of the failure.
         if let (None, Some(checkpoints)) = (&self.failure, &mut self.checkpoints) {
+            checkpoints.requests.push(reply);
+            self.guarded(ctx, |coordinator, _| coordinator.serve_requests());
+        }
+    }
+}
+
+impl Handler<HandOver> for Coordinator {
+    type Result = ();
+
+    fn handle(&mut self, HandOver(handover, reply): HandOver, ctx: &mut Context<Self>) {
+        // A failing query drops the request: the caller learns of the failure.
+        if let (None, Some(checkpoints)) = (&self.failure, &mut self.checkpoints) {
+            let reach = checkpoints.plan.hand_over(&*handover.membership);
+            checkpoints.handovers.ask(handover, reach);
             checkpoints.requests.push(reply);
             self.guarded(ctx, |coordinator, _| coordinator.serve_requests());
         }

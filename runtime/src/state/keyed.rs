@@ -6,11 +6,11 @@ use std::hash::Hash;
 
 use foldhash::fast::RandomState as FastState;
 use rtflow_checkpoint::snapshot::Blob;
-use rtflow_checkpoint::{Delta, Entry, StateId, StateMeta};
+use rtflow_checkpoint::{Delta, Entry, RestoredState, StateId, StateMeta};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::{decode, encode_into, StateSnapshot};
+use super::{decode, encode, encode_into, Image, StateSnapshot};
 use crate::error::{Result, RtflowError};
 use crate::key_groups::{key_group, stable_hash};
 use crate::metrics::StateRows;
@@ -298,6 +298,30 @@ where
         let capture = self.capture.take().expect("checked above");
         capture.finish(self.id.clone(), self.meta.clone(), self.part, out)?;
         Ok(true)
+    }
+
+    /// Every key of the groups `keep` picks with its value, as one blob.
+    pub(super) fn image(&self, keep: &dyn Fn(u32) -> bool) -> Result<Image> {
+        let mut entries = Vec::with_capacity(self.live);
+        for (key, value) in self.iter() {
+            let group = (self.group_of)(key, self.key_groups);
+            if keep(group) {
+                entries.push(Entry {
+                    group,
+                    key: encode(&self.id, key)?,
+                    value: Some(encode(&self.id, value)?),
+                });
+            }
+        }
+        let state = RestoredState {
+            meta: self.meta.clone(),
+            blobs: vec![Blob::of(&entries)],
+        };
+        Ok(Image {
+            id: self.id.clone(),
+            state,
+            keyed: true,
+        })
     }
 
     /// Marks `key` changed; returns its slot and the live-key count to adjust.

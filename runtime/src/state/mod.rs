@@ -56,7 +56,7 @@ use std::hash::Hash;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use rtflow_checkpoint::{StateId, StateMeta};
+use rtflow_checkpoint::{RestoredState, StateId, StateMeta};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -80,6 +80,25 @@ pub trait Table: Send {
     fn continue_snapshot(&mut self, _budget: usize, _out: &mut StateSnapshot) -> Result<bool> {
         Ok(true)
     }
+
+    /// Everything the table holds of the key groups `keep` picks (per-subtask
+    /// state: all of it), as a checkpoint taken now would restore it; `None`
+    /// for a table that cannot say. An operator instance handed partitions
+    /// inside a run ([`Handover`](crate::cluster::Handover)) is rebuilt from
+    /// its tables' images, so that nothing derived from the state it let go of
+    /// outlives it; a table without one makes the run restart instead.
+    fn image(&self, _keep: &dyn Fn(u32) -> bool) -> Result<Option<Image>> {
+        Ok(None)
+    }
+}
+
+/// What a [`Table`] holds: a restorable copy of its state.
+pub struct Image {
+    pub id: StateId,
+    pub state: RestoredState,
+    /// Whether the state is keyed (it moves with its key groups) rather than
+    /// held per instance.
+    pub keyed: bool,
 }
 use crate::error::{Result, RtflowError};
 use crate::key_groups::subtask_for_key_group;
@@ -270,6 +289,7 @@ impl StateContext {
             restored,
             value: None,
             changed: false,
+            touched: false,
         })
     }
 }
@@ -305,10 +325,18 @@ where
     fn continue_snapshot(&mut self, budget: usize, out: &mut StateSnapshot) -> Result<bool> {
         KeyedState::continue_snapshot(self, budget, out)
     }
+
+    fn image(&self, keep: &dyn Fn(u32) -> bool) -> Result<Option<Image>> {
+        KeyedState::image(self, keep).map(Some)
+    }
 }
 
 impl<V: Serialize + Send> Table for SubtaskState<V> {
     fn begin_snapshot(&mut self, out: &mut StateSnapshot) -> Result<()> {
         self.snapshot(out)
+    }
+
+    fn image(&self, _keep: &dyn Fn(u32) -> bool) -> Result<Option<Image>> {
+        SubtaskState::image(self).map(Some)
     }
 }

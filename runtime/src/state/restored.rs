@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use rtflow_checkpoint::snapshot::{merge, Blob};
 use rtflow_checkpoint::{RestoredState, StateId, StateMeta};
 
+use crate::cluster::handover::Handovers;
 use crate::cluster::membership::Membership;
 use crate::record::{Epoch, EventTime};
 
@@ -25,6 +26,8 @@ pub(crate) struct Restored {
     /// In a clustered query, the process's link: the key groups whose state
     /// this process restores and writes are those of its partitions.
     pub(crate) cluster: Option<Arc<dyn Membership>>,
+    /// The run's handovers, which its stateful instances meet at barriers.
+    pub(crate) handovers: Arc<Handovers>,
     pub(super) claimed: Mutex<BTreeSet<StateId>>,
 }
 
@@ -77,6 +80,7 @@ impl Restored {
             run_id,
             key_groups,
             cluster: None,
+            handovers: Arc::default(),
             claimed: Mutex::default(),
         }
     }

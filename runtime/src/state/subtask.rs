@@ -1,9 +1,10 @@
 //! [`SubtaskState`]: one value per operator instance.
 
-use rtflow_checkpoint::{Delta, Entry, StateId, StateMeta};
+use rtflow_checkpoint::snapshot::Blob;
+use rtflow_checkpoint::{Delta, Entry, RestoredState, StateId, StateMeta};
 use serde::Serialize;
 
-use super::{encode, StateSnapshot};
+use super::{encode, Image, StateSnapshot};
 use crate::error::Result;
 
 /// One value per operator instance, checkpointed whenever it changed.
@@ -19,6 +20,9 @@ pub struct SubtaskState<V> {
     pub(super) inherited: Vec<u32>,
     pub(super) value: Option<V>,
     pub(super) changed: bool,
+    /// Whether `value` was set or cleared since the start: until it is, the
+    /// checkpoint holds what this instance restored.
+    pub(super) touched: bool,
 }
 
 impl<V: Serialize> SubtaskState<V> {
@@ -36,12 +40,42 @@ impl<V: Serialize> SubtaskState<V> {
     pub fn set(&mut self, value: V) {
         self.value = Some(value);
         self.changed = true;
+        self.touched = true;
     }
 
     /// Clears the value; the next snapshot stores its deletion.
     pub fn clear(&mut self) {
         self.value = None;
         self.changed = true;
+        self.touched = true;
+    }
+
+    /// The value a checkpoint taken now holds for this instance (the values
+    /// of old instances it took over are deleted by its first snapshot).
+    pub(super) fn image(&self) -> Result<Image> {
+        let value = if self.touched {
+            self.value.as_ref()
+        } else {
+            let own = self.restored.iter().find(|(s, _)| *s == self.subtask);
+            own.map(|(_, value)| value)
+        };
+        let entries = match value {
+            Some(value) => vec![Entry {
+                group: self.subtask,
+                key: Vec::new(),
+                value: Some(encode(&self.id, value)?),
+            }],
+            None => Vec::new(),
+        };
+        let state = RestoredState {
+            meta: self.meta.clone(),
+            blobs: vec![Blob::of(&entries)],
+        };
+        Ok(Image {
+            id: self.id.clone(),
+            state,
+            keyed: false,
+        })
     }
 
     /// Hands the value to `out` if it changed since the last snapshot.

@@ -23,6 +23,7 @@ use rtflow_runtime::cluster::{
 };
 use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::key_groups::key_group;
+use rtflow_runtime::ReaderHandover;
 use rtflow_runtime::{
     Epoch, EventTime, Nanos, Record, Result, RtflowError, Sink, SinkContext, SinkWriter, Source,
     SourceContext, SourceOutput, SourceReader, SourceStatus,
@@ -198,6 +199,7 @@ impl Sink<Exchanged> for ExchangeSink {
             barrier: false,
             input: WriterInput::default(),
             told: self.told.clone(),
+            reaching: ctx.source_partitions.clone(),
             passed: match ctx.watermark_delay {
                 Some(_) => {
                     let reaching = ctx.source_partitions.iter().max().map_or(0, |p| p + 1);
@@ -226,6 +228,8 @@ struct ExchangeWriter {
     barrier: bool,
     input: WriterInput,
     told: Arc<Mutex<Option<Told>>>,
+    /// The source partitions whose records reach the writer.
+    reaching: Vec<u32>,
     /// The largest event time of the records written, by source partition
     /// number (`EventTime::MIN` for none yet); empty when no
     /// `with_watermark` is on every way here, whose delay is the next field.
@@ -327,6 +331,41 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
         Ok(())
     }
 
+    fn on_hand_over(&mut self, source_partitions: &[u32], starts_over: bool) -> Result<()> {
+        let gone: Vec<u32> = (self.reaching.iter())
+            .filter(|partition| !source_partitions.contains(partition))
+            .copied()
+            .collect();
+        let added: Vec<u32> = (source_partitions.iter())
+            .filter(|partition| !self.reaching.contains(partition))
+            .copied()
+            .collect();
+        for partition in &gone {
+            if let Some(largest) = self.passed.get_mut(*partition as usize) {
+                *largest = EventTime::MIN;
+            }
+        }
+        if !self.passed.is_empty() {
+            let reaching = source_partitions.iter().max().map_or(0, |p| p + 1);
+            let reaching = (reaching as usize).max(self.passed.len());
+            self.passed.resize(reaching, EventTime::MIN);
+        }
+        if starts_over {
+            // Until the watermark of what reaches it now comes, the writer
+            // tells none: the last it had did not wait for the partitions
+            // adopted.
+            self.input = WriterInput::default();
+        }
+        let mut told = lock(&self.told);
+        let told = told.as_mut().expect("made with the first writer");
+        // `on_barrier` moved on to the next epoch: the one it ended is the
+        // handover's.
+        told.progress
+            .hand_over(self.epoch - 1, &gone, &added, starts_over);
+        self.reaching = source_partitions.to_vec();
+        Ok(())
+    }
+
     fn snapshot(&mut self, _out: &mut rtflow_runtime::StateSnapshot) -> Result<()> {
         // After a barrier nothing is left; at the end of the input, what is
         // left belongs to the final epoch, which commits next.
@@ -389,34 +428,15 @@ impl Source<Exchanged> for ExchangeSource {
         let mut assignment = TopicPartitionList::new();
         let mut readers = Vec::new();
         for number in &ctx.partitions {
-            let partition = *number as i32;
-            let label = format!("{}-{partition}", self.topic);
-            let offset = ctx.start_offsets.get(&label).copied().unwrap_or(0);
-            let mut upstream = 0;
-            let mut watermarks = Vec::new();
-            let prefix = format!("{label}{WATERMARK_MARK}");
-            for (key, value) in ctx.start_offsets.range(prefix.clone()..) {
-                let Some(which) = key.strip_prefix(&prefix) else {
-                    break;
-                };
-                match which {
-                    "upstream" => upstream = *value as u32,
-                    partition => {
-                        if let Ok(partition) = partition.parse() {
-                            watermarks.push((partition, *value));
-                        }
-                    }
-                }
-            }
+            let partition = Partition::resumed(&self.topic, *number, &ctx.start_offsets);
             assignment
-                .add_partition_offset(&self.topic, partition, Offset::Offset(offset))
+                .add_partition_offset(
+                    &self.topic,
+                    partition.partition,
+                    Offset::Offset(partition.position),
+                )
                 .map_err(|e| error(&e))?;
-            readers.push(Partition {
-                number: *number,
-                partition,
-                position: offset,
-                watermarks: UpstreamWatermarks::restore(upstream, watermarks),
-            });
+            readers.push(partition);
         }
         consumer.assign(&assignment).map_err(|e| error(&e))?;
         Ok(Box::new(ExchangeReader {
@@ -436,6 +456,38 @@ struct Partition {
     partition: i32,
     position: i64,
     watermarks: UpstreamWatermarks,
+}
+
+impl Partition {
+    /// Partition `number` of `topic`, where `offsets` resume it: its offset
+    /// and the watermark table committed with it.
+    fn resumed(topic: &str, number: usize, offsets: &Offsets) -> Self {
+        let partition = number as i32;
+        let label = format!("{topic}-{partition}");
+        let position = offsets.get(&label).copied().unwrap_or(0);
+        let mut upstream = 0;
+        let mut watermarks = Vec::new();
+        let prefix = format!("{label}{WATERMARK_MARK}");
+        for (key, value) in offsets.range(prefix.clone()..) {
+            let Some(which) = key.strip_prefix(&prefix) else {
+                break;
+            };
+            match which {
+                "upstream" => upstream = *value as u32,
+                partition => {
+                    if let Ok(partition) = partition.parse() {
+                        watermarks.push((partition, *value));
+                    }
+                }
+            }
+        }
+        Self {
+            number,
+            partition,
+            position,
+            watermarks: UpstreamWatermarks::restore(upstream, watermarks),
+        }
+    }
 }
 
 struct ExchangeReader {
@@ -488,6 +540,38 @@ impl SourceReader<Exchanged> for ExchangeReader {
             offsets.insert(label, partition.position);
         }
         offsets
+    }
+
+    fn hand_over(&mut self, change: &ReaderHandover<'_>) -> Result<()> {
+        self.partitions
+            .retain(|p| change.partitions.contains(&p.number));
+        for number in change.partitions {
+            if !self.partitions.iter().any(|p| p.number == *number) {
+                let adopted = Partition::resumed(&self.topic, *number, change.start_offsets);
+                self.partitions.push(adopted);
+            }
+        }
+        let mut assignment = TopicPartitionList::new();
+        for partition in &self.partitions {
+            assignment
+                .add_partition_offset(
+                    &self.topic,
+                    partition.partition,
+                    Offset::Offset(partition.position),
+                )
+                .map_err(|e| RtflowError::source(&self.source, e.to_string()))?;
+        }
+        self.consumer.assign(&assignment).map_err(|e| {
+            RtflowError::source(&self.source, format!("could not change partitions: {e}"))
+        })?;
+        if change.starts_over {
+            // Told again, idleness too: the operators after it wait for
+            // every reader's word anew.
+            self.emitted = None;
+            self.restored = true;
+            self.idle = false;
+        }
+        Ok(())
     }
 
     fn poll(

@@ -55,7 +55,8 @@ pub(crate) enum Mode {
     /// Every partition counts as owned; the topics asked about are recorded.
     Probe(Mutex<BTreeSet<String>>),
     Live {
-        owned: BTreeSet<TopicPartition>,
+        /// What the process owns now: a handover inside the run changes it.
+        owned: Mutex<Arc<Owned>>,
         transactions: Arc<Transactions>,
         /// Where the run tells what it restored.
         last_restore: Arc<Mutex<Option<RestoreStats>>>,
@@ -92,9 +93,70 @@ impl KafkaLink {
 
     fn owned_partitions(&self) -> Vec<TopicPartition> {
         match &self.mode {
-            Mode::Live { owned, .. } => owned.iter().cloned().collect(),
+            Mode::Live { owned, .. } => lock(owned).partitions.iter().cloned().collect(),
             Mode::Probe(_) => Vec::new(),
         }
+    }
+
+    /// The run handed partitions over: the process owns `owned` from now on.
+    pub(crate) fn hand_over(&self, owned: Arc<Owned>) {
+        if let Mode::Live { owned: now, .. } = &self.mode {
+            *lock(now) = owned;
+        }
+    }
+}
+
+/// What a process owns of a clustered query's partitions: every stage's
+/// partition `p` goes with partition `p` of the changelog and its key groups.
+pub(crate) struct Owned {
+    settings: Arc<ClusterSettings>,
+    partitions: BTreeSet<TopicPartition>,
+}
+
+impl Owned {
+    pub(crate) fn new(
+        settings: Arc<ClusterSettings>,
+        partitions: BTreeSet<TopicPartition>,
+    ) -> Self {
+        Self {
+            settings,
+            partitions,
+        }
+    }
+}
+
+impl Membership for Owned {
+    fn member(&self) -> String {
+        self.settings.instance.clone()
+    }
+
+    fn partitions(&self) -> Vec<String> {
+        (self.partitions.iter())
+            .map(|(topic, partition)| format!("{topic}-{partition}"))
+            .collect()
+    }
+
+    fn owns_key_group(&self, group: u32) -> bool {
+        // Key group `g`'s state lives in changelog partition `g % partitions`,
+        // which goes with partition `g % partitions` of every repartition
+        // topic: the process owns it in all stages or in none.
+        let partitions = self.settings.repartition_partitions as u32;
+        let partition = (
+            self.settings.repartition_topic(0),
+            (group % partitions) as i32,
+        );
+        self.partitions.contains(&partition)
+    }
+
+    fn owned(&self, partitions: &[(String, i32)]) -> Vec<usize> {
+        (partitions.iter().enumerate())
+            .filter(|(_, tp)| self.partitions.contains(*tp))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 }
 
@@ -126,16 +188,8 @@ impl Membership for KafkaLink {
     }
 
     fn owns_key_group(&self, group: u32) -> bool {
-        // Key group `g`'s state lives in changelog partition `g % partitions`,
-        // which goes with partition `g % partitions` of every repartition
-        // topic: the process owns it in all stages or in none.
-        let partitions = self.settings.repartition_partitions as u32;
-        let partition = (
-            self.settings.repartition_topic(0),
-            (group % partitions) as i32,
-        );
         match &self.mode {
-            Mode::Live { owned, .. } => owned.contains(&partition),
+            Mode::Live { owned, .. } => lock(owned).owns_key_group(group),
             Mode::Probe(_) => false,
         }
     }
@@ -146,12 +200,7 @@ impl Membership for KafkaLink {
                 lock(topics).extend(partitions.iter().map(|(t, _)| t.clone()));
                 (0..partitions.len()).collect()
             }
-            Mode::Live { owned, .. } => partitions
-                .iter()
-                .enumerate()
-                .filter(|(_, tp)| owned.contains(*tp))
-                .map(|(i, _)| i)
-                .collect(),
+            Mode::Live { owned, .. } => lock(owned).owned(partitions),
         }
     }
 
@@ -188,33 +237,9 @@ impl ClusterLink for KafkaLink {
     }
 
     fn recover(&self) -> Result<ClusterRecovery> {
-        let owned = self.owned_partitions();
-        if owned.is_empty() {
-            return Ok(ClusterRecovery::default());
-        }
-        let started = std::time::Instant::now();
-        let offsets = self.committed_offsets(&owned)?;
-        tracing::debug!(?offsets, "committed offsets read");
-        let changelog = self.settings.changelog_topic();
-        // Every stage's partition `p` carries the key groups of changelog
-        // partition `p`: read it once.
-        let repartitions: Vec<i32> = owned
-            .iter()
-            .filter(|(topic, _)| self.settings.is_repartition_topic(topic))
-            .map(|(_, p)| *p)
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        let (state, read) = self.read_changelog(&changelog, &repartitions)?;
-        if let Mode::Live { last_restore, .. } = &self.mode {
-            *lock(last_restore) = Some(RestoreStats {
-                partitions: owned.len(),
-                changelog_bytes: read.changelog_bytes,
-                local_bytes: read.local_bytes,
-                duration: started.elapsed(),
-            });
-        }
-        Ok(ClusterRecovery { offsets, state })
+        let (recovery, restored) = self.recover_partitions(&self.owned_partitions())?;
+        self.restored(restored);
+        Ok(recovery)
     }
 
     fn commit(
@@ -255,6 +280,47 @@ impl ClusterLink for KafkaLink {
 }
 
 impl KafkaLink {
+    /// Where `owned`, partitions of this process, resume: their committed
+    /// offsets, and the keyed state of the key groups they carry, with what
+    /// reading them took. For a run's start, and for partitions a run adopts
+    /// while it goes on.
+    pub(crate) fn recover_partitions(
+        &self,
+        owned: &[TopicPartition],
+    ) -> Result<(ClusterRecovery, RestoreStats)> {
+        let started = std::time::Instant::now();
+        let stats = |read: Read| RestoreStats {
+            partitions: owned.len(),
+            changelog_bytes: read.changelog_bytes,
+            local_bytes: read.local_bytes,
+            duration: started.elapsed(),
+        };
+        if owned.is_empty() {
+            return Ok((ClusterRecovery::default(), stats(Read::default())));
+        }
+        let offsets = self.committed_offsets(owned)?;
+        tracing::debug!(?offsets, "committed offsets read");
+        let changelog = self.settings.changelog_topic();
+        // Every stage's partition `p` carries the key groups of changelog
+        // partition `p`: read it once.
+        let repartitions: Vec<i32> = owned
+            .iter()
+            .filter(|(topic, _)| self.settings.is_repartition_topic(topic))
+            .map(|(_, p)| *p)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let (state, read) = self.read_changelog(&changelog, &repartitions)?;
+        Ok((ClusterRecovery { offsets, state }, stats(read)))
+    }
+
+    /// Tells the process what the latest restore read.
+    pub(crate) fn restored(&self, stats: RestoreStats) {
+        if let Mode::Live { last_restore, .. } = &self.mode {
+            *lock(last_restore) = Some(stats);
+        }
+    }
+
     /// The group's committed offsets of `partitions`, as the readers label
     /// them. The consumer reads them `read_committed`, so an offset commit
     /// still inside an open transaction is waited for, not read.

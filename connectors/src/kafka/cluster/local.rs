@@ -1,8 +1,8 @@
 //! Local copies of changelog partitions: a process that restores a partition
 //! keeps what it read, with the offset it read to, in sled at the query's
-//! checkpoint location. When the group gives it the partition again (every
-//! rebalance restarts its run), it reads only the changelog's tail after that
-//! offset.
+//! checkpoint location. When the group gives it the partition again (at its
+//! next start, or a later rebalance), it reads only the changelog's tail after
+//! that offset.
 //!
 //! A copy is trusted for [`MAX_AGE`]: the log after its offset holds the
 //! latest record of every key changed since (compaction keeps the latest per

@@ -190,9 +190,8 @@ impl KafkaCluster {
     /// partitions back at once, with no rebalance of the others. A process
     /// that stops ([`ClusteredQuery::stop`]) leaves the groups all the same,
     /// so that its partitions move on at once. Turned off, a restarted
-    /// process joins as a newcomer: every process whose share changes
-    /// restarts its run, twice (when the group drops the dead incarnation,
-    /// then when the new one joins).
+    /// process joins as a newcomer: its partitions move twice (when the
+    /// group drops the dead incarnation, then when the new one joins).
     ///
     /// ```no_run
     /// use rtflow_connectors::kafka::KafkaCluster;

@@ -5,14 +5,16 @@
 //! member consumers never read records (their partitions stay paused); they
 //! only hold the membership, each polled by a thread of its own, so that one
 //! group's rebalance goes on while the other's callback waits. When a group
-//! takes partitions away, the rebalance callback stops the run with a final
-//! checkpoint before it returns, so the next owner resumes exactly where this
-//! one committed. Partitions lost (the group dropped the process when its
-//! session expired) may already run elsewhere: their run is abandoned with
-//! no final checkpoint, and the next owner redoes what it did since its last
-//! commit. When partitions arrive, the run is restarted over the new
-//! set once the groups settle. Processes the rebalance leaves alone keep
-//! their run.
+//! takes partitions away, the rebalance callback has the run hand them over
+//! at its next barrier ([`StreamingQuery::hand_over`]) and waits until that
+//! checkpoint committed, so the next owner resumes exactly where this one
+//! committed; the run goes on with the rest. Partitions lost (the group
+//! dropped the process when its session expired) may already run
+//! elsewhere: their run is abandoned with no final checkpoint, and the next
+//! owner redoes what it did since its last commit. When partitions arrive,
+//! once the groups settle, the run takes them on at a barrier too, their
+//! offsets and state read while it goes on. A run restarts only when it
+//! cannot: the process's first, or one whose handover failed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,13 +24,15 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::{ClientContext, TopicPartitionList};
+use rtflow_checkpoint::Offsets;
+use rtflow_runtime::cluster::Handover;
 use rtflow_runtime::{
     guard, Dataflow, QueryConfig, Result, RtflowError, StreamingQuery, StreamingQueryProgress,
 };
 
 use super::compacted;
 use super::departures::{self, members, Departures};
-use super::link::{KafkaLink, Mode, RestoreStats, TopicPartition};
+use super::link::{KafkaLink, Mode, Owned, RestoreStats, TopicPartition};
 use super::retries::{Retries, Verdict};
 use super::settle::{must_restart, Settling};
 use super::shape::{instance_of, list_group, Shape};
@@ -91,6 +95,7 @@ struct Shared {
 struct Run {
     query: StreamingQuery,
     owned: BTreeSet<TopicPartition>,
+    link: Arc<KafkaLink>,
 }
 
 impl Shared {
@@ -112,18 +117,25 @@ impl Shared {
     }
 
     /// Lets the `revoked` partitions go: they leave the assignment and the
-    /// run that holds them ends, in one transition, so that no run starts
-    /// over them in between. The run stops with a final checkpoint, unless
-    /// the partitions were `lost`: then what it did since its last commit is
-    /// dropped, and redone by the partitions' next owner.
+    /// run lets them go, in one transition, so that no run starts over them
+    /// in between. The run hands them over at its next barrier and goes on
+    /// with the rest; it stops with a final checkpoint if it keeps none.
+    /// Either commits before this returns, so that their next owner resumes
+    /// where this one ended. Partitions `lost` are different: the run ends
+    /// at once, what it did since its last commit is dropped, and their next
+    /// owner redoes it.
     fn let_go(&self, revoked: &TopicPartitionList, lost: bool) -> Result<()> {
         let _transition = lock(&self.transition);
         let mut assignment = lock(&self.assignment);
         for element in revoked.elements() {
             assignment.remove(&(element.topic().to_owned(), element.partition()));
         }
+        let owned = self.settings.co_partitioned(&assignment, self.stages);
         drop(assignment);
         if !lost {
+            if self.hand_over_within_transition(owned) {
+                return Ok(());
+            }
             return self.stop_run_within_transition();
         }
         if let Some(run) = lock(&self.run).take() {
@@ -131,6 +143,100 @@ impl Shared {
         }
         self.transactions.discard();
         Ok(())
+    }
+
+    /// Hands the run's partitions over to `owned`, a part of them, at its
+    /// next barrier, and waits until that checkpoint committed: the last to
+    /// carry what it did with the others. Returns whether it did; a run that
+    /// would keep nothing, or failed to, is for the caller to stop.
+    fn hand_over_within_transition(&self, owned: BTreeSet<TopicPartition>) -> bool {
+        let mut run = lock(&self.run);
+        let Some(run) = run.as_mut() else {
+            return false;
+        };
+        if owned.is_empty() || !owned.is_subset(&run.owned) {
+            return false;
+        }
+        if owned == run.owned {
+            return true;
+        }
+        let handing = Instant::now();
+        let after = Arc::new(Owned::new(self.settings.clone(), owned.clone()));
+        let handover = Handover {
+            membership: after.clone(),
+            adopted: BTreeMap::new(),
+            offsets: Offsets::new(),
+        };
+        match run
+            .query
+            .hand_over(handover, self.settings.operation_timeout)
+        {
+            Ok(epoch) => {
+                run.link.hand_over(after);
+                let kept = owned.len();
+                run.owned = owned;
+                tracing::info!(epoch, kept, took = ?handing.elapsed(), "partitions handed over inside the run");
+                true
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the run could not hand partitions over; it stops instead");
+                false
+            }
+        }
+    }
+
+    /// Hands the run the partitions of `owned` it does not hold yet, at its
+    /// next barrier: their committed offsets and keyed state are read first,
+    /// while it runs on. Returns whether it did; a run that holds partitions
+    /// `owned` leaves out, or could not take the others on, is for the
+    /// caller to restart.
+    fn adopt(&self, owned: &BTreeSet<TopicPartition>) -> bool {
+        let _transition = lock(&self.transition);
+        let mut run = lock(&self.run);
+        let Some(run) = run.as_mut() else {
+            return false;
+        };
+        if !run.owned.is_subset(owned) {
+            return false;
+        }
+        let adopting = Instant::now();
+        let added: Vec<TopicPartition> = owned.difference(&run.owned).cloned().collect();
+        let (recovery, restored) = match run.link.recover_partitions(&added) {
+            Ok(recovered) => recovered,
+            Err(error) => {
+                tracing::warn!(%error, "could not restore the partitions adopted; the run restarts");
+                return false;
+            }
+        };
+        // What a restore read is the keyed state's: a share that grows by
+        // input partitions alone restores none.
+        if added
+            .iter()
+            .any(|(topic, _)| self.settings.is_repartition_topic(topic))
+        {
+            run.link.restored(restored);
+        }
+        let after = Arc::new(Owned::new(self.settings.clone(), owned.clone()));
+        let handover = Handover {
+            membership: after.clone(),
+            adopted: recovery.state,
+            offsets: recovery.offsets,
+        };
+        match run
+            .query
+            .hand_over(handover, self.settings.operation_timeout)
+        {
+            Ok(epoch) => {
+                run.link.hand_over(after);
+                run.owned = owned.clone();
+                tracing::info!(epoch, adopted = added.len(), restore = ?restored.duration, took = ?adopting.elapsed(), "partitions adopted inside the run");
+                true
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the run could not adopt partitions; it restarts");
+                false
+            }
+        }
     }
 
     fn changed(&self, group: &str) {
@@ -741,13 +847,16 @@ where
         if shared.runs.load(Ordering::SeqCst) == 0 {
             check_again(shared)?;
         }
-        // A process gone is fenced while this one's run stops and its next
-        // one starts: the next run reads its committed offsets
-        // `require_stable`, which waits until the fencing aborts the open
-        // transaction of the one gone, not until that transaction times out.
-        // The standby replicas meanwhile save what the next run restores.
+        // A process gone is fenced while this one's run takes its partitions
+        // on, or restarts: their committed offsets are read `require_stable`,
+        // which waits until the fencing aborts the open transaction of the
+        // one gone, not until that transaction times out. The standby
+        // replicas meanwhile save what is restored next.
         let started = std::thread::scope(|scope| {
             scope.spawn(|| shared.after_rebalance(&owned));
+            if shared.adopt(&owned) {
+                return Ok(Ok(()));
+            }
             let stopping = Instant::now();
             shared.stop_run()?;
             tracing::info!(took = ?stopping.elapsed(), "the previous run stopped");
@@ -813,18 +922,18 @@ where
     let link = Arc::new(KafkaLink {
         settings: shared.settings.clone(),
         mode: Mode::Live {
-            owned: owned.clone(),
+            owned: Mutex::new(Arc::new(Owned::new(shared.settings.clone(), owned.clone()))),
             transactions: shared.transactions.clone(),
             last_restore: shared.last_restore.clone(),
         },
     });
-    let flow = Dataflow::clustered(config.name.clone(), link);
+    let flow = Dataflow::clustered(config.name.clone(), link.clone());
     let built_by = format!("clustered query '{}'", config.name);
     guard::building(&built_by, || build(&flow))?;
     Ok(flow.start(config.clone()).map(|query| {
         shared.runs.fetch_add(1, Ordering::SeqCst);
         let restore = *lock(&shared.last_restore);
         tracing::info!(partitions = ?owned, took = ?starting.elapsed(), ?restore, "run started");
-        *lock(&shared.run) = Some(Run { query, owned });
+        *lock(&shared.run) = Some(Run { query, owned, link });
     }))
 }
