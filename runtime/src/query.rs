@@ -368,7 +368,7 @@ impl StreamingQuery {
     /// epoch that starts, the query's stateful instances keep only the key
     /// groups `handover.membership` owns and take on the state
     /// `handover.adopted` carries, without stopping (see
-    /// [`Handover`](crate::cluster::Handover)). Returns that epoch once it
+    /// [`Handover`]). Returns that epoch once it
     /// committed: the last checkpoint to carry changes of a group let go.
     ///
     /// For a [`ClusterLink`](crate::cluster::ClusterLink) whose process's

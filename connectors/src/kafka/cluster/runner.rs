@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::{ClientContext, TopicPartitionList};
-use rtflow_checkpoint::Offsets;
-use rtflow_runtime::cluster::Handover;
+use rtflow_runtime::cluster::{ClusterRecovery, Handover};
 use rtflow_runtime::{
-    guard, Dataflow, QueryConfig, Result, RtflowError, StreamingQuery, StreamingQueryProgress,
+    guard, Dataflow, Epoch, QueryConfig, Result, RtflowError, StreamingQuery,
+    StreamingQueryProgress,
 };
 
 use super::compacted;
@@ -98,6 +98,28 @@ struct Run {
     link: Arc<KafkaLink>,
 }
 
+impl Run {
+    /// Hands the run over to `owned` at its next barrier, with `adopted`
+    /// for the partitions it takes on; the epoch it did at, once committed.
+    fn hand_over(
+        &mut self,
+        settings: &Arc<ClusterSettings>,
+        owned: BTreeSet<TopicPartition>,
+        adopted: ClusterRecovery,
+    ) -> Result<Epoch> {
+        let after = Arc::new(Owned::new(settings.clone(), owned.clone()));
+        let handover = Handover {
+            membership: after.clone(),
+            adopted: adopted.state,
+            offsets: adopted.offsets,
+        };
+        let epoch = self.query.hand_over(handover, settings.operation_timeout)?;
+        self.link.hand_over(after);
+        self.owned = owned;
+        Ok(epoch)
+    }
+}
+
 impl Shared {
     /// Stops the run, if one is running, with a final checkpoint.
     fn stop_run(&self) -> Result<()> {
@@ -161,20 +183,9 @@ impl Shared {
             return true;
         }
         let handing = Instant::now();
-        let after = Arc::new(Owned::new(self.settings.clone(), owned.clone()));
-        let handover = Handover {
-            membership: after.clone(),
-            adopted: BTreeMap::new(),
-            offsets: Offsets::new(),
-        };
-        match run
-            .query
-            .hand_over(handover, self.settings.operation_timeout)
-        {
+        let kept = owned.len();
+        match run.hand_over(&self.settings, owned, ClusterRecovery::default()) {
             Ok(epoch) => {
-                run.link.hand_over(after);
-                let kept = owned.len();
-                run.owned = owned;
                 tracing::info!(epoch, kept, took = ?handing.elapsed(), "partitions handed over inside the run");
                 true
             }
@@ -216,19 +227,8 @@ impl Shared {
         {
             run.link.restored(restored);
         }
-        let after = Arc::new(Owned::new(self.settings.clone(), owned.clone()));
-        let handover = Handover {
-            membership: after.clone(),
-            adopted: recovery.state,
-            offsets: recovery.offsets,
-        };
-        match run
-            .query
-            .hand_over(handover, self.settings.operation_timeout)
-        {
+        match run.hand_over(&self.settings, owned.clone(), recovery) {
             Ok(epoch) => {
-                run.link.hand_over(after);
-                run.owned = owned.clone();
                 tracing::info!(epoch, adopted = added.len(), restore = ?restored.duration, took = ?adopting.elapsed(), "partitions adopted inside the run");
                 true
             }
