@@ -196,13 +196,18 @@ impl Shared {
         }
     }
 
-    /// Hands the run the partitions of `owned` it does not hold yet, at its
-    /// next barrier: their committed offsets and keyed state are read first,
-    /// while it runs on. Returns whether it did; a run that holds partitions
-    /// `owned` leaves out, or could not take the others on, is for the
-    /// caller to restart.
-    fn adopt(&self, owned: &BTreeSet<TopicPartition>) -> bool {
+    /// Hands the run the partitions the process owns and it does not hold
+    /// yet, at its next barrier: their committed offsets and keyed state are
+    /// read first, while it runs on. Returns whether it did; a run that holds
+    /// partitions the process no longer owns, or could not take the others
+    /// on, is for the caller to restart.
+    fn adopt(&self) -> bool {
         let _transition = lock(&self.transition);
+        // Read within the transition: a revocation since the caller looked
+        // has handed partitions over already, and they must not come back.
+        let owned = &self
+            .settings
+            .co_partitioned(&lock(&self.assignment), self.stages);
         let mut run = lock(&self.run);
         let Some(run) = run.as_mut() else {
             return false;
@@ -854,7 +859,7 @@ where
         // replicas meanwhile save what is restored next.
         let started = std::thread::scope(|scope| {
             scope.spawn(|| shared.after_rebalance(&owned));
-            if shared.adopt(&owned) {
+            if shared.adopt() {
                 return Ok(Ok(()));
             }
             let stopping = Instant::now();
