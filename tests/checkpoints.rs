@@ -5,20 +5,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::{config, TIMEOUT};
+use common::{checkpointed, config, TIMEOUT};
 use rtflow::checkpoint::CheckpointStore;
 use rtflow::prelude::*;
 use rtflow::runtime::connector::Offsets;
 use rtflow::runtime::StreamingQueryProgress;
 use rtflow::runtime::{Source, SourceContext, SourceOutput, SourceReader, SourceStatus};
-
-/// A configuration whose epochs end every 100 ms.
-fn checkpointed(name: &str) -> QueryConfig {
-    config(name)
-        .trigger(Trigger::real_time("100 milliseconds"))
-        .min_batch_duration(Duration::from_millis(100))
-        .progress_interval(Duration::from_secs(60))
-}
 
 /// Starts memory source -> map -> memory sink on `config`.
 fn start(input: &MemorySource<u32>, config: QueryConfig) -> (StreamingQuery, MemorySink<u32>) {

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{config, TIMEOUT};
+use common::{checkpointed, word_count, TIMEOUT};
 use rtflow::checkpoint::CheckpointStore;
 use rtflow::checkpoint::Offsets;
 use rtflow::prelude::*;
@@ -57,29 +57,6 @@ fn all_but(words: &[&str]) -> Owns {
     )
 }
 
-/// Epochs end every 100 ms.
-fn checkpointed(name: &str) -> QueryConfig {
-    config(name)
-        .trigger(Trigger::real_time("100 milliseconds"))
-        .min_batch_duration(Duration::from_millis(100))
-        .progress_interval(Duration::from_secs(60))
-}
-
-/// Words in, running count per word out, over two count instances.
-fn word_count(
-    input: &MemorySource<String>,
-    config: QueryConfig,
-) -> (StreamingQuery, MemorySink<(String, u64)>) {
-    let flow = Dataflow::new("words");
-    let out = MemorySink::new();
-    flow.source(input.clone())
-        .key_by(|word: &String| word.clone())
-        .count()
-        .parallelism(2)
-        .sink(out.clone());
-    (flow.start(config).unwrap(), out)
-}
-
 fn push(input: &MemorySource<String>, word: &str, times: usize) {
     input
         .push_all(0, std::iter::repeat_n(word.to_owned(), times))
@@ -108,7 +85,7 @@ fn key_groups_let_go_leave_no_trace_and_the_others_count_on() {
     assert_ne!(group_of(kept), group_of(gone));
     let input = MemorySource::new(1);
     let config = checkpointed("handover-let-go");
-    let (query, out) = word_count(&input, config.clone());
+    let (query, out) = word_count(&input, config.clone(), 2);
     push(&input, kept, 3);
     push(&input, gone, 5);
     wait_for_count(&out, kept, 3);
@@ -155,7 +132,7 @@ fn a_handover_restores_the_state_it_adopts_and_counts_on_from_it() {
     let word = "plum";
     let first = checkpointed("handover-source");
     let input = MemorySource::new(1);
-    let (query, out) = word_count(&input, first.clone());
+    let (query, out) = word_count(&input, first.clone(), 2);
     push(&input, word, 41);
     wait_for_count(&out, word, 41);
     query.stop().unwrap();
@@ -165,7 +142,7 @@ fn a_handover_restores_the_state_it_adopts_and_counts_on_from_it() {
     drop(store);
 
     let input = MemorySource::new(1);
-    let (query, out) = word_count(&input, checkpointed("handover-adopt"));
+    let (query, out) = word_count(&input, checkpointed("handover-adopt"), 2);
     push(&input, "fig", 1);
     wait_for_count(&out, "fig", 1);
     let handover = Handover {

@@ -7,19 +7,11 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{config, wait_for_rows, TIMEOUT};
+use common::{checkpointed, wait_for_rows, TIMEOUT};
 use proptest::prelude::*;
 use rtflow::checkpoint::{CheckpointStore, StateId};
 use rtflow::operators::process::{ListState, MapState, StateDeclarations, ValueState};
 use rtflow::prelude::*;
-
-/// Epochs end every 100 ms.
-fn checkpointed(name: &str) -> QueryConfig {
-    config(name)
-        .trigger(Trigger::real_time("100 milliseconds"))
-        .min_batch_duration(Duration::from_millis(100))
-        .progress_interval(Duration::from_secs(60))
-}
 
 /// The rows per key, each key's in order.
 fn per_key<K: Ord + Clone, V: Clone>(rows: &[(K, V)]) -> BTreeMap<K, Vec<V>> {

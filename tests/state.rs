@@ -6,38 +6,14 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{config, sorted, TIMEOUT};
+use common::{checkpointed, sorted, word_count, TIMEOUT};
 use rtflow::checkpoint::CheckpointStore;
 use rtflow::prelude::*;
 use rtflow::runtime::state::{KeyedState, Table};
 
-/// Epochs end every 100 ms.
-fn checkpointed(name: &str) -> QueryConfig {
-    config(name)
-        .trigger(Trigger::real_time("100 milliseconds"))
-        .min_batch_duration(Duration::from_millis(100))
-        .progress_interval(Duration::from_secs(60))
-}
-
 /// The final value per key of an update stream.
 fn latest<K: Ord + Clone, V: Clone>(rows: &[(K, V)]) -> BTreeMap<K, V> {
     rows.iter().cloned().collect()
-}
-
-/// Words in, running count per word out, `parallelism` count instances.
-fn word_count(
-    input: &MemorySource<String>,
-    config: QueryConfig,
-    parallelism: usize,
-) -> (StreamingQuery, MemorySink<(String, u64)>) {
-    let flow = Dataflow::new("words");
-    let out = MemorySink::new();
-    flow.source(input.clone())
-        .key_by(|word: &String| word.clone())
-        .count()
-        .parallelism(parallelism)
-        .sink(out.clone());
-    (flow.start(config).unwrap(), out)
 }
 
 fn words(n: usize) -> impl Iterator<Item = String> {

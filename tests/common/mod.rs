@@ -27,6 +27,30 @@ pub fn config(name: &str) -> QueryConfig {
     QueryConfig::new(name).checkpoint_location(dir)
 }
 
+/// [`config`] with epochs ending every 100 ms.
+pub fn checkpointed(name: &str) -> QueryConfig {
+    config(name)
+        .trigger(Trigger::real_time("100 milliseconds"))
+        .min_batch_duration(Duration::from_millis(100))
+        .progress_interval(Duration::from_secs(60))
+}
+
+/// Words in, running count per word out, `parallelism` count instances.
+pub fn word_count(
+    input: &MemorySource<String>,
+    config: QueryConfig,
+    parallelism: usize,
+) -> (StreamingQuery, MemorySink<(String, u64)>) {
+    let flow = Dataflow::new("words");
+    let out = MemorySink::new();
+    flow.source(input.clone())
+        .key_by(|word: &String| word.clone())
+        .count()
+        .parallelism(parallelism)
+        .sink(out.clone());
+    (flow.start(config).unwrap(), out)
+}
+
 /// The binary `name` (of the Debian package prometheus) that scripts/test.sh
 /// found or installed, from the environment variable `var`, or `None` (test
 /// skipped) outside CI without one. In CI, where scripts/test.sh installs it,
