@@ -6,7 +6,7 @@ use std::hash::Hash;
 
 use foldhash::fast::RandomState as FastState;
 use rtflow_checkpoint::snapshot::Blob;
-use rtflow_checkpoint::{Delta, Entry, RestoredState, StateId, StateMeta};
+use rtflow_checkpoint::{Delta, Entry, StateId, StateMeta};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -313,15 +313,7 @@ where
                 });
             }
         }
-        let state = RestoredState {
-            meta: self.meta.clone(),
-            blobs: vec![Blob::of(&entries)],
-        };
-        Ok(Image {
-            id: self.id.clone(),
-            state,
-            keyed: true,
-        })
+        Ok(Image::of(&self.id, &self.meta, &entries, true))
     }
 
     /// Marks `key` changed; returns its slot and the live-key count to adjust.

@@ -56,7 +56,8 @@ use std::hash::Hash;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use rtflow_checkpoint::{RestoredState, StateId, StateMeta};
+use rtflow_checkpoint::snapshot::Blob;
+use rtflow_checkpoint::{Entry, RestoredState, StateId, StateMeta};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -99,6 +100,21 @@ pub struct Image {
     /// Whether the state is keyed (it moves with its key groups) rather than
     /// held per instance.
     pub keyed: bool,
+}
+
+impl Image {
+    /// State `id` of `meta` holding `entries`, as one blob.
+    fn of(id: &StateId, meta: &StateMeta, entries: &[Entry], keyed: bool) -> Self {
+        let state = RestoredState {
+            meta: meta.clone(),
+            blobs: vec![Blob::of(entries)],
+        };
+        Self {
+            id: id.clone(),
+            state,
+            keyed,
+        }
+    }
 }
 use crate::error::{Result, RtflowError};
 use crate::key_groups::subtask_for_key_group;

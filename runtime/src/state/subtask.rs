@@ -1,7 +1,6 @@
 //! [`SubtaskState`]: one value per operator instance.
 
-use rtflow_checkpoint::snapshot::Blob;
-use rtflow_checkpoint::{Delta, Entry, RestoredState, StateId, StateMeta};
+use rtflow_checkpoint::{Delta, Entry, StateId, StateMeta};
 use serde::Serialize;
 
 use super::{encode, Image, StateSnapshot};
@@ -67,15 +66,7 @@ impl<V: Serialize> SubtaskState<V> {
             }],
             None => Vec::new(),
         };
-        let state = RestoredState {
-            meta: self.meta.clone(),
-            blobs: vec![Blob::of(&entries)],
-        };
-        Ok(Image {
-            id: self.id.clone(),
-            state,
-            keyed: false,
-        })
+        Ok(Image::of(&self.id, &self.meta, &entries, false))
     }
 
     /// Hands the value to `out` if it changed since the last snapshot.
