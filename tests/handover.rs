@@ -22,10 +22,14 @@ use rtflow::runtime::{
 /// Key groups of the default query configuration.
 const KEY_GROUPS: usize = 128;
 
-/// Owns the key groups it holds.
-struct Owns(BTreeSet<u32>);
+/// Owns the partitions of [`Queues`] in `partitions`, and every key group
+/// but those of the keys in `unowned`.
+struct Share {
+    partitions: BTreeSet<i32>,
+    unowned: Vec<&'static str>,
+}
 
-impl Membership for Owns {
+impl Membership for Share {
     fn member(&self) -> String {
         "handover-test".into()
     }
@@ -33,10 +37,12 @@ impl Membership for Owns {
         Vec::new()
     }
     fn owns_key_group(&self, group: u32) -> bool {
-        self.0.contains(&group)
+        self.unowned.iter().all(|key| group_of(key) != group)
     }
-    fn owned(&self, _: &[(String, i32)]) -> Vec<usize> {
-        Vec::new()
+    fn owned(&self, partitions: &[(String, i32)]) -> Vec<usize> {
+        (0..partitions.len())
+            .filter(|i| self.partitions.contains(&partitions[*i].1))
+            .collect()
     }
     fn as_any(&self) -> &dyn Any {
         self
@@ -48,13 +54,11 @@ fn group_of(word: &str) -> u32 {
 }
 
 /// Every key group but those of `words`.
-fn all_but(words: &[&str]) -> Owns {
-    let gone: BTreeSet<u32> = words.iter().map(|w| group_of(w)).collect();
-    Owns(
-        (0..KEY_GROUPS as u32)
-            .filter(|g| !gone.contains(g))
-            .collect(),
-    )
+fn all_but(words: &[&'static str]) -> Share {
+    Share {
+        partitions: BTreeSet::new(),
+        unowned: words.to_vec(),
+    }
 }
 
 fn push(input: &MemorySource<String>, word: &str, times: usize) {
@@ -296,29 +300,6 @@ impl SourceReader<(String, i64)> for QueueReader {
     }
 }
 
-/// Owns the partitions of [`Queues`] it holds.
-struct Reads(BTreeSet<i32>);
-
-impl Membership for Reads {
-    fn member(&self) -> String {
-        "handover-test".into()
-    }
-    fn partitions(&self) -> Vec<String> {
-        Vec::new()
-    }
-    fn owns_key_group(&self, _: u32) -> bool {
-        true
-    }
-    fn owned(&self, partitions: &[(String, i32)]) -> Vec<usize> {
-        (0..partitions.len())
-            .filter(|i| self.0.contains(&partitions[*i].1))
-            .collect()
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
 #[test]
 fn a_reader_lets_its_partition_go_and_the_watermark_no_longer_waits_for_it() {
     let queues = Queues::default();
@@ -335,7 +316,10 @@ fn a_reader_lets_its_partition_go_and_the_watermark_no_longer_waits_for_it() {
     wait_for_watermark(&query, 100);
 
     let handover = Handover {
-        membership: Arc::new(Reads(BTreeSet::from([0]))),
+        membership: Arc::new(Share {
+            partitions: BTreeSet::from([0]),
+            unowned: Vec::new(),
+        }),
         adopted: BTreeMap::new(),
         offsets: Offsets::new(),
     };
@@ -376,31 +360,6 @@ fn wait_for_watermark(query: &StreamingQuery, at_least: i64) {
             query.metrics().watermark()
         );
         std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// Owns the partitions of [`Queues`] it holds, and every key group but
-/// those of `unowned`.
-struct Share {
-    partitions: BTreeSet<i32>,
-    unowned: Vec<&'static str>,
-}
-
-impl Membership for Share {
-    fn member(&self) -> String {
-        "handover-test".into()
-    }
-    fn partitions(&self) -> Vec<String> {
-        Vec::new()
-    }
-    fn owns_key_group(&self, group: u32) -> bool {
-        self.unowned.iter().all(|key| group_of(key) != group)
-    }
-    fn owned(&self, partitions: &[(String, i32)]) -> Vec<usize> {
-        Reads(self.partitions.clone()).owned(partitions)
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }
 
