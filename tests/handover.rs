@@ -15,6 +15,7 @@ use rtflow::checkpoint::Offsets;
 use rtflow::prelude::*;
 use rtflow::runtime::cluster::{Handover, Membership};
 use rtflow::runtime::key_groups::{key_group, stable_hash};
+use rtflow::runtime::state::{StateSnapshot, Table};
 use rtflow::runtime::{
     ReaderHandover, Source, SourceContext, SourceOutput, SourceReader, SourceStatus,
 };
@@ -67,6 +68,15 @@ fn push(input: &MemorySource<String>, word: &str, times: usize) {
         .unwrap();
 }
 
+/// A handover to `share` that adopts nothing.
+fn to(share: Share) -> Handover {
+    Handover {
+        membership: Arc::new(share),
+        adopted: BTreeMap::new(),
+        offsets: Offsets::new(),
+    }
+}
+
 /// The latest count of `word` once it reaches `count`.
 fn wait_for_count(out: &MemorySink<(String, u64)>, word: &str, count: u64) {
     let deadline = Instant::now() + TIMEOUT;
@@ -95,12 +105,7 @@ fn key_groups_let_go_leave_no_trace_and_the_others_count_on() {
     wait_for_count(&out, kept, 3);
     wait_for_count(&out, gone, 5);
 
-    let handover = Handover {
-        membership: Arc::new(all_but(&[gone])),
-        adopted: BTreeMap::new(),
-        offsets: Offsets::new(),
-    };
-    query.hand_over(handover, TIMEOUT).unwrap();
+    query.hand_over(to(all_but(&[gone])), TIMEOUT).unwrap();
     assert!(query.is_active(), "the query runs on");
     push(&input, kept, 2);
     wait_for_count(&out, kept, 5);
@@ -180,12 +185,7 @@ fn a_window_of_a_key_group_let_go_is_neither_closed_nor_deleted() {
         .push_all(0, [(kept.to_owned(), 100), (gone.to_owned(), 200)])
         .unwrap();
     assert!(out.wait_for(2, TIMEOUT), "{:?}", out.rows());
-    let handover = Handover {
-        membership: Arc::new(all_but(&[gone])),
-        adopted: BTreeMap::new(),
-        offsets: Offsets::new(),
-    };
-    query.hand_over(handover, TIMEOUT).unwrap();
+    query.hand_over(to(all_but(&[gone])), TIMEOUT).unwrap();
     // The watermark passes the end of the first window, which closes for
     // the key kept; the window of the key let go is its next owner's to
     // close, so this run leaves it as it was.
@@ -315,15 +315,15 @@ fn a_reader_lets_its_partition_go_and_the_watermark_no_longer_waits_for_it() {
     assert!(out.wait_for(2, TIMEOUT), "{:?}", out.rows());
     wait_for_watermark(&query, 100);
 
-    let handover = Handover {
-        membership: Arc::new(Share {
-            partitions: BTreeSet::from([0]),
-            unowned: Vec::new(),
-        }),
-        adopted: BTreeMap::new(),
-        offsets: Offsets::new(),
-    };
-    query.hand_over(handover, TIMEOUT).unwrap();
+    query
+        .hand_over(
+            to(Share {
+                partitions: BTreeSet::from([0]),
+                unowned: Vec::new(),
+            }),
+            TIMEOUT,
+        )
+        .unwrap();
     queues.push(1, "b", 300);
     queues.push(0, "a", 1_000);
     assert!(out.wait_for(3, TIMEOUT), "{:?}", out.rows());
@@ -407,4 +407,100 @@ fn a_partition_adopted_behind_the_watermark_counts_as_in_a_new_run() {
         .collect();
     assert_eq!(b.len(), 1, "{:?}", out.rows());
     assert!(b[0].ends_with(", 1)"), "{b:?}");
+}
+
+/// Counts records in a table of its own that cannot say what it holds.
+struct Tally(u64);
+
+impl Table for Tally {
+    fn begin_snapshot(&mut self, _out: &mut StateSnapshot) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl Operator<String, u64> for Tally {
+    fn stateful() -> bool {
+        true
+    }
+
+    fn allowlisted() -> bool {
+        true
+    }
+
+    fn process(&mut self, _: Record<String>, out: &mut Collector<'_, u64>) -> Result<()> {
+        self.0 += 1;
+        out.emit(self.0)
+    }
+
+    fn tables(&mut self, table: &mut dyn FnMut(&mut dyn Table) -> Result<()>) -> Result<()> {
+        table(self)
+    }
+}
+
+#[test]
+fn a_state_with_no_image_fails_the_handover_naming_it() {
+    let input = MemorySource::new(1);
+    let flow = Dataflow::new("imageless");
+    let out = MemorySink::new();
+    flow.source(input.clone())
+        .try_transform("tally", |_| Ok(Tally(0)))
+        .sink(out.clone());
+    let query = flow.start(checkpointed("handover-imageless")).unwrap();
+    push(&input, "fig", 1);
+    assert!(out.wait_for(1, TIMEOUT));
+    let error = query.hand_over(to(all_but(&["fig"])), TIMEOUT).unwrap_err();
+    assert_eq!(error.error_class(), "OPERATOR_FAILED", "{error}");
+    assert!(error.to_string().contains("Table::image"), "{error}");
+}
+
+/// Two partitions shared out as a cluster shares Kafka's, whose readers
+/// read nothing and cannot change their partitions.
+struct Fixed;
+
+impl Source<String> for Fixed {
+    fn kind(&self) -> &str {
+        "fixed"
+    }
+
+    fn partitions(&self) -> Result<usize> {
+        Ok(2)
+    }
+
+    fn cluster_partitions(&self, link: &dyn Membership) -> Option<Vec<usize>> {
+        Some(link.owned(&[("fixed".into(), 0), ("fixed".into(), 1)]))
+    }
+
+    fn reader(&self, _: &SourceContext) -> Result<Box<dyn SourceReader<String>>> {
+        Ok(Box::new(Fixed))
+    }
+}
+
+impl SourceReader<String> for Fixed {
+    fn poll(&mut self, _: &mut SourceOutput<String>, max_wait: Duration) -> Result<SourceStatus> {
+        std::thread::park_timeout(max_wait);
+        Ok(SourceStatus::Active)
+    }
+
+    fn offsets(&self) -> Offsets {
+        Offsets::new()
+    }
+}
+
+#[test]
+fn a_reader_that_cannot_change_its_partitions_fails_the_handover() {
+    let flow = Dataflow::new("fixed");
+    flow.source(Fixed).sink(MemorySink::new());
+    let query = flow.start(checkpointed("handover-fixed")).unwrap();
+    let share = Share {
+        partitions: BTreeSet::from([0]),
+        unowned: Vec::new(),
+    };
+    let error = query.hand_over(to(share), TIMEOUT).unwrap_err();
+    assert_eq!(error.error_class(), "CHECKPOINT_FAILED", "{error}");
+    assert!(
+        error
+            .to_string()
+            .contains("cannot change its partitions inside a run"),
+        "{error}"
+    );
 }
