@@ -1564,6 +1564,47 @@ fn late_records_stay_late_while_a_process_hangs_and_once_its_partitions_are_take
     cluster.await_and_check(&expected_counts, &expected_windows);
 }
 
+/// A run whose handover fails stops, and what it did since its last commit
+/// is dropped: its transaction, open with the epoch's records, must not
+/// commit with the next run, which does that work again. Every handover of
+/// p0 fails (at its sinks, once they handed the epoch's records over); p0
+/// takes p1's partitions on when p1 leaves, while records flow, so that the
+/// failed epoch holds some.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_run_that_fails_to_adopt_restarts_without_what_it_did_since_its_last_commit() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let total = 6_000;
+    let third = total / 3;
+    produce(&bootstrap, &cluster.input, (0..third).map(record));
+    cluster.spawn("p1");
+    cluster.wait_for_shares(Duration::from_secs(90));
+    cluster.spawn_with_failpoints("p0", "sink-hand-over=return(a handover failed)");
+    cluster.wait_for_shares(Duration::from_secs(90));
+    let input = cluster.input.clone();
+    std::thread::scope(|scope| {
+        let (bootstrap, input) = (&bootstrap, &input);
+        scope.spawn(move || {
+            for step in (third..total).step_by(50) {
+                produce(bootstrap, input, (step..step + 50).map(record));
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        cluster.stop_one("p1");
+    });
+    let log = std::fs::read_to_string(cluster.dir.join("p0.log")).unwrap_or_default();
+    assert!(
+        log.contains("could not adopt partitions"),
+        "p0 adopted p1's partitions:\n{}",
+        cluster.logs()
+    );
+    produce(&bootstrap, &cluster.input, flush_records());
+    let (expected_counts, expected_windows) = reference(total);
+    cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
 /// The bootstrap servers of the replicated three-broker cluster, if one runs.
 fn replicated_bootstrap() -> Option<String> {
     let bootstrap = std::env::var("RTFLOW_KAFKA_CLUSTER_BOOTSTRAP").ok();

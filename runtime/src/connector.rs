@@ -647,6 +647,12 @@ impl<T: Send> Emit<T> for SinkEmit<T> {
         self.place.watch(|| self.writer.on_barrier(epoch))?;
         self.snapshot()?;
         if let Some(bound) = self.handovers.at(epoch) {
+            // After the epoch's records were handed to the writer: a failed
+            // handover leaves them uncommitted, which tests/cluster.rs checks
+            // the next run drops.
+            fail::fail_point!("sink-hand-over", |message| Err(RtflowError::Checkpoint(
+                message.unwrap_or_default()
+            )));
             let (uid, subtask) = &self.instance;
             let reaching = bound.reaching(uid, *subtask);
             let starts_over = bound.reach.starts_over;

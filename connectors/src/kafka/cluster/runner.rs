@@ -92,50 +92,70 @@ struct Shared {
     standby: Option<Standby>,
 }
 
+/// A run of the process's part. Cloned out of [`Shared::run`] for a
+/// handover, so that the process's partitions and progress stay readable
+/// while it waits for its commit.
+#[derive(Clone)]
 struct Run {
-    query: StreamingQuery,
+    query: Arc<StreamingQuery>,
     owned: BTreeSet<TopicPartition>,
     link: Arc<KafkaLink>,
 }
 
-impl Run {
-    /// Hands the run over to `owned` at its next barrier, with `adopted`
-    /// for the partitions it takes on; the epoch it did at, once committed.
+impl Shared {
+    /// Hands `run` over to `owned` at its next barrier, with `adopted` for
+    /// the partitions it takes on; the epoch it did at, once committed.
+    /// Called within the transition, which keeps the run from stopping or
+    /// starting meanwhile.
     fn hand_over(
-        &mut self,
-        settings: &Arc<ClusterSettings>,
+        &self,
+        run: &Run,
         owned: BTreeSet<TopicPartition>,
         adopted: ClusterRecovery,
     ) -> Result<Epoch> {
-        let after = Arc::new(Owned::new(settings.clone(), owned.clone()));
+        let after = Arc::new(Owned::new(self.settings.clone(), owned.clone()));
         let handover = Handover {
             membership: after.clone(),
             adopted: adopted.state,
             offsets: adopted.offsets,
         };
-        let epoch = self.query.hand_over(handover, settings.operation_timeout)?;
-        self.link.hand_over(after);
-        self.owned = owned;
+        let epoch = run
+            .query
+            .hand_over(handover, self.settings.operation_timeout)?;
+        run.link.hand_over(after);
+        // A run that failed since is the runner's to take away, not to
+        // bring back.
+        if let Some(current) = lock(&self.run)
+            .as_mut()
+            .filter(|current| Arc::ptr_eq(&current.query, &run.query))
+        {
+            current.owned = owned;
+        }
         Ok(epoch)
     }
-}
 
-impl Shared {
     /// Stops the run, if one is running, with a final checkpoint.
     fn stop_run(&self) -> Result<()> {
         let _transition = lock(&self.transition);
         self.stop_run_within_transition()
     }
 
+    /// A run that failed (before or in its final checkpoint) returns its
+    /// error, once what it did since its last commit is dropped: its
+    /// transaction, open with that epoch's records, must not commit with the
+    /// next run, which does the same work again.
     fn stop_run_within_transition(&self) -> Result<()> {
         let Some(run) = lock(&self.run).take() else {
             return Ok(());
         };
-        let result = run.query.stop();
-        if result.is_err() {
-            self.transactions.discard();
+        run.query.stop()?;
+        match run.query.exception() {
+            Some(error) => {
+                self.transactions.discard();
+                Err(error)
+            }
+            None => Ok(()),
         }
-        result
     }
 
     /// Lets the `revoked` partitions go: they leave the assignment and the
@@ -172,8 +192,7 @@ impl Shared {
     /// carry what it did with the others. Returns whether it did; a run that
     /// would keep nothing, or failed to, is for the caller to stop.
     fn hand_over_within_transition(&self, owned: BTreeSet<TopicPartition>) -> bool {
-        let mut run = lock(&self.run);
-        let Some(run) = run.as_mut() else {
+        let Some(run) = lock(&self.run).clone() else {
             return false;
         };
         if owned.is_empty() || !owned.is_subset(&run.owned) {
@@ -184,7 +203,7 @@ impl Shared {
         }
         let handing = Instant::now();
         let kept = owned.len();
-        match run.hand_over(&self.settings, owned, ClusterRecovery::default()) {
+        match self.hand_over(&run, owned, ClusterRecovery::default()) {
             Ok(epoch) => {
                 tracing::info!(epoch, kept, took = ?handing.elapsed(), "partitions handed over inside the run");
                 true
@@ -208,8 +227,7 @@ impl Shared {
         let owned = &self
             .settings
             .co_partitioned(&lock(&self.assignment), self.stages);
-        let mut run = lock(&self.run);
-        let Some(run) = run.as_mut() else {
+        let Some(run) = lock(&self.run).clone() else {
             return false;
         };
         if !run.owned.is_subset(owned) {
@@ -232,7 +250,7 @@ impl Shared {
         {
             run.link.restored(restored);
         }
-        match run.hand_over(&self.settings, owned.clone(), recovery) {
+        match self.hand_over(&run, owned.clone(), recovery) {
             Ok(epoch) => {
                 tracing::info!(epoch, adopted = added.len(), restore = ?restored.duration, took = ?adopting.elapsed(), "partitions adopted inside the run");
                 true
@@ -246,6 +264,13 @@ impl Shared {
 
     fn changed(&self, group: &str) {
         lock(&self.settling).heard(group, Instant::now());
+        self.generation.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A newcomer's first assignment in `group` was empty: the runner waits
+    /// for the group's second round before it acts.
+    fn awaits_second_round(&self, group: &str) {
+        lock(&self.settling).awaits_second_round(group, Instant::now());
         self.generation.fetch_add(1, Ordering::SeqCst);
     }
 
@@ -385,7 +410,9 @@ impl ClusteredQuery {
     }
 
     /// Stops the current run with a final checkpoint and leaves the group;
-    /// the other processes take its partitions over.
+    /// the other processes take its partitions over. A run that failed, or
+    /// whose final checkpoint failed, returns its error: its partitions
+    /// resume from its last commit.
     pub fn stop(&self) -> Result<()> {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.join()
@@ -427,6 +454,8 @@ struct Member {
     topics: Vec<String>,
     /// Whether the member has been through a rebalance yet.
     rebalanced: AtomicBool,
+    /// Set by a newcomer's first assignment, empty, until its callback ends.
+    first_round: AtomicBool,
 }
 
 impl ClientContext for Member {}
@@ -463,6 +492,7 @@ impl ConsumerContext for Member {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(assigned) = rebalance {
             if !self.rebalanced.swap(true, Ordering::SeqCst) && assigned.count() == 0 {
+                self.first_round.store(true, Ordering::SeqCst);
                 self.join_second_round(consumer);
             }
         }
@@ -498,7 +528,11 @@ impl ConsumerContext for Member {
                     assignment.insert((element.topic().to_owned(), element.partition()));
                 }
                 tracing::info!(group = %self.group, assigned = assigned.count(), "partitions assigned");
-                self.shared.changed(&self.group);
+                if self.first_round.swap(false, Ordering::SeqCst) {
+                    self.shared.awaits_second_round(&self.group);
+                } else {
+                    self.shared.changed(&self.group);
+                }
             }
             Rebalance::Revoke(_) => {}
             Rebalance::Error(error) => tracing::warn!(%error, "rebalance failed"),
@@ -690,6 +724,7 @@ fn join(
             group: group.to_owned(),
             topics: topics.to_vec(),
             rebalanced: AtomicBool::new(false),
+            first_round: AtomicBool::new(false),
         })
         .map_err(|e| {
             RtflowError::InvalidConfiguration(format!("could not join group '{group}': {e}"))
@@ -863,7 +898,9 @@ where
                 return Ok(Ok(()));
             }
             let stopping = Instant::now();
-            shared.stop_run()?;
+            if let Err(error) = shared.stop_run() {
+                tracing::warn!(%error, "the previous run failed; the next resumes from its last commit");
+            }
             tracing::info!(took = ?stopping.elapsed(), "the previous run stopped");
             start_run(shared, config, build)
         })?;
@@ -939,6 +976,10 @@ where
         shared.runs.fetch_add(1, Ordering::SeqCst);
         let restore = *lock(&shared.last_restore);
         tracing::info!(partitions = ?owned, took = ?starting.elapsed(), ?restore, "run started");
-        *lock(&shared.run) = Some(Run { query, owned, link });
+        *lock(&shared.run) = Some(Run {
+            query: Arc::new(query),
+            owned,
+            link,
+        });
     }))
 }

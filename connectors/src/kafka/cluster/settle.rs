@@ -6,7 +6,12 @@
 //! started after one group's rebalance would stop again at the other's, so
 //! the runner waits until it has heard from every group since it last acted;
 //! a change only one group sees (a member that lost one session) is acted on
-//! once the assignment has been still for [`SETTLE`]. A cooperative
+//! once the assignment has been still for [`SETTLE`]. A newcomer's first
+//! assignment in a group is empty: the cooperative protocol hands it its
+//! partitions in a second round, once the others let them go, so that group
+//! counts as heard only from its second round on (or after
+//! [`SECOND_ROUND`]); a run started before it would have to take them on
+//! inside the run, which needs a commit. A cooperative
 //! rebalance's second round, which hands revoked partitions to their next
 //! owner, reaches every member, also those whose share it leaves alone: a
 //! run whose partitions stay the same goes on through it ([`must_restart`]).
@@ -25,10 +30,17 @@ pub(crate) const SETTLE: Duration = Duration::from_millis(500);
 /// assignment that ends its round).
 pub(crate) const QUIET: Duration = Duration::from_millis(50);
 
+/// How long a newcomer waits for a group's second round, which comes once
+/// the others committed what they let go, before it acts without it.
+pub(crate) const SECOND_ROUND: Duration = Duration::from_secs(5);
+
 /// The groups heard from since the runner last acted on the assignment.
 #[derive(Debug, Default)]
 pub(crate) struct Settling {
     heard: HashSet<String>,
+    /// The groups whose first assignment was empty and whose second round
+    /// has not come yet.
+    due: HashSet<String>,
     /// When a group was last heard from; `None` once acted on.
     last: Option<Instant>,
 }
@@ -36,7 +48,15 @@ pub(crate) struct Settling {
 impl Settling {
     /// `group` rebalanced at `now`.
     pub(crate) fn heard(&mut self, group: &str, now: Instant) {
+        self.due.remove(group);
         self.heard.insert(group.to_owned());
+        self.last = Some(now);
+    }
+
+    /// The newcomer's first assignment in `group`, empty, came at `now`:
+    /// its partitions come in the group's second round.
+    pub(crate) fn awaits_second_round(&mut self, group: &str, now: Instant) {
+        self.due.insert(group.to_owned());
         self.last = Some(now);
     }
 
@@ -46,6 +66,9 @@ impl Settling {
     pub(crate) fn take_settled(&mut self, groups: usize, now: Instant) -> bool {
         let settled = self.last.is_none_or(|last| {
             let still = now.saturating_duration_since(last);
+            if !self.due.is_empty() {
+                return still >= SECOND_ROUND;
+            }
             still >= SETTLE || (self.heard.len() >= groups && still >= QUIET)
         });
         if settled {
@@ -106,6 +129,29 @@ mod tests {
         assert!(settling.take_settled(2, start + QUIET));
         settling.heard("source", start + SETTLE);
         assert!(!settling.take_settled(2, start + SETTLE + QUIET));
+    }
+
+    #[test]
+    fn a_newcomer_waits_for_the_second_round_of_every_group_whose_first_was_empty() {
+        let start = Instant::now();
+        let mut settling = Settling::default();
+        settling.awaits_second_round("source", start);
+        settling.awaits_second_round("repartition", start);
+        settling.heard("repartition", start + 10 * MS);
+        assert!(!settling.take_settled(2, start + SETTLE + 10 * MS));
+        settling.heard("source", start + SETTLE + 100 * MS);
+        assert!(!settling.take_settled(2, start + SETTLE + 120 * MS));
+        assert!(settling.take_settled(2, start + SETTLE + 150 * MS));
+    }
+
+    #[test]
+    fn a_second_round_that_never_comes_is_waited_for_a_while() {
+        let start = Instant::now();
+        let mut settling = Settling::default();
+        settling.awaits_second_round("source", start);
+        settling.heard("repartition", start);
+        assert!(!settling.take_settled(2, start + SECOND_ROUND - MS));
+        assert!(settling.take_settled(2, start + SECOND_ROUND));
     }
 
     #[test]
