@@ -105,8 +105,8 @@ pub(crate) struct Reading {
 }
 
 impl Reading {
-    /// After `epoch`'s barrier: changes the reader's partitions as a
-    /// handover at it says.
+    /// At `epoch`'s barrier, once the reader told where the epoch ends:
+    /// changes the reader's partitions as a handover at it says.
     fn hand_over<T>(
         &mut self,
         bound: Option<Arc<Bound>>,
@@ -252,10 +252,13 @@ fn source_loop<T: Data>(
         // Between two polls every record read so far has been emitted, so the
         // reader's offsets are exactly where the epoch ends.
         for epoch in env.barriers.iter().flat_map(|b| b.try_iter()) {
-            env.barrier(epoch, reader.offsets(), &mut unacked, emit)?;
+            let offsets = reader.offsets();
+            // Before the barrier is acknowledged: a reader that cannot take
+            // the handover fails the epoch, which then never commits.
             if let Some(reading) = &mut reading {
                 reading.hand_over(env.handovers.at(epoch), place, &mut *reader)?;
             }
+            env.barrier(epoch, offsets, &mut unacked, emit)?;
         }
         env.continue_snapshot(&mut unacked, SNAPSHOT_SLICE, emit)?;
         let status = place.watch(|| reader.poll(&mut out, IDLE_WAIT))?;

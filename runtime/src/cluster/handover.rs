@@ -11,7 +11,9 @@
 //! key groups it adopts. Whatever it derived from its state (timers, join
 //! buffers, the lateness of each key group) is derived again, so nothing of
 //! a group let go outlives the barrier, and the checkpoint of that epoch is
-//! the last to carry the group's changes from this process.
+//! the last to carry the group's changes from this process. Every actor
+//! meets it before it acknowledges the barrier, so a handover that fails
+//! anywhere fails that epoch too: its checkpoint never commits.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
