@@ -504,3 +504,48 @@ fn a_reader_that_cannot_change_its_partitions_fails_the_handover() {
         "{error}"
     );
 }
+
+/// A Kafka partition handed to a reader with no offset to resume from (no
+/// process committed one yet: a cluster's first rebalance moved it before
+/// its first commit) starts where the source's starting offsets say, as a
+/// run's start would start it.
+#[test]
+fn a_kafka_partition_handed_over_with_no_offset_starts_at_the_starting_offsets() {
+    let Some(bootstrap) = common::kafka::bootstrap() else {
+        return;
+    };
+    let input = common::kafka::topic(&bootstrap, "handover-in", 2);
+    let records = |partition: i32, values: &[&str]| -> Vec<(i32, String, Vec<u8>)> {
+        let record = |value: &&str| (partition, "k".to_owned(), value.as_bytes().to_vec());
+        values.iter().map(record).collect()
+    };
+    common::kafka::produce(&bootstrap, &input, records(0, &["a0"]));
+    common::kafka::produce(&bootstrap, &input, records(1, &["b0"]));
+    let flow = Dataflow::new("kafka-handover");
+    let out = MemorySink::new();
+    let source = KafkaSource::new(&bootstrap)
+        .subscribe([&input])
+        .starting_offsets(StartingOffsets::Earliest)
+        .max_partitions(1);
+    flow.source(source)
+        .map(|record| format!("{}@{}", record.value_str(), record.offset))
+        .sink(out.clone());
+    let query = flow.start(checkpointed("handover-kafka")).unwrap();
+    assert!(out.wait_for(2, TIMEOUT), "read {:?}", out.rows());
+    let only_first = Share {
+        partitions: BTreeSet::from([0]),
+        unowned: Vec::new(),
+    };
+    query.hand_over(to(only_first), TIMEOUT).unwrap();
+    common::kafka::produce(&bootstrap, &input, records(1, &["b1"]));
+    let both = Share {
+        partitions: BTreeSet::from([0, 1]),
+        unowned: Vec::new(),
+    };
+    query.hand_over(to(both), TIMEOUT).unwrap();
+    assert!(out.wait_for(4, TIMEOUT), "read {:?}", out.rows());
+    let mut read = out.rows();
+    read.sort();
+    assert_eq!(read, ["a0@0", "b0@0", "b0@0", "b1@1"]);
+    query.stop().unwrap();
+}

@@ -329,10 +329,53 @@ impl KafkaSource {
         Ok(found)
     }
 
+    /// Where readers start in partitions with no checkpointed offset.
+    fn starts(&self) -> Starts {
+        Starts {
+            source: format!("kafka {}", self.bootstrap_servers),
+            starting_offsets: self.starting_offsets.clone(),
+            fail_on_unmatched_timestamp: self.fail_on_unmatched_timestamp,
+            metadata_timeout: self.metadata_timeout,
+        }
+    }
+
+    /// Settings that are wrong whatever the cluster holds.
+    fn check(&self) -> Result<()> {
+        let negative = match &self.starting_offsets {
+            StartingOffsets::Timestamp(ms) => (*ms < 0).then(|| format!("{ms}")),
+            StartingOffsets::Timestamps(timestamps) => timestamps
+                .iter()
+                .filter(|(_, ms)| **ms < 0)
+                .min()
+                .map(|((topic, partition), ms)| format!("{ms} for {topic}-{partition}")),
+            _ => None,
+        };
+        match negative {
+            Some(what) => Err(RtflowError::InvalidConfiguration(format!(
+                "KafkaSource starting timestamp {what} is negative; starting timestamps \
+                 are milliseconds since the Unix epoch"
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Where a reader starts in a partition no checkpoint holds an offset for:
+/// the source's starting offsets, resolved against the cluster. Kept by
+/// each reader, which may be handed such a partition inside a run.
+#[derive(Clone)]
+struct Starts {
+    source: String,
+    starting_offsets: StartingOffsets,
+    fail_on_unmatched_timestamp: bool,
+    metadata_timeout: Duration,
+}
+
+impl Starts {
     /// Where a reader starts in `(topic, partition)`: the checkpoint's offset, else
     /// the configured starting offset, resolved to a number so the reader always
     /// knows its position.
-    fn start_offset(
+    fn offset(
         &self,
         consumer: &BaseConsumer,
         checkpoint: &Offsets,
@@ -438,24 +481,8 @@ impl KafkaSource {
         }
     }
 
-    /// Settings that are wrong whatever the cluster holds.
-    fn check(&self) -> Result<()> {
-        let negative = match &self.starting_offsets {
-            StartingOffsets::Timestamp(ms) => (*ms < 0).then(|| format!("{ms}")),
-            StartingOffsets::Timestamps(timestamps) => timestamps
-                .iter()
-                .filter(|(_, ms)| **ms < 0)
-                .min()
-                .map(|((topic, partition), ms)| format!("{ms} for {topic}-{partition}")),
-            _ => None,
-        };
-        match negative {
-            Some(what) => Err(RtflowError::InvalidConfiguration(format!(
-                "KafkaSource starting timestamp {what} is negative; starting timestamps \
-                 are milliseconds since the Unix epoch"
-            ))),
-            None => Ok(()),
-        }
+    fn error(&self, message: impl std::fmt::Display) -> RtflowError {
+        RtflowError::source(&self.source, message)
     }
 }
 
@@ -523,8 +550,9 @@ impl Source<KafkaRecord> for KafkaSource {
         let mut positions = Vec::with_capacity(partitions.len());
         let watch = LagWatch::shared(&self.lag, || self.consumer(), self.metadata_timeout)?;
         let mut lags = Vec::with_capacity(partitions.len());
+        let starts = self.starts();
         for (topic, partition) in &partitions {
-            let offset = self.start_offset(&consumer, &ctx.start_offsets, topic, *partition)?;
+            let offset = starts.offset(&consumer, &ctx.start_offsets, topic, *partition)?;
             assignment
                 .add_partition_offset(topic, *partition, Offset::Offset(offset))
                 .map_err(|e| self.error(e))?;
@@ -547,6 +575,7 @@ impl Source<KafkaRecord> for KafkaSource {
             watch,
             lag: ctx.lag.clone(),
             all: assigned.clone(),
+            starts,
         }))
     }
 }
@@ -569,6 +598,8 @@ struct KafkaReader {
     /// Every partition of the source, by number: a handover may hand the
     /// reader any of them.
     all: Vec<(String, i32)>,
+    /// Where a partition handed over with no offset starts.
+    starts: Starts,
 }
 
 impl KafkaReader {
@@ -657,13 +688,11 @@ impl SourceReader<KafkaRecord> for KafkaReader {
                 continue;
             }
             let (topic, partition) = self.all[*number].clone();
-            let label = partition_label(&topic, partition);
-            let Some(position) = change.start_offsets.get(&label).copied() else {
-                return Err(RtflowError::source(
-                    &self.source,
-                    format!("{label} was handed over with no offset to resume from"),
-                ));
-            };
+            // No offset: no process committed one yet (the cluster's first
+            // rebalance moved it before its first commit). It starts as a
+            // run's start would start it.
+            let position =
+                (self.starts).offset(&self.consumer, change.start_offsets, &topic, partition)?;
             let lag = self.lag.partition(&topic, &partition.to_string());
             lag.set_position(position);
             self.watch.watch(&topic, partition, lag.clone());

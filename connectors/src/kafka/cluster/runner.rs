@@ -180,7 +180,10 @@ impl Shared {
             }
             return self.stop_run_within_transition();
         }
-        if let Some(run) = lock(&self.run).take() {
+        // Taken out of the lock first: abandoning waits for the run's
+        // threads, and the process's partitions stay readable meanwhile.
+        let run = lock(&self.run).take();
+        if let Some(run) = run {
             run.query.abandon();
         }
         self.transactions.discard();
