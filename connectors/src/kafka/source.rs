@@ -692,7 +692,8 @@ impl SourceReader<KafkaRecord> for KafkaReader {
             // rebalance moved it before its first commit). It starts as a
             // run's start would start it.
             let position =
-                (self.starts).offset(&self.consumer, change.start_offsets, &topic, partition)?;
+                self.starts
+                    .offset(&self.consumer, change.start_offsets, &topic, partition)?;
             let lag = self.lag.partition(&topic, &partition.to_string());
             lag.set_position(position);
             self.watch.watch(&topic, partition, lag.clone());

@@ -455,10 +455,9 @@ struct Member {
     shared: Arc<Shared>,
     group: String,
     topics: Vec<String>,
-    /// Whether the member has been through a rebalance yet.
+    /// Whether the member has been through a rebalance yet: set once its
+    /// first assignment's callback ends.
     rebalanced: AtomicBool,
-    /// Set by a newcomer's first assignment, empty, until its callback ends.
-    first_round: AtomicBool,
 }
 
 impl ClientContext for Member {}
@@ -475,6 +474,12 @@ impl Member {
             consumer.group_metadata()
         };
         self.shared.transactions.set_group(&self.group, metadata);
+    }
+
+    /// Whether `assigned` is the member's first assignment, and empty: a
+    /// newcomer's, whose partitions come in the rebalance's second round.
+    fn first_and_empty(&self, assigned: &TopicPartitionList) -> bool {
+        !self.rebalanced.load(Ordering::SeqCst) && assigned.count() == 0
     }
 
     /// A newcomer's first assignment is empty: the cooperative protocol
@@ -494,8 +499,7 @@ impl Member {
 impl ConsumerContext for Member {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(assigned) = rebalance {
-            if !self.rebalanced.swap(true, Ordering::SeqCst) && assigned.count() == 0 {
-                self.first_round.store(true, Ordering::SeqCst);
+            if self.first_and_empty(assigned) {
                 self.join_second_round(consumer);
             }
         }
@@ -531,7 +535,9 @@ impl ConsumerContext for Member {
                     assignment.insert((element.topic().to_owned(), element.partition()));
                 }
                 tracing::info!(group = %self.group, assigned = assigned.count(), "partitions assigned");
-                if self.first_round.swap(false, Ordering::SeqCst) {
+                let first_and_empty = self.first_and_empty(assigned);
+                self.rebalanced.store(true, Ordering::SeqCst);
+                if first_and_empty {
                     self.shared.awaits_second_round(&self.group);
                 } else {
                     self.shared.changed(&self.group);
@@ -727,7 +733,6 @@ fn join(
             group: group.to_owned(),
             topics: topics.to_vec(),
             rebalanced: AtomicBool::new(false),
-            first_round: AtomicBool::new(false),
         })
         .map_err(|e| {
             RtflowError::InvalidConfiguration(format!("could not join group '{group}': {e}"))
