@@ -667,6 +667,12 @@ impl SourceReader<KafkaRecord> for KafkaReader {
         if change.partitions == self.numbers {
             return Ok(());
         }
+        // Only what changes is assigned or unassigned: a kept partition
+        // fetches on undisturbed, and replacing the whole assignment just
+        // before the consumer closes (a handover that fails) can abort the
+        // process in librdkafka (a second stop of a partition being removed,
+        // confluentinc/librdkafka#5573).
+        let mut gone = TopicPartitionList::new();
         let held = std::mem::take(&mut self.partitions)
             .into_iter()
             .zip(std::mem::take(&mut self.numbers))
@@ -681,8 +687,10 @@ impl SourceReader<KafkaRecord> for KafkaReader {
             } else {
                 self.watch.unwatch(&topic, partition);
                 self.lag.forget(&topic, &partition.to_string());
+                gone.add_partition(&topic, partition);
             }
         }
+        let mut added = TopicPartitionList::new();
         for number in change.partitions {
             if self.numbers.contains(number) {
                 continue;
@@ -694,6 +702,9 @@ impl SourceReader<KafkaRecord> for KafkaReader {
             let position =
                 self.starts
                     .offset(&self.consumer, change.start_offsets, &topic, partition)?;
+            added
+                .add_partition_offset(&topic, partition, Offset::Offset(position))
+                .map_err(|e| RtflowError::source(&self.source, e.to_string()))?;
             let lag = self.lag.partition(&topic, &partition.to_string());
             lag.set_position(position);
             self.watch.watch(&topic, partition, lag.clone());
@@ -702,15 +713,16 @@ impl SourceReader<KafkaRecord> for KafkaReader {
             self.positions.push(position);
             self.lags.push(lag);
         }
-        let mut assignment = TopicPartitionList::new();
-        for ((topic, partition), offset) in self.partitions.iter().zip(&self.positions) {
-            assignment
-                .add_partition_offset(topic, *partition, Offset::Offset(*offset))
-                .map_err(|e| RtflowError::source(&self.source, e.to_string()))?;
-        }
-        self.consumer.assign(&assignment).map_err(|e| {
+        let changed = |e: KafkaError| {
             RtflowError::source(&self.source, format!("could not change partitions: {e}"))
-        })
+        };
+        if gone.count() > 0 {
+            self.consumer.incremental_unassign(&gone).map_err(changed)?;
+        }
+        if added.count() > 0 {
+            self.consumer.incremental_assign(&added).map_err(changed)?;
+        }
+        Ok(())
     }
 
     fn poll(
