@@ -35,7 +35,8 @@
 //! visible. Each run prints one JSON line to stdout (latency in ms; for
 //! rtflow in one process also its processing latency, read -> handed to the
 //! producer, and its source queuing latency, Kafka timestamp -> read, from
-//! `query.metrics()`), and the CPU this process's threads (by name) and the
+//! `query.metrics()`; for the relay its own source queuing, sampled one
+//! record in 16), and the CPU this process's threads (by name) and the
 //! local broker used while the records measured were produced, in percent of
 //! a core (`common/cpu.rs`); the command, a summary table, each rtflow pipeline's
 //! ratio to its floor (`relay`, or `relay-eo` for the exactly-once ones) at
@@ -98,6 +99,9 @@ const PRODUCED_US: &str = "produced-us";
 const WARM_UP: Duration = Duration::from_secs(2);
 /// The producer's pacing interval.
 const TICK: Duration = Duration::from_millis(1);
+/// The relay reads the clock for one record in this many: its source queuing
+/// without a system call per record.
+const QUEUING_SAMPLE: u64 = 16;
 /// How long the consumer waits for the last records once the producer is done.
 const DRAIN: Duration = Duration::from_secs(10);
 
@@ -114,6 +118,9 @@ struct Args {
     /// The exactly-once pipelines' batch duration (the query's trigger, the
     /// relay's commit interval), in milliseconds.
     batch_ms: u64,
+    /// rtflow's readers of the input (`KafkaSource::max_partitions`); 0, the
+    /// default, runs one per partition.
+    readers: u64,
     /// What runs at each rate, in this order.
     pipelines: Vec<Pipeline>,
     /// librdkafka settings (`key=value`) for the source, the sink, the bench's
@@ -128,8 +135,8 @@ struct Args {
 impl Args {
     /// Reads `--bootstrap HOST:PORT`, `--rates N,N,...` (or `--rate N`),
     /// `--pipelines NAME,...`, `--partitions N`, `--seconds N`, `--record-bytes
-    /// N`, `--batch-ms N` and the `--*-option KEY=VALUE`s; ignores anything else, such as the `--bench` that `cargo
-    /// bench` passes.
+    /// N`, `--batch-ms N`, `--readers N` and the `--*-option KEY=VALUE`s;
+    /// ignores anything else, such as the `--bench` that `cargo bench` passes.
     fn parse() -> Self {
         let mut args = Self {
             bootstrap: std::env::var("RTFLOW_KAFKA_BOOTSTRAP")
@@ -139,6 +146,7 @@ impl Args {
             seconds: 20,
             record_bytes: 1_200,
             batch_ms: 300,
+            readers: 0,
             pipelines: Pipeline::ALL.to_vec(),
             source_options: Vec::new(),
             sink_options: Vec::new(),
@@ -192,6 +200,7 @@ impl Args {
                 "--seconds" => &mut args.seconds,
                 "--record-bytes" => &mut args.record_bytes,
                 "--batch-ms" => &mut args.batch_ms,
+                "--readers" => &mut args.readers,
                 _ => continue,
             };
             *value = words
@@ -253,13 +262,24 @@ fn produce(args: &Args, rate: u64, topic: &str, until: Instant) -> BenchResult<u
                 key: PRODUCED_US,
                 value: Some(&stamp),
             });
-            let record = BaseRecord::<(), _>::to(topic)
+            let mut record = BaseRecord::<(), _>::to(topic)
                 .partition((sent % args.partitions) as i32)
                 .payload(&payload)
                 .headers(headers);
-            producer
-                .send(record)
-                .map_err(|(error, _)| format!("could not produce: {error}"))?;
+            // A full local queue (a broker still warming up, seconds behind)
+            // delays the record, whose stamp keeps the time it was due.
+            loop {
+                match producer.send(record) {
+                    Ok(()) => break,
+                    Err((error, unsent))
+                        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) =>
+                    {
+                        record = unsent;
+                        std::thread::sleep(TICK);
+                    }
+                    Err((error, _)) => return Err(format!("could not produce: {error}").into()),
+                }
+            }
             sent += 1;
         }
         std::thread::sleep(TICK);
@@ -323,6 +343,9 @@ fn build(flow: &Dataflow, args: &Args, input: &str, output: &str, exactly_once: 
     let mut source = KafkaSource::new(&args.bootstrap)
         .subscribe([input])
         .starting_offsets(StartingOffsets::Earliest);
+    if args.readers > 0 {
+        source = source.max_partitions(args.readers as usize);
+    }
     for (key, value) in &args.source_options {
         source = source.option(&format!("kafka.{key}"), value);
     }
@@ -435,22 +458,45 @@ fn start(
 /// Relays `input` to `output` until `stop`: each record to the same partition,
 /// with the key, value and headers it was read with. One thread polls the
 /// consumer and serves the producer, as a minimal hand-written relay does.
-fn relay(args: &Args, input: &str, output: &str, stop: &AtomicBool) -> BenchResult<()> {
+///
+/// Returns the source queuing (Kafka timestamp to read, µs) of every
+/// `QUEUING_SAMPLE`th record stamped from `measure_from_us` on (the relay
+/// starts with the producer, so the first records wait for its first fetch),
+/// measured as rtflow's source measures its own.
+fn relay(
+    args: &Args,
+    input: &str,
+    output: &str,
+    stop: &AtomicBool,
+    measure_from_us: u64,
+) -> BenchResult<Vec<u64>> {
     let (consumer, producer) = relay_clients(
         args,
         input,
         &[("group.id", "rtflow-bench-relay".to_owned())],
         &[],
     )?;
+    let mut queuing = Vec::new();
+    let mut read = 0u64;
     while !stop.load(Ordering::Acquire) {
         producer.poll(Duration::ZERO);
         let Some(message) = consumer.poll(Duration::from_millis(1)) else {
             continue;
         };
-        forward(&producer, &message?, output)?;
+        let message = message?;
+        read += 1;
+        if read.is_multiple_of(QUEUING_SAMPLE) {
+            match message.timestamp().to_millis() {
+                Some(ms) if ms as u64 * 1000 >= measure_from_us => {
+                    queuing.push(now_us().saturating_sub(ms as u64 * 1000));
+                }
+                _ => {}
+            }
+        }
+        forward(&producer, &message, output)?;
     }
     producer.flush(Duration::from_secs(30))?;
-    Ok(())
+    Ok(queuing)
 }
 
 /// A relay's consumer of every partition of `input` from the beginning, and
@@ -665,11 +711,24 @@ struct Run {
     quarters: (f64, f64),
     /// rtflow's own figures (rtflow runs in one process only).
     rtflow: Option<LatencyReport>,
+    /// The at-least-once relay's source queuing, sorted, microseconds (a
+    /// sample; empty for the other pipelines).
+    relay_queuing: Vec<u64>,
     /// The CPU used while the records measured were produced.
     cpu: cpu::Usage,
 }
 
 impl Run {
+    /// The relay's source queuing p50 and p99 in milliseconds, if sampled.
+    fn relay_queuing(&self) -> Option<[f64; 2]> {
+        let sorted = &self.relay_queuing;
+        let ms = |q: f64| {
+            let rank = (q * sorted.len() as f64).ceil() as usize;
+            sorted[rank.clamp(1, sorted.len()) - 1] as f64 / 1000.0
+        };
+        (!sorted.is_empty()).then(|| [ms(0.5), ms(0.99)])
+    }
+
     /// The `q` quantile (nearest rank) in milliseconds.
     fn ms(&self, q: f64) -> f64 {
         let rank = (q * self.latencies.len() as f64).ceil() as usize;
@@ -724,7 +783,7 @@ fn run(args: &Args, rate: u64, pipeline: Pipeline) -> BenchResult<Run> {
     let until = Instant::now() + Duration::from_secs(args.seconds);
     let expected = AtomicU64::new(u64::MAX);
     let stop_relay = AtomicBool::new(false);
-    let (produced, (received, mut latencies), cpu) = std::thread::scope(|scope| {
+    let (produced, (received, mut latencies), cpu, mut queuing) = std::thread::scope(|scope| {
         let cpu = scope.spawn(|| {
             std::thread::sleep(WARM_UP);
             let from = cpu::Sample::now();
@@ -733,10 +792,10 @@ fn run(args: &Args, rate: u64, pipeline: Pipeline) -> BenchResult<Run> {
         });
         let relay = match pipeline {
             Pipeline::Relay => Some(named("relay", scope, || {
-                relay(args, &input, &output, &stop_relay)
+                relay(args, &input, &output, &stop_relay, measure_from_us)
             })),
             Pipeline::RelayExactlyOnce => Some(named("relay", scope, || {
-                relay_exactly_once(args, &input, &output, &stop_relay)
+                relay_exactly_once(args, &input, &output, &stop_relay).map(|()| Vec::new())
             })),
             _ => None,
         };
@@ -754,11 +813,12 @@ fn run(args: &Args, rate: u64, pipeline: Pipeline) -> BenchResult<Run> {
         expected.store(*produced.as_ref().unwrap_or(&0), Ordering::Release);
         let consumed = consumer.join().expect("the consumer thread does not panic");
         stop_relay.store(true, Ordering::Release);
-        if let Some(relay) = relay {
-            relay.join().expect("the relay thread does not panic")?;
-        }
+        let relay_queuing = match relay {
+            Some(relay) => relay.join().expect("the relay thread does not panic")?,
+            None => Vec::new(),
+        };
         let cpu = cpu.join().expect("the CPU sampler does not panic");
-        Ok::<_, BoxError>((produced?, consumed?, cpu))
+        Ok::<_, BoxError>((produced?, consumed?, cpu, relay_queuing))
     })?;
     let rtflow = match query {
         Some(query) => {
@@ -784,6 +844,7 @@ fn run(args: &Args, rate: u64, pipeline: Pipeline) -> BenchResult<Run> {
         median_ms(&latencies[latencies.len() * 3 / 4..]),
     );
     latencies.sort_unstable();
+    queuing.sort_unstable();
     Ok(Run {
         pipeline,
         rate,
@@ -792,6 +853,7 @@ fn run(args: &Args, rate: u64, pipeline: Pipeline) -> BenchResult<Run> {
         latencies,
         quarters,
         rtflow,
+        relay_queuing: queuing,
         cpu,
     })
 }
@@ -818,9 +880,13 @@ fn main() -> BenchResult<()> {
     .collect();
     let rates: Vec<String> = args.rates.iter().map(u64::to_string).collect();
     let pipelines: Vec<&str> = args.pipelines.iter().map(|p| p.name()).collect();
+    let readers = match args.readers {
+        0 => String::new(),
+        n => format!(" --readers {n}"),
+    };
     eprintln!(
         "command: cargo bench --bench kafka_latency -- --bootstrap {} --rates {} --pipelines {} \
-         --batch-ms {} --partitions {} --seconds {} --record-bytes {}{options}",
+         --batch-ms {} --partitions {} --seconds {} --record-bytes {}{readers}{options}",
         args.bootstrap,
         rates.join(","),
         pipelines.join(","),
@@ -873,6 +939,12 @@ fn print_json(args: &Args, run: &Run) {
             latency.source_queuing.p99
         )
     });
+    let relay = match run.relay_queuing() {
+        Some([p50, p99]) => format!(
+            ",\"relay_source_queuing_p50_ms\":{p50:.3},\"relay_source_queuing_p99_ms\":{p99:.3}"
+        ),
+        None => String::new(),
+    };
     let threads: Vec<String> = run
         .cpu
         .by_thread
@@ -891,7 +963,7 @@ fn print_json(args: &Args, run: &Run) {
          \"received\":{},\"rate\":{},\"partitions\":{},\"record_bytes\":{},\"seconds\":{},\
          \"p50_ms\":{p50:.3},\"p90_ms\":{p90:.3},\"p95_ms\":{p95:.3},\"p99_ms\":{p99:.3},\
          \"p999_ms\":{p999:.3},\"max_ms\":{max:.3},\"first_quarter_p50_ms\":{:.3},\
-         \"last_quarter_p50_ms\":{:.3},\"sustained\":{}{rtflow}{cpu}}}",
+         \"last_quarter_p50_ms\":{:.3},\"sustained\":{}{rtflow}{relay}{cpu}}}",
         run.pipeline.name(),
         run.latencies.len(),
         run.produced,
@@ -929,8 +1001,11 @@ fn print_summary(args: &Args, runs: &[Run]) {
     );
     for run in runs {
         let row = run.percentiles().map(|ms| format!("{ms:.2}")).join(" / ");
+        let relay = run
+            .relay_queuing()
+            .map(|[p50, p99]| format!("{p50:.2} / {p99:.2}"));
         let (processing, queuing) = run.rtflow.map_or_else(
-            || ("-".to_owned(), "-".to_owned()),
+            || ("-".to_owned(), relay.unwrap_or_else(|| "-".to_owned())),
             |latency| {
                 (
                     format!(
