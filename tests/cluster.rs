@@ -47,6 +47,9 @@ const CHILD_RETRY: &str = "RTFLOW_CLUSTER_RETRY_MS";
 /// The host a child stands for, when not the only one: its checkpoint
 /// location is then its own although its instance name is not.
 const CHILD_HOST: &str = "RTFLOW_CLUSTER_HOST";
+/// Fault injection points (as `FAILPOINTS`) a child sets just before it
+/// stops its query, so that they meet its final checkpoint.
+const CHILD_STOP_FAILPOINTS: &str = "RTFLOW_CLUSTER_STOP_FAILPOINTS";
 
 const PARTITIONS: i32 = 6;
 const KEYS: usize = 10;
@@ -498,7 +501,17 @@ fn cluster_child() {
         write(&status, owned);
         std::thread::sleep(Duration::from_millis(50));
     }
-    running.stop().expect("the child leaves cleanly");
+    if let Ok(failpoints) = std::env::var(CHILD_STOP_FAILPOINTS) {
+        for (name, actions) in failpoints.split(';').filter_map(|f| f.split_once('=')) {
+            fail::cfg(name, actions).expect("a failpoint's actions");
+        }
+    }
+    if let Err(error) = running.stop() {
+        panic!(
+            "the child did not leave cleanly: {}: {error}",
+            error.error_class()
+        );
+    }
 }
 
 /// A dataflow of the tests: the bootstrap servers, then the input, counts
@@ -543,6 +556,8 @@ struct Cluster {
     restore_timeout: Option<Duration>,
     /// The children's retry timeout, if not the default.
     retry_timeout: Option<Duration>,
+    /// What the next child started sets at its stop (`CHILD_STOP_FAILPOINTS`).
+    stop_failpoints: Option<String>,
 }
 
 impl Cluster {
@@ -568,6 +583,7 @@ impl Cluster {
             session_timeout: None,
             restore_timeout: None,
             retry_timeout: None,
+            stop_failpoints: None,
         }
     }
 
@@ -608,6 +624,14 @@ impl Cluster {
         self.spawn_on("", instance, failpoints);
     }
 
+    /// Starts `instance`, which sets `failpoints` just before it stops its
+    /// query: its final checkpoint meets them, and no checkpoint before.
+    fn spawn_failing_at_stop(&mut self, instance: &str, failpoints: &str) {
+        self.stop_failpoints = Some(failpoints.to_owned());
+        self.spawn(instance);
+        self.stop_failpoints = None;
+    }
+
     /// Starts `instance` as if on another machine, `host`: with a checkpoint
     /// location of its own.
     fn spawn_on(&mut self, host: &str, instance: &str, failpoints: &str) {
@@ -646,6 +670,9 @@ impl Cluster {
         }
         if let Some(timeout) = self.retry_timeout {
             child.env(CHILD_RETRY, timeout.as_millis().to_string());
+        }
+        if let Some(failpoints) = &self.stop_failpoints {
+            child.env(CHILD_STOP_FAILPOINTS, failpoints);
         }
         let child = child
             .stdout(Stdio::null())
@@ -768,6 +795,20 @@ impl Cluster {
         let status = child.wait().unwrap();
         assert!(status.success(), "{instance} failed:\n{}", self.logs());
         let _ = std::fs::remove_file(self.dir.join(format!("{instance}.status")));
+    }
+
+    /// Stops `instance`, whose stop is to fail; its log.
+    fn stop_one_failing(&mut self, instance: &str) -> String {
+        std::fs::write(self.dir.join(format!("{instance}.stop")), b"").unwrap();
+        let mut child = self.children.remove(instance).unwrap();
+        let status = child.wait().unwrap();
+        assert!(
+            !status.success(),
+            "{instance} stopped cleanly:\n{}",
+            self.logs()
+        );
+        let _ = std::fs::remove_file(self.dir.join(format!("{instance}.status")));
+        std::fs::read_to_string(self.dir.join(format!("{instance}.log"))).unwrap_or_default()
     }
 
     fn kill(&mut self, instance: &str) {
@@ -1600,6 +1641,35 @@ fn a_run_that_fails_to_adopt_restarts_without_what_it_did_since_its_last_commit(
         "p0 adopted p1's partitions:\n{}",
         cluster.logs()
     );
+    produce(&bootstrap, &cluster.input, flush_records());
+    let (expected_counts, expected_windows) = reference(total);
+    cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
+/// A process whose final checkpoint fails says so when it stops, rather than
+/// leave as if its last records had committed; the next process to take its
+/// place counts them once.
+#[test]
+fn a_final_checkpoint_that_fails_fails_the_stop() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let total = 3_000;
+    let half = total / 2;
+    produce(&bootstrap, &cluster.input, (0..half).map(record));
+    cluster.spawn_failing_at_stop(
+        "p0",
+        "checkpoint-commit=return(the final checkpoint failed)",
+    );
+    cluster.wait_for_shares(Duration::from_secs(90));
+    cluster.outputs(1, 0, Duration::from_secs(60));
+    produce(&bootstrap, &cluster.input, (half..total).map(record));
+    let log = cluster.stop_one_failing("p0");
+    assert!(
+        log.contains("the child did not leave cleanly: CHECKPOINT_FAILED")
+            && log.contains("the final checkpoint failed"),
+        "p0's stop did not return its final checkpoint's error:\n{log}"
+    );
+    cluster.spawn("p0");
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);
