@@ -57,7 +57,7 @@
 //! relay's consumer and producer (both). The relay reads as rtflow's source
 //! does (`fetch.wait.max.ms=5`) and produces with the settings that measured
 //! best for it (`linger.ms=1`, 5 requests in flight: lower p99 than rtflow's
-//! sink defaults of `linger.ms=0` and one request; docs/performance.md).
+//! sink's one request in flight; docs/performance.md).
 //!
 //! ```text
 //! scripts/kafka.sh start

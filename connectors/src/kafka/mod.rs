@@ -6,7 +6,7 @@
 //!   group and no rebalancing.
 //! - [`KafkaSink`] writes records to a fixed topic or to the topic each record
 //!   names, with one request in flight by default (records keep their order on
-//!   retries); at-least-once (`linger.ms=0`), or exactly-once through Kafka
+//!   retries); at-least-once (`linger.ms=0.2`), or exactly-once through Kafka
 //!   transactions committed with each checkpoint (`exactly_once`, `linger.ms=20`:
 //!   its records show only at the commit).
 //! - [`KafkaCluster`] runs one query in several processes: a consumer group
