@@ -268,17 +268,12 @@ fn produce(args: &Args, rate: u64, topic: &str, until: Instant) -> BenchResult<u
                 .headers(headers);
             // A full local queue (a broker still warming up, seconds behind)
             // delays the record, whose stamp keeps the time it was due.
-            loop {
-                match producer.send(record) {
-                    Ok(()) => break,
-                    Err((error, unsent))
-                        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) =>
-                    {
-                        record = unsent;
-                        std::thread::sleep(TICK);
-                    }
-                    Err((error, _)) => return Err(format!("could not produce: {error}").into()),
+            while let Err((error, unsent)) = producer.send(record) {
+                if error.rdkafka_error_code() != Some(RDKafkaErrorCode::QueueFull) {
+                    return Err(format!("could not produce: {error}").into());
                 }
+                std::thread::sleep(TICK);
+                record = unsent;
             }
             sent += 1;
         }
@@ -722,17 +717,12 @@ impl Run {
     /// The relay's source queuing p50 and p99 in milliseconds, if sampled.
     fn relay_queuing(&self) -> Option<[f64; 2]> {
         let sorted = &self.relay_queuing;
-        let ms = |q: f64| {
-            let rank = (q * sorted.len() as f64).ceil() as usize;
-            sorted[rank.clamp(1, sorted.len()) - 1] as f64 / 1000.0
-        };
-        (!sorted.is_empty()).then(|| [ms(0.5), ms(0.99)])
+        (!sorted.is_empty()).then(|| [quantile_ms(sorted, 0.5), quantile_ms(sorted, 0.99)])
     }
 
-    /// The `q` quantile (nearest rank) in milliseconds.
+    /// The `q` quantile of the latencies in milliseconds.
     fn ms(&self, q: f64) -> f64 {
-        let rank = (q * self.latencies.len() as f64).ceil() as usize;
-        self.latencies[rank.clamp(1, self.latencies.len()) - 1] as f64 / 1000.0
+        quantile_ms(&self.latencies, q)
     }
 
     fn percentiles(&self) -> [f64; 6] {
@@ -917,6 +907,12 @@ fn named<'scope, T: Send + 'scope>(
         .name(name.to_owned())
         .spawn_scoped(scope, f)
         .expect("a thread starts")
+}
+
+/// The `q` quantile (nearest rank) of `sorted` (µs, not empty) in milliseconds.
+fn quantile_ms(sorted: &[u64], q: f64) -> f64 {
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1] as f64 / 1000.0
 }
 
 /// The median of `latencies` (µs, any order, not empty) in milliseconds.

@@ -790,25 +790,28 @@ impl Cluster {
 
     /// Tells `instance` alone to stop cleanly, and waits until it did.
     fn stop_one(&mut self, instance: &str) {
-        std::fs::write(self.dir.join(format!("{instance}.stop")), b"").unwrap();
-        let mut child = self.children.remove(instance).unwrap();
-        let status = child.wait().unwrap();
+        let status = self.stop_child(instance);
         assert!(status.success(), "{instance} failed:\n{}", self.logs());
-        let _ = std::fs::remove_file(self.dir.join(format!("{instance}.status")));
     }
 
     /// Stops `instance`, whose stop is to fail; its log.
     fn stop_one_failing(&mut self, instance: &str) -> String {
-        std::fs::write(self.dir.join(format!("{instance}.stop")), b"").unwrap();
-        let mut child = self.children.remove(instance).unwrap();
-        let status = child.wait().unwrap();
+        let status = self.stop_child(instance);
         assert!(
             !status.success(),
             "{instance} stopped cleanly:\n{}",
             self.logs()
         );
-        let _ = std::fs::remove_file(self.dir.join(format!("{instance}.status")));
         std::fs::read_to_string(self.dir.join(format!("{instance}.log"))).unwrap_or_default()
+    }
+
+    /// Tells `instance` to stop and waits for it; how it exited.
+    fn stop_child(&mut self, instance: &str) -> std::process::ExitStatus {
+        std::fs::write(self.dir.join(format!("{instance}.stop")), b"").unwrap();
+        let mut child = self.children.remove(instance).unwrap();
+        let status = child.wait().unwrap();
+        let _ = std::fs::remove_file(self.dir.join(format!("{instance}.status")));
+        status
     }
 
     fn kill(&mut self, instance: &str) {
