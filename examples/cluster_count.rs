@@ -15,9 +15,14 @@
 //! scripts/kafka.sh consume rtflow-clicks-per-user 10
 //! ```
 //!
-//! Every few seconds each process prints the partitions it runs. `--seconds`
-//! bounds how long it runs (default: until killed); `--metrics-address
-//! HOST:PORT` serves its Prometheus metrics, the partitions it owns among them.
+//! Each process prints the partitions it runs whenever they change.
+//! `--seconds` bounds how long it runs (default: until stopped); SIGTERM or
+//! Ctrl-C stops it with a final checkpoint, and it leaves the groups, so that
+//! the others take its partitions over at once. `--metrics-address
+//! HOST:PORT` serves its Prometheus metrics, the partitions it owns among
+//! them; `--checkpoint-location DIR` keeps copies of the changelog partitions
+//! it restored there (on a volume of its own), so that a restart reads only
+//! the changelog written since.
 
 mod common;
 
@@ -51,48 +56,55 @@ struct Args {
     /// Stop after this many seconds.
     #[arg(long)]
     seconds: Option<u64>,
+    /// Where the process keeps its copies of changelog partitions (default:
+    /// none kept; every restore reads the changelog).
+    #[arg(long, value_name = "DIR")]
+    checkpoint_location: Option<std::path::PathBuf>,
     #[command(flatten)]
     metrics: common::MetricsArgs,
+    #[command(flatten)]
+    stop: common::StopArgs,
 }
 
 fn main() -> std::result::Result<(), BoxError> {
     let args = Args::parse();
     common::init_tracing();
+    let shutdown = args.stop.on_signals()?;
     let admin = KafkaAdmin::new(&args.bootstrap)?;
     admin.create_topic(INPUT, args.partitions)?;
     admin.create_topic(OUTPUT, args.partitions)?;
 
     let bootstrap = args.bootstrap.clone();
+    // Each checkpoint is a Kafka transaction, and read_committed readers see
+    // the output when it commits: the interval bounds that delay.
+    let mut config = QueryConfig::new(&args.query)
+        .trigger(Trigger::real_time("1 second"))
+        .min_batch_duration(Duration::from_secs(1));
+    if let Some(location) = &args.checkpoint_location {
+        config = config.checkpoint_location(location);
+    }
     let query = KafkaCluster::new(&args.bootstrap)
         .instance(&args.instance)
         .repartition_partitions(args.partitions as usize)
-        .start(
-            // Each checkpoint is a Kafka transaction, and read_committed readers
-            // see the output when it commits: the interval bounds that delay.
-            args.metrics.apply(
-                QueryConfig::new(&args.query)
-                    .trigger(Trigger::real_time("1 second"))
-                    .min_batch_duration(Duration::from_secs(1)),
-            ),
-            move |flow| {
-                flow.source(
-                    KafkaSource::new(&bootstrap)
-                        .subscribe([INPUT])
-                        .starting_offsets(StartingOffsets::Earliest),
-                )
-                .map(|click: KafkaRecord| click.key_str().into_owned())
-                .repartition_by(|user: &String| user.clone())
-                .count()
-                .sink(KafkaSink::new(
-                    &bootstrap,
-                    OUTPUT,
-                    |(user, clicks): &(String, u64)| {
-                        KafkaMessage::new(format!("{user}:{clicks}")).key(user.clone())
-                    },
-                ));
-                Ok(())
-            },
-        )?;
+        .start(args.metrics.apply(config), move |flow| {
+            flow.source(
+                KafkaSource::new(&bootstrap)
+                    .subscribe([INPUT])
+                    .starting_offsets(StartingOffsets::Earliest),
+            )
+            .map(|click: KafkaRecord| click.key_str().into_owned())
+            .repartition_by(|user: &String| user.clone())
+            .count()
+            .sink(KafkaSink::new(
+                &bootstrap,
+                OUTPUT,
+                |(user, clicks): &(String, u64)| {
+                    KafkaMessage::new(format!("{user}:{clicks}")).key(user.clone())
+                },
+            ));
+            Ok(())
+        })?;
+    shutdown.stop_on_signal(&query);
     args.metrics.announce();
     if let Some(rate) = args.produce {
         common::spawn_producer(&args.bootstrap, INPUT, rate, |n| {
@@ -103,15 +115,14 @@ fn main() -> std::result::Result<(), BoxError> {
         "{} runs its share of query '{}': {INPUT} -> count per user -> {OUTPUT}",
         args.instance, args.query
     );
-    let started = Instant::now();
-    let mut shown = Vec::new();
-    while args
+    let deadline = args
         .seconds
-        .is_none_or(|s| started.elapsed() < Duration::from_secs(s))
+        .map(|seconds| Instant::now() + Duration::from_secs(seconds));
+    let mut shown = Vec::new();
+    // Short waits, so that a change of share shows as it happens.
+    while deadline.is_none_or(|deadline| Instant::now() < deadline)
+        && !query.await_termination(Some(Duration::from_millis(100)))?
     {
-        if query.await_termination(Duration::from_secs(2))? {
-            return Ok(());
-        }
         let mut partitions = query.partitions();
         partitions.sort();
         if partitions != shown {
@@ -120,5 +131,11 @@ fn main() -> std::result::Result<(), BoxError> {
         }
     }
     query.stop()?;
+    println!(
+        "{} left query '{}' after {} runs",
+        args.instance,
+        args.query,
+        query.runs()
+    );
     Ok(())
 }

@@ -3,8 +3,9 @@
 //! Prints every record of `--topic` (default `rtflow-input`) whose value contains
 //! `--contains TEXT` (default: every record) as `partition@offset key: value`,
 //! the line prefixed by the console writer's index. The topic is created if
-//! missing. After `--seconds` the query stops and the example prints how many
-//! records went through and their latency.
+//! missing. After `--seconds`, or at SIGTERM or Ctrl-C, the query stops with a
+//! final checkpoint and the example prints how many records went through and
+//! their latency.
 //!
 //! ```text
 //! scripts/kafka.sh start
@@ -51,11 +52,16 @@ struct Args {
     partitions: i32,
     #[command(flatten)]
     metrics: common::MetricsArgs,
+    #[command(flatten)]
+    checkpoints: common::CheckpointArgs,
+    #[command(flatten)]
+    stop: common::StopArgs,
 }
 
 fn main() -> std::result::Result<(), BoxError> {
     let args = Args::parse();
     common::init_tracing();
+    let shutdown = args.stop.on_signals()?;
     KafkaAdmin::new(&args.bootstrap)?.create_topic(&args.topic, args.partitions)?;
 
     let starting_offsets = if args.from_beginning {
@@ -82,14 +88,14 @@ fn main() -> std::result::Result<(), BoxError> {
         )
     }));
 
-    let checkpoints = std::env::temp_dir().join("rtflow-kafka-console");
     let query = flow.start(
         args.metrics.apply(
             QueryConfig::new("kafka-console")
-                .checkpoint_location(checkpoints)
+                .checkpoint_location(args.checkpoints.or_temporary("kafka-console"))
                 .trigger(Trigger::real_time("30 seconds")),
         ),
     )?;
+    shutdown.stop_on_signal(&query);
     args.metrics.announce();
     // Started after the query, whose readers begin at the latest offsets by default.
     if let Some(rate) = args.produce {

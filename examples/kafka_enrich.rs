@@ -6,8 +6,9 @@
 //! `rtflow-enriched`, keyed by user id; an unknown user keeps its event with
 //! `"user":null`. The users come from a built-in list, or from a CSV file with
 //! the header `id,name,country` given as `--users FILE`. Both topics are created
-//! if missing. After `--seconds` the query stops and the example prints how many
-//! records went through and their latency.
+//! if missing. After `--seconds`, or at SIGTERM or Ctrl-C, the query stops
+//! with a final checkpoint and the example prints how many records went
+//! through and their latency.
 //!
 //! ```text
 //! scripts/kafka.sh start
@@ -53,6 +54,10 @@ struct Args {
     partitions: i32,
     #[command(flatten)]
     metrics: common::MetricsArgs,
+    #[command(flatten)]
+    checkpoints: common::CheckpointArgs,
+    #[command(flatten)]
+    stop: common::StopArgs,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -111,6 +116,7 @@ fn load_users(file: Option<&PathBuf>) -> Result<StaticTable<u32, User>> {
 fn main() -> std::result::Result<(), BoxError> {
     let args = Args::parse();
     common::init_tracing();
+    let shutdown = args.stop.on_signals()?;
     let users = load_users(args.users.as_ref())?;
     let admin = KafkaAdmin::new(&args.bootstrap)?;
     admin.create_topic(INPUT, args.partitions)?;
@@ -126,14 +132,14 @@ fn main() -> std::result::Result<(), BoxError> {
             KafkaMessage::new(to_json(row)).key(row.0.user_id.to_string())
         }));
 
-    let checkpoints = std::env::temp_dir().join("rtflow-kafka-enrich");
     let query = flow.start(
         args.metrics.apply(
             QueryConfig::new("kafka-enrich")
-                .checkpoint_location(checkpoints)
+                .checkpoint_location(args.checkpoints.or_temporary("kafka-enrich"))
                 .trigger(Trigger::real_time("30 seconds")),
         ),
     )?;
+    shutdown.stop_on_signal(&query);
     args.metrics.announce();
     // Started after the query, whose readers begin at the latest offsets.
     if let Some(rate) = args.produce {

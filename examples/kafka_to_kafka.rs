@@ -4,8 +4,10 @@
 //! uppercases the value and writes it to `rtflow-output` under the same key; the
 //! Spark equivalent is `selectExpr("CAST(key AS STRING)", "upper(CAST(value AS
 //! STRING))")` between a Kafka source and a Kafka sink with a real-time trigger.
-//! Both topics are created if missing. After `--seconds` the query stops and the
-//! example prints how many records went through and their latency.
+//! Both topics are created if missing. After `--seconds`, or at SIGTERM or
+//! Ctrl-C, the query stops with a final checkpoint and the example prints how
+//! many records went through and their latency; started again, it resumes
+//! where it stopped.
 //!
 //! ```text
 //! scripts/kafka.sh start
@@ -16,7 +18,9 @@
 //! `--produce RATE` writes RATE test records per second to `rtflow-input` from a
 //! background thread; without it, feed the topic yourself, e.g. with
 //! `scripts/kafka.sh produce rtflow-input --keyed` ("key<TAB>value" lines).
-//! `--bootstrap HOST:PORT` points at another broker; `--metrics-address HOST:PORT`
+//! `--bootstrap HOST:PORT` points at another broker, `--input` and `--output`
+//! name other topics, `--from-beginning` reads the input's oldest records on a
+//! first start; `--metrics-address HOST:PORT`
 //! serves Prometheus metrics at `/metrics` there. `--exactly-once` writes
 //! each epoch in one Kafka transaction (read the output with
 //! `--isolation-level read_committed` to see it at each checkpoint).
@@ -28,15 +32,22 @@ use std::time::Duration;
 use clap::Parser;
 use rtflow::prelude::*;
 
-const INPUT: &str = "rtflow-input";
-const OUTPUT: &str = "rtflow-output";
-
 #[derive(Parser)]
 #[command(about = "rtflow: Kafka -> uppercase the value -> Kafka")]
 struct Args {
     /// Kafka bootstrap servers.
     #[arg(long, default_value = "127.0.0.1:9092")]
     bootstrap: String,
+    /// The topic to read.
+    #[arg(long, default_value = "rtflow-input")]
+    input: String,
+    /// The topic to write.
+    #[arg(long, default_value = "rtflow-output")]
+    output: String,
+    /// On a first start, read the input's oldest records instead of the
+    /// records appended from now on.
+    #[arg(long)]
+    from_beginning: bool,
     /// How long to run.
     #[arg(long, default_value_t = 30)]
     seconds: u64,
@@ -51,59 +62,74 @@ struct Args {
     exactly_once: bool,
     #[command(flatten)]
     metrics: common::MetricsArgs,
+    #[command(flatten)]
+    checkpoints: common::CheckpointArgs,
+    #[command(flatten)]
+    stop: common::StopArgs,
 }
 
 fn main() -> std::result::Result<(), BoxError> {
     let args = Args::parse();
     common::init_tracing();
+    let shutdown = args.stop.on_signals()?;
+    let (input, output) = (args.input.as_str(), args.output.as_str());
     let admin = KafkaAdmin::new(&args.bootstrap)?;
-    admin.create_topic(INPUT, args.partitions)?;
-    admin.create_topic(OUTPUT, args.partitions)?;
+    admin.create_topic(input, args.partitions)?;
+    admin.create_topic(output, args.partitions)?;
 
+    let starting_offsets = if args.from_beginning {
+        StartingOffsets::Earliest
+    } else {
+        StartingOffsets::Latest
+    };
     let flow = Dataflow::new("kafka-to-kafka");
-    flow.source(KafkaSource::new(&args.bootstrap).subscribe([INPUT]))
-        .name("kafka")
-        // CAST(key AS STRING) keeps a missing key missing.
-        .map(|record: KafkaRecord| {
-            let key = record.key.is_some().then(|| record.key_str().into_owned());
-            (key, record.value_str().to_uppercase())
-        })
-        .sink(
-            KafkaSink::new(
-                &args.bootstrap,
-                OUTPUT,
-                |(key, value): &(Option<String>, String)| {
-                    let message = KafkaMessage::new(value.clone());
-                    match key {
-                        Some(key) => message.key(key.clone()),
-                        None => message,
-                    }
-                },
-            )
-            .delivery(if args.exactly_once {
-                DeliveryGuarantee::ExactlyOnce
-            } else {
-                DeliveryGuarantee::AtLeastOnce
-            }),
-        );
+    flow.source(
+        KafkaSource::new(&args.bootstrap)
+            .subscribe([input])
+            .starting_offsets(starting_offsets),
+    )
+    .name("kafka")
+    // CAST(key AS STRING) keeps a missing key missing.
+    .map(|record: KafkaRecord| {
+        let key = record.key.is_some().then(|| record.key_str().into_owned());
+        (key, record.value_str().to_uppercase())
+    })
+    .sink(
+        KafkaSink::new(
+            &args.bootstrap,
+            output,
+            |(key, value): &(Option<String>, String)| {
+                let message = KafkaMessage::new(value.clone());
+                match key {
+                    Some(key) => message.key(key.clone()),
+                    None => message,
+                }
+            },
+        )
+        .delivery(if args.exactly_once {
+            DeliveryGuarantee::ExactlyOnce
+        } else {
+            DeliveryGuarantee::AtLeastOnce
+        }),
+    );
 
-    let checkpoints = std::env::temp_dir().join("rtflow-kafka-to-kafka");
     let query = flow.start(
         args.metrics.apply(
             QueryConfig::new("kafka-to-kafka")
-                .checkpoint_location(checkpoints)
+                .checkpoint_location(args.checkpoints.or_temporary("kafka-to-kafka"))
                 .trigger(Trigger::real_time("30 seconds")),
         ),
     )?;
+    shutdown.stop_on_signal(&query);
     args.metrics.announce();
     // Started after the query, whose readers begin at the latest offsets.
     if let Some(rate) = args.produce {
-        common::spawn_producer(&args.bootstrap, INPUT, rate, |n| {
+        common::spawn_producer(&args.bootstrap, input, rate, |n| {
             (format!("user-{}", n % 10), format!("event {n}"))
         })?;
     }
     println!(
-        "{INPUT} -> uppercase -> {OUTPUT} for {} s on {}",
+        "{input} -> uppercase -> {output} for {} s on {}",
         args.seconds, args.bootstrap
     );
     query.await_with_status(Duration::from_secs(args.seconds), std::io::stderr())?;

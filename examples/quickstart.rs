@@ -2,7 +2,8 @@
 //!
 //! Click events are generated as text lines, parsed, filtered to purchases,
 //! enriched with the user's country from a static table, and printed as they
-//! arrive. At the end it prints how many records went through and their latency.
+//! arrive. After `--seconds`, or at SIGTERM or Ctrl-C, the query stops with a
+//! final checkpoint and prints how many records went through and their latency.
 //!
 //! ```text
 //! cargo run --release --example quickstart -- --seconds 10
@@ -31,6 +32,10 @@ struct Args {
     partitions: usize,
     #[command(flatten)]
     metrics: common::MetricsArgs,
+    #[command(flatten)]
+    checkpoints: common::CheckpointArgs,
+    #[command(flatten)]
+    stop: common::StopArgs,
 }
 
 #[derive(Debug, Clone)]
@@ -69,6 +74,7 @@ fn parse(line: String) -> Option<Click> {
 fn main() -> Result<()> {
     let args = Args::parse();
     common::init_tracing();
+    let shutdown = args.stop.on_signals()?;
     let users = StaticTable::from_rows(
         "users",
         (0..50u32).map(|id| (id, COUNTRIES[id as usize % COUNTRIES.len()].to_owned())),
@@ -95,14 +101,14 @@ fn main() -> Result<()> {
         },
     ));
 
-    let checkpoints = std::env::temp_dir().join("rtflow-quickstart");
     let query = flow.start(
         args.metrics.apply(
             QueryConfig::new("quickstart")
-                .checkpoint_location(checkpoints)
+                .checkpoint_location(args.checkpoints.or_temporary("quickstart"))
                 .trigger(Trigger::real_time("30 seconds")),
         ),
     )?;
+    shutdown.stop_on_signal(&query);
     args.metrics.announce();
     let started = Instant::now();
     query.await_with_status(Duration::from_secs(args.seconds), std::io::stderr())?;

@@ -10,7 +10,8 @@
 //! joins, ...), [`connectors`] (Kafka, memory, generator, console, foreach, ...)
 //! and [`checkpoint`] (the checkpoint store and commit protocol).
 //! `use rtflow::prelude::*` brings in everything a dataflow needs;
-//! [`logging`] sets up logs for a program. With the
+//! [`logging`] sets up logs for a program, and [`shutdown`] stops its
+//! queries gracefully on SIGTERM and SIGINT. With the
 //! `testing` feature, `rtflow::testing` is a property-based harness for testing
 //! dataflows (crashes and restores included) against a batch reference.
 //!
@@ -45,6 +46,7 @@ pub use rtflow_operators as operators;
 pub use rtflow_runtime as runtime;
 
 pub mod logging;
+pub use rtflow_runtime::shutdown;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -69,6 +71,7 @@ pub mod prelude {
     pub use rtflow_operators::{DedupExt, Either, JoinWindow, StreamJoinExt};
     pub use rtflow_operators::{KeyedStreamExt, StreamExt};
     pub use rtflow_runtime::pipeline::{NamedSink, Pipeline, RunningPipeline};
+    pub use rtflow_runtime::shutdown::{Shutdown, Stoppable};
     pub use rtflow_runtime::{
         BoxError, Collector, Data, Dataflow, KeyedStream, Operator, OperatorContext, OutputMode,
         QueryConfig, Record, Result, RtflowError, StaticTable, Stream, StreamingQuery, Trigger,

@@ -2581,7 +2581,7 @@ fn a_clustered_sink_message_without_a_topic_fails_the_process_with_its_sink_erro
     );
     // Each run fails at the record; after three in a row the process gives up.
     let error = running
-        .await_termination(Duration::from_secs(120))
+        .await_termination(Some(Duration::from_secs(120)))
         .unwrap_err();
     assert_eq!(error.error_class(), "SINK_FAILED", "{error}");
     assert!(error.to_string().contains("names no topic"), "{error}");
@@ -2645,11 +2645,11 @@ fn a_failing_build_closure_fails_the_process_and_a_mended_one_counts_exactly_onc
     }
     let running = start(2, panics).unwrap();
     let error = running
-        .await_termination(Duration::from_secs(60))
+        .await_termination(Some(Duration::from_secs(60)))
         .unwrap_err();
     assert_names(&error, "INVALID_DATAFLOW");
     assert_eq!(running.exception(), Some(error.clone()));
-    assert_eq!(running.await_termination(Duration::ZERO), Err(error));
+    assert_eq!(running.await_termination(Some(Duration::ZERO)), Err(error));
     assert!(!running.is_active());
     drop(running);
 

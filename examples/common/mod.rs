@@ -1,18 +1,57 @@
-//! What the examples share: logs, `--metrics-address`, a test-input producer,
-//! the closing summary.
+//! What the examples share: logs, `--metrics-address`, `--checkpoint-location`,
+//! the graceful stop on SIGTERM and SIGINT (`--grace-period`), a test-input
+//! producer, the closing summary.
 #![allow(dead_code)]
 
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use rdkafka::producer::{BaseProducer, BaseRecord};
 use rdkafka::ClientConfig;
 use rtflow::prelude::*;
 
-/// Prints `RUST_LOG`-filtered logs to stderr (errors only by default), in
-/// colour only on a terminal.
+/// Prints `RUST_LOG`-filtered logs to stderr (warnings and errors by
+/// default, so that a damaged checkpoint passed over is seen), in colour only
+/// on a terminal.
 pub fn init_tracing() {
-    rtflow::logging::init("error");
+    rtflow::logging::init("warn");
+}
+
+/// `--grace-period`, which every example takes (`#[command(flatten)]`): the
+/// bound on a graceful stop.
+#[derive(clap::Args)]
+pub struct StopArgs {
+    /// On SIGTERM or SIGINT, stop with a final checkpoint within this many
+    /// seconds, else exit at once with status 1; a second signal exits at once.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    pub grace_period: u64,
+}
+
+impl StopArgs {
+    /// Takes SIGTERM and SIGINT over: call it before starting the query,
+    /// then hand the query to [`Shutdown::stop_on_signal`].
+    pub fn on_signals(&self) -> rtflow::Result<Shutdown> {
+        Ok(rtflow::shutdown::on_signals()?.grace_period(Duration::from_secs(self.grace_period)))
+    }
+}
+
+/// `--checkpoint-location`, which every example takes (`#[command(flatten)]`).
+#[derive(clap::Args)]
+pub struct CheckpointArgs {
+    /// Where the query keeps its checkpoints (default: a directory named
+    /// after the example in the system's temporary directory).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_location: Option<PathBuf>,
+}
+
+impl CheckpointArgs {
+    /// The location given, or `rtflow-<example>` in the temporary directory.
+    pub fn or_temporary(&self, example: &str) -> PathBuf {
+        self.checkpoint_location
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join(format!("rtflow-{example}")))
+    }
 }
 
 /// `--metrics-address`, which every example takes (`#[command(flatten)]`).

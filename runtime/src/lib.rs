@@ -30,6 +30,8 @@
 //!   alignment over an actor's lanes, as pure logic.
 //! - [`guard`]: user code and rtflow's own threads run under guards, so a
 //!   panic fails the query with a typed error instead of hanging it.
+//! - [`shutdown`]: graceful stop of queries on SIGTERM and SIGINT, within a
+//!   grace period.
 //! - [`query`]: the [`StreamingQuery`] handle; [`metrics`]: counters and latency;
 //!   [`progress`]: progress reports and listeners; `endpoint`: Prometheus
 //!   `/metrics`.
@@ -60,6 +62,7 @@ pub mod progress;
 pub mod query;
 pub mod record;
 mod shared;
+pub mod shutdown;
 pub mod state;
 pub mod table;
 pub mod tester;

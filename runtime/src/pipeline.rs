@@ -43,6 +43,7 @@ use crate::guard;
 use crate::progress::StreamingQueryProgress;
 use crate::query::{Prepared, Start, StreamingQuery};
 use crate::record::Data;
+use crate::shutdown::{StopRequest, Stoppable};
 
 /// A sink created once in a pipeline, which any of its flows write into: each
 /// flow opens writers of its own on it.
@@ -346,5 +347,17 @@ impl RunningPipeline {
             }
         }
         Ok(true)
+    }
+}
+
+impl Stoppable for RunningPipeline {
+    /// Asks every flow to stop, as [`stop`](Self::stop) does.
+    fn stop_request(&self) -> StopRequest {
+        let flows: Vec<StopRequest> = self
+            .flows
+            .iter()
+            .map(|(_, query)| query.stop_request())
+            .collect();
+        StopRequest::new(move || flows.iter().for_each(StopRequest::send))
     }
 }

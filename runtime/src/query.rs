@@ -23,6 +23,7 @@ use crate::plan::{validate, Plan};
 use crate::progress::{ClusterProgress, StreamingQueryProgress, StreamingQueryStatus};
 use crate::record::Epoch;
 use crate::shared::{Lifecycle, QueryShared};
+use crate::shutdown::{StopRequest, Stoppable};
 
 /// A running query: its identity, status, metrics, and how to stop it.
 ///
@@ -468,6 +469,20 @@ impl StreamingQuery {
         if let Some(thread) = thread {
             let _ = thread.join();
         }
+    }
+}
+
+impl Stoppable for StreamingQuery {
+    /// Asks the coordinator to stop the query as [`stop`](Self::stop) does.
+    /// The request holds the coordinator weakly: it keeps nothing of an
+    /// ended query alive.
+    fn stop_request(&self) -> StopRequest {
+        let coordinator = self.coordinator.downgrade();
+        StopRequest::new(move || {
+            if let Some(coordinator) = coordinator.upgrade() {
+                coordinator.do_send(StopQuery);
+            }
+        })
     }
 }
 

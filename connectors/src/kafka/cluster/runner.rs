@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::{ClientContext, TopicPartitionList};
 use rtflow_runtime::cluster::{ClusterRecovery, Handover};
+use rtflow_runtime::shutdown::{StopRequest, Stoppable};
 use rtflow_runtime::{
     guard, Dataflow, Epoch, QueryConfig, Result, RtflowError, StreamingQuery,
     StreamingQueryProgress,
@@ -399,12 +400,13 @@ impl ClusteredQuery {
             .is_some_and(|thread| !thread.is_finished())
     }
 
-    /// Waits up to `timeout` for the process's part to end; its error, if it
-    /// failed. `Ok(false)` when it still runs.
-    pub fn await_termination(&self, timeout: Duration) -> Result<bool> {
-        let deadline = Instant::now() + timeout;
+    /// Waits until the process's part of the query ends, or at most
+    /// `timeout`. Returns whether it ended, or the error it failed with;
+    /// as [`StreamingQuery::await_termination`].
+    pub fn await_termination(&self, timeout: Option<Duration>) -> Result<bool> {
+        let deadline = timeout.map(|timeout| Instant::now() + timeout);
         while self.is_active() {
-            if Instant::now() >= deadline {
+            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
                 return Ok(false);
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -440,6 +442,20 @@ impl ClusteredQuery {
             *ended = Some(outcome);
         }
         ended.clone().unwrap_or(Ok(()))
+    }
+}
+
+impl Stoppable for ClusteredQuery {
+    /// Asks the process's part to stop as [`stop`](Self::stop) does: with a
+    /// final checkpoint, leaving the groups. The request holds the process's
+    /// part weakly: it keeps nothing of an ended one alive.
+    fn stop_request(&self) -> StopRequest {
+        let shared = Arc::downgrade(&self.shared);
+        StopRequest::new(move || {
+            if let Some(shared) = shared.upgrade() {
+                shared.stop.store(true, Ordering::SeqCst);
+            }
+        })
     }
 }
 
