@@ -478,9 +478,9 @@ fn the_harness_catches_an_operator_that_double_counts_after_a_restore() {
 
 #[test]
 fn the_testing_guide_shows_its_example_test_as_it_runs() {
-    let guide = include_str!("../docs/testing.md");
+    let guide = include_str!("../docs/guide/testing.md");
     assert!(
         guide.contains(include_str!("testing_guide.rs")),
-        "docs/testing.md must show tests/testing_guide.rs verbatim"
+        "docs/guide/testing.md must show tests/testing_guide.rs verbatim"
     );
 }

@@ -42,7 +42,7 @@
 //! });
 //! ```
 //!
-//! The guide `docs/testing.md` ("Testing your dataflow") walks through a
+//! The guide `docs/guide/testing.md` ("Testing your dataflow") walks through a
 //! complete example.
 
 mod check;
