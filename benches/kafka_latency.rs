@@ -75,30 +75,28 @@
 
 #[path = "common/cpu.rs"]
 mod cpu;
+#[path = "common/latency.rs"]
+mod latency;
 #[path = "common/transactions.rs"]
 mod transactions;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
-use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::{
-    BaseProducer, BaseRecord, DefaultProducerContext, Producer, ThreadedProducer,
-};
+use rdkafka::message::{BorrowedMessage, Message};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use rtflow::prelude::*;
 use rtflow::LatencyReport;
 
-/// The header holding the production time, microseconds since the Unix epoch.
-const PRODUCED_US: &str = "produced-us";
+use latency::{consume, median_ms, now_us, quantile_ms, Load, PRODUCED_US};
+
 /// Records produced in the first seconds are not measured: connections, fetch
 /// sessions and caches are still warming up.
 const WARM_UP: Duration = Duration::from_secs(2);
-/// The producer's pacing interval.
-const TICK: Duration = Duration::from_millis(1);
 /// The relay reads the clock for one record in this many: its source queuing
 /// without a system call per record.
 const QUEUING_SAMPLE: u64 = 16;
@@ -216,120 +214,6 @@ impl Args {
 fn usage(flag: &str, takes: &str) -> ! {
     eprintln!("{flag} takes {takes}");
     std::process::exit(2);
-}
-
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("the clock is after 1970")
-        .as_micros() as u64
-}
-
-/// Writes `rate` records/s round-robin over the partitions until `until`;
-/// returns how many it wrote.
-fn produce(args: &Args, rate: u64, topic: &str, until: Instant) -> BenchResult<u64> {
-    // Threaded: its own thread serves the delivery reports.
-    let mut config = ClientConfig::new();
-    config
-        .set("bootstrap.servers", &args.bootstrap)
-        .set("linger.ms", "0")
-        // One request at a time: what arrives meanwhile goes in the next batch.
-        .set("max.in.flight.requests.per.connection", "1")
-        .set("socket.nagle.disable", "true");
-    for (key, value) in &args.producer_options {
-        config.set(key, value);
-    }
-    let producer: ThreadedProducer<DefaultProducerContext> = config.create()?;
-    let payload: String = (b'a'..=b'z')
-        .cycle()
-        .take(args.record_bytes as usize)
-        .map(char::from)
-        .collect();
-    let started = Instant::now();
-    let mut sent = 0;
-    loop {
-        let now = Instant::now();
-        if now >= until {
-            break;
-        }
-        // Every tick sends the records due by now, stamped with one clock read: a
-        // sleep and clock reads per record (system calls on this VM) would cost more
-        // CPU at 10,000 records/s than the rest of the producer.
-        let due = ((now - started).as_secs_f64() * rate as f64) as u64 + 1;
-        let stamp = now_us().to_string();
-        while sent < due {
-            let headers = OwnedHeaders::new().insert(Header {
-                key: PRODUCED_US,
-                value: Some(&stamp),
-            });
-            let mut record = BaseRecord::<(), _>::to(topic)
-                .partition((sent % args.partitions) as i32)
-                .payload(&payload)
-                .headers(headers);
-            // A full local queue (a broker still warming up, seconds behind)
-            // delays the record, whose stamp keeps the time it was due.
-            while let Err((error, unsent)) = producer.send(record) {
-                if error.rdkafka_error_code() != Some(RDKafkaErrorCode::QueueFull) {
-                    return Err(format!("could not produce: {error}").into());
-                }
-                std::thread::sleep(TICK);
-                record = unsent;
-            }
-            sent += 1;
-        }
-        std::thread::sleep(TICK);
-    }
-    producer.flush(Duration::from_secs(30))?;
-    Ok(sent)
-}
-
-/// Reads `topic` until `expected` records arrived (set once the producer is done)
-/// or `deadline`; returns how many arrived and the latencies in microseconds of
-/// those produced at or after `measure_from_us`.
-fn consume(
-    args: &Args,
-    rate: u64,
-    topic: &str,
-    expected: &AtomicU64,
-    deadline: Instant,
-    measure_from_us: u64,
-) -> BenchResult<(u64, Vec<u64>)> {
-    let mut config = ClientConfig::new();
-    config
-        .set("bootstrap.servers", &args.bootstrap)
-        .set("group.id", "rtflow-bench")
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "false")
-        .set("socket.nagle.disable", "true")
-        .set("fetch.wait.max.ms", "5");
-    for (key, value) in &args.consumer_options {
-        config.set(key, value);
-    }
-    let consumer: BaseConsumer = config.create()?;
-    let mut assignment = TopicPartitionList::new();
-    for partition in 0..args.partitions as i32 {
-        assignment.add_partition_offset(topic, partition, Offset::Beginning)?;
-    }
-    consumer.assign(&assignment)?;
-    let mut received = 0;
-    let mut latencies = Vec::with_capacity((rate * args.seconds) as usize);
-    while received < expected.load(Ordering::Acquire) && Instant::now() < deadline {
-        let Some(message) = consumer.poll(Duration::from_millis(100)) else {
-            continue;
-        };
-        let read_us = now_us();
-        let message = message?;
-        received += 1;
-        let produced_us = message
-            .headers()
-            .and_then(|headers| headers.iter().find(|h| h.key == PRODUCED_US))
-            .and_then(|h| std::str::from_utf8(h.value?).ok()?.parse::<u64>().ok())
-            .ok_or("an output record has no produced-us header")?;
-        if produced_us >= measure_from_us {
-            latencies.push(read_us.saturating_sub(produced_us));
-        }
-    }
-    Ok((received, latencies))
 }
 
 /// input -> uppercase -> output, on `flow`; the sink commits exactly once
@@ -791,15 +675,23 @@ fn run(args: &Args, rate: u64, pipeline: Pipeline) -> BenchResult<Run> {
         };
         let consumer = named("consumer", scope, || {
             consume(
-                args,
-                rate,
+                &args.bootstrap,
+                args.partitions,
+                &args.consumer_options,
                 &output,
                 &expected,
                 until + DRAIN,
                 measure_from_us,
             )
         });
-        let produced = produce(args, rate, &input, until);
+        let load = Load {
+            bootstrap: &args.bootstrap,
+            partitions: args.partitions,
+            record_bytes: args.record_bytes,
+            keyed: false,
+            options: &args.producer_options,
+        };
+        let produced = load.produce(rate, &input, until);
         expected.store(*produced.as_ref().unwrap_or(&0), Ordering::Release);
         let consumed = consumer.join().expect("the consumer thread does not panic");
         stop_relay.store(true, Ordering::Release);
@@ -907,19 +799,6 @@ fn named<'scope, T: Send + 'scope>(
         .name(name.to_owned())
         .spawn_scoped(scope, f)
         .expect("a thread starts")
-}
-
-/// The `q` quantile (nearest rank) of `sorted` (µs, not empty) in milliseconds.
-fn quantile_ms(sorted: &[u64], q: f64) -> f64 {
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1] as f64 / 1000.0
-}
-
-/// The median of `latencies` (µs, any order, not empty) in milliseconds.
-fn median_ms(latencies: &[u64]) -> f64 {
-    let mut sorted = latencies.to_vec();
-    sorted.sort_unstable();
-    sorted[sorted.len() / 2] as f64 / 1000.0
 }
 
 /// One JSON line per run, to stdout.

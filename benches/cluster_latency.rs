@@ -1,0 +1,624 @@
+//! A keyed query across a shuffle, in one process and clustered: how long a
+//! record takes from its production to a `read_committed` reader of the
+//! output.
+//!
+//! The dataflow is `KafkaSource` (`--partitions`, default 4, records of
+//! `--record-bytes`, default 1,200, each under its own key) ->
+//! `drop_duplicates(key)`, which shuffles by the key (in a cluster through a
+//! repartition topic) -> `KafkaSink`. Every record reaches the output once.
+//! The same build closure runs, each in processes of its own, as
+//!
+//! * `one`: `Dataflow::start`, one process;
+//! * `cluster-1` and `cluster-3`: `KafkaCluster::start` in one and in three
+//!   processes;
+//! * `kstreams` (with `--kstreams DIR`, the Kafka Streams app of
+//!   `../shared/peers/kstreams`): Kafka Streams 4.1 running the same topology
+//!   (`repartition()`, a dedup processor on a RocksDB store with a
+//!   changelog), its commit interval the batch duration,
+//!
+//! with an at-least-once and an exactly-once sink (`--deliveries alo,eo`),
+//! at each batch duration of `--batches` (default 100 ms, 1 s and 5 min) and
+//! each rate of `--rates` (default 1,000 and 10,000 records/s), for
+//! `--seconds` (default 20) each, the first 2 s not measured. Exactly-once
+//! output shows when its epoch commits, so a batch longer than the run is
+//! measured at least once only. Each run prints one JSON line to stdout;
+//! the summary (p50 / p99 / p99.9 and each ratio to one process at the same
+//! delivery, batch and rate) goes to stderr.
+//!
+//! ```text
+//! scripts/kafka.sh start
+//! cargo bench --bench cluster_latency
+//! cargo bench --bench cluster_latency -- --rates 1000 --batches 1s --deliveries alo \
+//!     --modes one,cluster-3 --seconds 30
+//! ../shared/peers/kstreams/build.sh
+//! cargo bench --bench cluster_latency -- --batches 100ms --deliveries eo \
+//!     --kstreams ../shared/peers/kstreams
+//! ```
+
+#[path = "common/latency.rs"]
+mod latency;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use latency::{consume, now_us, quantile_ms, Load, PRODUCED_US};
+use rtflow::prelude::*;
+use serde::{Deserialize, Serialize};
+
+type BenchResult<T> = std::result::Result<T, BoxError>;
+
+/// What a child process runs, from this variable: the fields of [`Spec`].
+const CHILD_SPEC: &str = "RTFLOW_BENCH_LATENCY_CHILD";
+/// Records produced in the first seconds are not measured: connections,
+/// fetch sessions and caches are still warming up.
+const WARM_UP: Duration = Duration::from_secs(2);
+/// How long the consumer waits for the last records once the producer is done.
+const DRAIN: Duration = Duration::from_secs(15);
+/// How long the processes must have kept their partitions before the load
+/// starts.
+const SETTLED: Duration = Duration::from_secs(3);
+/// How long processes may take to start or stop.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+
+#[derive(Parser)]
+#[command(about = "Latency of a keyed query across a shuffle, in one process and clustered")]
+struct Args {
+    /// Kafka bootstrap servers.
+    #[arg(long, default_value_t = default_bootstrap())]
+    bootstrap: String,
+    /// Records per second over all partitions, one run each.
+    #[arg(long, value_delimiter = ',', default_values_t = [1_000, 10_000])]
+    rates: Vec<u64>,
+    /// Batch durations (humantime: 100ms, 1s, 5m), one run each.
+    #[arg(long, value_delimiter = ',', default_values = ["100ms", "1s", "5m"])]
+    batches: Vec<humantime::Duration>,
+    /// The sink's delivery: alo (at least once), eo (exactly once).
+    #[arg(long, value_delimiter = ',', default_values = ["alo", "eo"])]
+    deliveries: Vec<Delivery>,
+    /// What runs the query.
+    #[arg(long, value_delimiter = ',', default_values = ["one", "cluster-1", "cluster-3"])]
+    modes: Vec<Mode>,
+    /// The Kafka Streams app's directory: runs it too, as mode `kstreams`.
+    #[arg(long)]
+    kstreams: Option<PathBuf>,
+    #[arg(long, default_value_t = 4)]
+    partitions: u64,
+    #[arg(long, default_value_t = 20)]
+    seconds: u64,
+    #[arg(long, default_value_t = 1_200)]
+    record_bytes: u64,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+fn default_bootstrap() -> String {
+    std::env::var("RTFLOW_KAFKA_BOOTSTRAP").unwrap_or_else(|_| "127.0.0.1:9092".to_owned())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+enum Delivery {
+    Alo,
+    Eo,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+enum Mode {
+    One,
+    #[value(name = "cluster-1")]
+    Cluster1,
+    #[value(name = "cluster-3")]
+    Cluster3,
+    Kstreams,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::One => "one",
+            Mode::Cluster1 => "cluster-1",
+            Mode::Cluster3 => "cluster-3",
+            Mode::Kstreams => "kstreams",
+        }
+    }
+
+    fn processes(self) -> usize {
+        match self {
+            Mode::Cluster3 => 3,
+            Mode::One | Mode::Cluster1 | Mode::Kstreams => 1,
+        }
+    }
+}
+
+/// What a child process runs.
+#[derive(Clone, Serialize, Deserialize)]
+struct Spec {
+    mode: Mode,
+    delivery: Delivery,
+    batch_ms: u64,
+    partitions: u64,
+    bootstrap: String,
+    query: String,
+    input: String,
+    output: String,
+    instance: String,
+    dir: PathBuf,
+}
+
+/// An input record as the query sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Event {
+    key: String,
+    partition: i32,
+    value: String,
+    produced: Vec<u8>,
+}
+
+/// The dataflow, the same in every mode.
+fn build(flow: &Dataflow, spec: &Spec) {
+    let mut sink = KafkaSink::new(&spec.bootstrap, &spec.output, |e: &Event| {
+        KafkaMessage::new(e.value.clone())
+            .key(e.key.clone())
+            .partition(e.partition)
+            .header(PRODUCED_US, e.produced.clone())
+    });
+    if spec.delivery == Delivery::Eo {
+        sink = sink.delivery(DeliveryGuarantee::ExactlyOnce);
+    }
+    flow.source(
+        KafkaSource::new(&spec.bootstrap)
+            .subscribe([spec.input.as_str()])
+            .starting_offsets(StartingOffsets::Earliest),
+    )
+    .map(|record: KafkaRecord| Event {
+        key: record.key_str().into_owned(),
+        partition: record.partition,
+        value: record.value_str().into_owned(),
+        produced: record
+            .header(PRODUCED_US)
+            .map_or_else(Vec::new, |h| h.to_vec()),
+    })
+    .drop_duplicates(|e: &Event| e.key.clone())
+    .sink(sink);
+}
+
+fn config(spec: &Spec) -> QueryConfig {
+    let batch = Duration::from_millis(spec.batch_ms);
+    QueryConfig::new(&spec.query)
+        .trigger(Trigger::real_time(format!(
+            "{} milliseconds",
+            spec.batch_ms
+        )))
+        // Below real-time mode's default minimum (5 s), which guards against
+        // checkpointing too often by mistake, not for a latency measurement.
+        .min_batch_duration(batch.min(Duration::from_secs(5)))
+        .task_slots(64)
+}
+
+/// A child: runs the query, writes how many input partitions it reads
+/// every 50 ms, and stops when the stop file appears.
+fn child(spec: Spec) -> BenchResult<()> {
+    rtflow::logging::init("warn");
+    let status = spec.dir.join(format!("{}.status", spec.instance));
+    let stop = spec.dir.join("stop");
+    let write_status = |owned: usize| -> BenchResult<()> {
+        std::fs::write(status.with_extension("tmp"), owned.to_string())?;
+        std::fs::rename(status.with_extension("tmp"), &status)?;
+        Ok(())
+    };
+    match spec.mode {
+        Mode::One => {
+            let flow = Dataflow::new("cluster-latency");
+            build(&flow, &spec);
+            let query =
+                flow.start(config(&spec).checkpoint_location(spec.dir.join("checkpoints")))?;
+            // One process reads every partition.
+            write_status(spec.partitions as usize)?;
+            while !stop.exists() {
+                if !query.is_active() {
+                    return Err(format!("the query failed: {:?}", query.exception()).into());
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            query.stop()?;
+        }
+        Mode::Cluster1 | Mode::Cluster3 => {
+            let read = format!("{}-", spec.input);
+            let config = config(&spec);
+            let spec = std::sync::Arc::new(spec);
+            let building = spec.clone();
+            let query = KafkaCluster::new(&spec.bootstrap)
+                .instance(&spec.instance)
+                .repartition_partitions(4)
+                .start(config, move |flow: &Dataflow| {
+                    build(flow, &building);
+                    Ok(())
+                })?;
+            while !stop.exists() {
+                if !query.is_active() {
+                    return Err(format!("the process failed: {:?}", query.stop()).into());
+                }
+                let owned = if query.runs() == 0 {
+                    0
+                } else {
+                    let partitions = query.partitions();
+                    partitions.iter().filter(|p| p.starts_with(&read)).count()
+                };
+                write_status(owned)?;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            query.stop()?;
+        }
+        Mode::Kstreams => unreachable!("Kafka Streams runs as its own app"),
+    }
+    Ok(())
+}
+
+/// The processes running one measurement's query.
+struct Processes {
+    dir: PathBuf,
+    children: Vec<Child>,
+}
+
+impl Processes {
+    fn spawn(args: &Args, spec: &Spec) -> BenchResult<Self> {
+        std::fs::create_dir_all(&spec.dir)?;
+        let mut processes = Self {
+            dir: spec.dir.clone(),
+            children: Vec::new(),
+        };
+        if spec.mode == Mode::Kstreams {
+            let dir = args
+                .kstreams
+                .as_ref()
+                .expect("kstreams runs with its directory");
+            let (guarantee, commit) = match spec.delivery {
+                Delivery::Alo => ("at_least_once", spec.batch_ms),
+                Delivery::Eo => ("exactly_once_v2", spec.batch_ms),
+            };
+            let log = std::fs::File::create(spec.dir.join("kstreams.log"))?;
+            let child = Command::new(dir.join("run.sh"))
+                .args([&spec.bootstrap, &spec.input, &spec.output, guarantee])
+                .arg(commit.to_string())
+                .env("APP_ID", &spec.query)
+                .env("FRESH", "1")
+                .stdout(std::fs::File::create(spec.dir.join("kstreams.status"))?)
+                .stderr(log)
+                .spawn()?;
+            processes.children.push(child);
+            return Ok(processes);
+        }
+        for i in 0..spec.mode.processes() {
+            let instance = format!("p{i}");
+            let log = std::fs::File::create(spec.dir.join(format!("{instance}.log")))?;
+            let child_spec = Spec {
+                instance,
+                dir: spec.dir.clone(),
+                ..spec.clone()
+            };
+            let child = Command::new(std::env::current_exe()?)
+                .env(CHILD_SPEC, serde_json::to_string(&child_spec)?)
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()?;
+            processes.children.push(child);
+        }
+        Ok(processes)
+    }
+
+    /// Waits until the processes read every input partition between them,
+    /// and kept them for [`SETTLED`].
+    fn await_settled(&mut self, mode: Mode, partitions: u64) -> BenchResult<()> {
+        let started = Instant::now();
+        let mut since = Instant::now();
+        let mut last = None;
+        loop {
+            self.check()?;
+            let owned: Vec<String> = if mode == Mode::Kstreams {
+                let running = std::fs::read_to_string(self.dir.join("kstreams.status"))
+                    .unwrap_or_default()
+                    .contains("RUNNING");
+                vec![if running { partitions } else { 0 }.to_string()]
+            } else {
+                (0..mode.processes())
+                    .map(|i| {
+                        std::fs::read_to_string(self.dir.join(format!("p{i}.status")))
+                            .unwrap_or_default()
+                    })
+                    .collect()
+            };
+            let total: u64 = owned.iter().filter_map(|o| o.parse::<u64>().ok()).sum();
+            if last.as_ref() != Some(&owned) {
+                (last, since) = (Some(owned), Instant::now());
+            } else if total == partitions && since.elapsed() >= SETTLED {
+                return Ok(());
+            }
+            if started.elapsed() > START_TIMEOUT {
+                return Err(format!("the processes did not settle:\n{}", self.logs()).into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// An error with the logs if a process has exited.
+    fn check(&mut self) -> BenchResult<()> {
+        for child in &mut self.children {
+            if let Some(status) = child.try_wait()? {
+                return Err(format!("a process exited early ({status}):\n{}", self.logs()).into());
+            }
+        }
+        Ok(())
+    }
+
+    fn stop(mut self) -> BenchResult<()> {
+        std::fs::write(self.dir.join("stop"), b"")?;
+        let started = Instant::now();
+        for child in &mut self.children {
+            // Kafka Streams closes on SIGTERM; rtflow's children on the file.
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            loop {
+                if child.try_wait()?.is_some() {
+                    break;
+                }
+                if started.elapsed() > START_TIMEOUT {
+                    child.kill()?;
+                    return Err(format!("a process did not stop:\n{}", self.logs()).into());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(())
+    }
+
+    fn logs(&self) -> String {
+        let mut logs = String::new();
+        for entry in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            if entry.path().extension().is_some_and(|e| e == "log") {
+                let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+                logs.push_str(&format!("--- {}\n{text}\n", entry.path().display()));
+            }
+        }
+        logs
+    }
+}
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// One measurement.
+struct Run {
+    mode: Mode,
+    delivery: Delivery,
+    batch: Duration,
+    rate: u64,
+    produced: u64,
+    received: u64,
+    /// Sorted, microseconds; never empty.
+    latencies: Vec<u64>,
+}
+
+impl Run {
+    fn ms(&self, q: f64) -> f64 {
+        quantile_ms(&self.latencies, q)
+    }
+
+    fn batch(&self) -> String {
+        humantime::format_duration(self.batch).to_string()
+    }
+}
+
+fn run(
+    args: &Args,
+    mode: Mode,
+    delivery: Delivery,
+    batch: Duration,
+    rate: u64,
+) -> BenchResult<Run> {
+    let id = format!("{}-{}", std::process::id(), now_us());
+    let spec = Spec {
+        mode,
+        delivery,
+        batch_ms: batch.as_millis() as u64,
+        partitions: args.partitions,
+        bootstrap: args.bootstrap.clone(),
+        query: format!("cluster-latency-{id}"),
+        input: format!("rtflow-cluster-latency-in-{id}"),
+        output: format!("rtflow-cluster-latency-out-{id}"),
+        instance: String::new(),
+        dir: std::env::temp_dir().join(format!("rtflow-bench-cluster-latency-{id}")),
+    };
+    let admin = KafkaAdmin::new(&args.bootstrap)?;
+    admin.create_topic(&spec.input, args.partitions as i32)?;
+    admin.create_topic(&spec.output, args.partitions as i32)?;
+    let mut processes = Processes::spawn(args, &spec)?;
+    processes.await_settled(mode, args.partitions)?;
+    let measure_from_us = now_us() + WARM_UP.as_micros() as u64;
+    let until = Instant::now() + Duration::from_secs(args.seconds);
+    let expected = AtomicU64::new(u64::MAX);
+    let (produced, (received, mut latencies)) = std::thread::scope(|scope| {
+        let consumer = scope.spawn(|| {
+            consume(
+                &args.bootstrap,
+                args.partitions,
+                &[],
+                &spec.output,
+                &expected,
+                until + DRAIN,
+                measure_from_us,
+            )
+        });
+        let load = Load {
+            bootstrap: &args.bootstrap,
+            partitions: args.partitions,
+            record_bytes: args.record_bytes,
+            keyed: true,
+            options: &[],
+        };
+        let produced = load.produce(rate, &spec.input, until);
+        expected.store(*produced.as_ref().unwrap_or(&0), Ordering::Release);
+        let consumed = consumer.join().expect("the consumer thread does not panic");
+        Ok::<_, BoxError>((produced?, consumed?))
+    })?;
+    processes.check()?;
+    processes.stop()?;
+    // Best effort: leftovers in the temp dir and on the broker harm nothing.
+    let _ = std::fs::remove_dir_all(&spec.dir);
+    for topic in [&spec.input, &spec.output] {
+        let _ = admin.delete_topic(topic);
+    }
+    if latencies.is_empty() {
+        return Err(format!(
+            "{} {delivery:?}: no record produced after the warm-up came out within {DRAIN:?} \
+             of the end",
+            mode.name()
+        )
+        .into());
+    }
+    latencies.sort_unstable();
+    Ok(Run {
+        mode,
+        delivery,
+        batch,
+        rate,
+        produced,
+        received,
+        latencies,
+    })
+}
+
+fn print_json(args: &Args, run: &Run) {
+    println!(
+        "{{\"bench\":\"cluster_latency\",\"mode\":\"{}\",\"delivery\":\"{:?}\",\"batch_ms\":{},\
+         \"rate\":{},\"partitions\":{},\"record_bytes\":{},\"seconds\":{},\"produced\":{},\
+         \"received\":{},\"measured\":{},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"p999_ms\":{:.3},\
+         \"max_ms\":{:.3}}}",
+        run.mode.name(),
+        run.delivery,
+        run.batch.as_millis(),
+        run.rate,
+        args.partitions,
+        args.record_bytes,
+        args.seconds,
+        run.produced,
+        run.received,
+        run.latencies.len(),
+        run.ms(0.5),
+        run.ms(0.99),
+        run.ms(0.999),
+        run.ms(1.0),
+    );
+}
+
+fn print_summary(args: &Args, runs: &[Run]) {
+    eprintln!(
+        "\nKafka({} partitions) -> drop_duplicates(key) -> Kafka; {} bytes per record for {} s, \
+         the first {} s not measured; latency from production to a read_committed reader, ms; \
+         x one = the ratio to one process at the same delivery, batch and rate \
+         (target for a clustered at-least-once query: <= 1.5 at p50 and p99)",
+        args.partitions,
+        args.record_bytes,
+        args.seconds,
+        WARM_UP.as_secs()
+    );
+    eprintln!(
+        "{:>6} {:>9} {:>4} {:<10}{:>9}{:>8}  {:>30}  {:>20}",
+        "rate",
+        "batch",
+        "sink",
+        "mode",
+        "measured",
+        "missing",
+        "p50 / p99 / p99.9",
+        "x one p50/p99/p99.9"
+    );
+    for run in runs {
+        let one = runs.iter().find(|r| {
+            (r.mode, r.delivery, r.batch, r.rate) == (Mode::One, run.delivery, run.batch, run.rate)
+        });
+        let ratios = one.map_or_else(
+            || "-".to_owned(),
+            |one| {
+                [0.5, 0.99, 0.999]
+                    .map(|q| format!("{:.2}", run.ms(q) / one.ms(q).max(0.001)))
+                    .join(" / ")
+            },
+        );
+        eprintln!(
+            "{:>6} {:>9} {:>4} {:<10}{:>9}{:>8}  {:>30}  {:>20}",
+            run.rate,
+            run.batch(),
+            format!("{:?}", run.delivery).to_lowercase(),
+            run.mode.name(),
+            run.latencies.len(),
+            run.produced.saturating_sub(run.received),
+            format!(
+                "{:.1} / {:.1} / {:.1}",
+                run.ms(0.5),
+                run.ms(0.99),
+                run.ms(0.999)
+            ),
+            ratios
+        );
+    }
+}
+
+fn main() -> BenchResult<()> {
+    if let Ok(spec) = std::env::var(CHILD_SPEC) {
+        return child(serde_json::from_str(&spec)?);
+    }
+    let mut args = Args::parse();
+    if args.kstreams.is_some() && !args.modes.contains(&Mode::Kstreams) {
+        args.modes.push(Mode::Kstreams);
+    }
+    let list = |items: Vec<String>| items.join(",");
+    eprintln!(
+        "command: cargo bench --bench cluster_latency -- --bootstrap {} --rates {} --batches {} \
+         --deliveries {} --modes {} --partitions {} --seconds {} --record-bytes {}",
+        args.bootstrap,
+        list(args.rates.iter().map(u64::to_string).collect()),
+        list(args.batches.iter().map(ToString::to_string).collect()),
+        list(
+            args.deliveries
+                .iter()
+                .map(|d| format!("{d:?}").to_lowercase())
+                .collect()
+        ),
+        list(args.modes.iter().map(|m| m.name().to_owned()).collect()),
+        args.partitions,
+        args.seconds,
+        args.record_bytes
+    );
+    let mut runs = Vec::new();
+    for &rate in &args.rates {
+        for &batch in &args.batches {
+            let batch: Duration = batch.into();
+            for &delivery in &args.deliveries {
+                if delivery == Delivery::Eo && batch >= Duration::from_secs(args.seconds) {
+                    // Its output shows only when the run stops.
+                    continue;
+                }
+                for &mode in &args.modes {
+                    if mode == Mode::Kstreams && args.kstreams.is_none() {
+                        continue;
+                    }
+                    let run = run(&args, mode, delivery, batch, rate)?;
+                    print_json(&args, &run);
+                    runs.push(run);
+                }
+            }
+        }
+    }
+    print_summary(&args, &runs);
+    Ok(())
+}
