@@ -31,9 +31,6 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use rtflow::prelude::*;
 
-const INPUT: &str = "rtflow-clicks";
-const OUTPUT: &str = "rtflow-clicks-per-user";
-
 #[derive(Parser)]
 #[command(about = "rtflow: a count per user, shared by several processes")]
 struct Args {
@@ -43,6 +40,12 @@ struct Args {
     /// This process's name in the cluster; restart a process under its name.
     #[arg(long)]
     instance: String,
+    /// The topic of clicks to read, keyed by user.
+    #[arg(long, default_value = "rtflow-clicks")]
+    input: String,
+    /// The topic the counts go to.
+    #[arg(long, default_value = "rtflow-clicks-per-user")]
+    output: String,
     /// The query's name: processes with the same name share the query.
     #[arg(long, default_value = "clicks-per-user")]
     query: String,
@@ -71,10 +74,14 @@ fn main() -> std::result::Result<(), BoxError> {
     common::init_tracing();
     let shutdown = args.stop.on_signals()?;
     let admin = KafkaAdmin::new(&args.bootstrap)?;
-    admin.create_topic(INPUT, args.partitions)?;
-    admin.create_topic(OUTPUT, args.partitions)?;
+    admin.create_topic(&args.input, args.partitions)?;
+    admin.create_topic(&args.output, args.partitions)?;
 
-    let bootstrap = args.bootstrap.clone();
+    let (bootstrap, input, output) = (
+        args.bootstrap.clone(),
+        args.input.clone(),
+        args.output.clone(),
+    );
     // Each checkpoint is a Kafka transaction, and read_committed readers see
     // the output when it commits: the interval bounds that delay.
     let mut config = QueryConfig::new(&args.query)
@@ -89,7 +96,7 @@ fn main() -> std::result::Result<(), BoxError> {
         .start(args.metrics.apply(config), move |flow| {
             flow.source(
                 KafkaSource::new(&bootstrap)
-                    .subscribe([INPUT])
+                    .subscribe([&input])
                     .starting_offsets(StartingOffsets::Earliest),
             )
             .map(|click: KafkaRecord| click.key_str().into_owned())
@@ -97,7 +104,7 @@ fn main() -> std::result::Result<(), BoxError> {
             .count()
             .sink(KafkaSink::new(
                 &bootstrap,
-                OUTPUT,
+                &output,
                 |(user, clicks): &(String, u64)| {
                     KafkaMessage::new(format!("{user}:{clicks}")).key(user.clone())
                 },
@@ -107,13 +114,13 @@ fn main() -> std::result::Result<(), BoxError> {
     shutdown.stop_on_signal(&query);
     args.metrics.announce();
     if let Some(rate) = args.produce {
-        common::spawn_producer(&args.bootstrap, INPUT, rate, |n| {
+        common::spawn_producer(&args.bootstrap, &args.input, rate, |n| {
             (format!("user-{}", n % 100), format!("click {n}"))
         })?;
     }
     println!(
-        "{} runs its share of query '{}': {INPUT} -> count per user -> {OUTPUT}",
-        args.instance, args.query
+        "{} runs its share of query '{}': {} -> count per user -> {}",
+        args.instance, args.query, args.input, args.output
     );
     let deadline = args
         .seconds
