@@ -82,3 +82,21 @@ pub mod prelude {
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
+
+/// The guide's and the reference's examples, compiled as doc tests (and
+/// run, where they need no Kafka broker).
+#[cfg(doctest)]
+mod guide_doctests {
+    #[doc = include_str!("../docs/guide/getting-started.md")]
+    struct GettingStarted;
+    #[doc = include_str!("../docs/guide/kafka.md")]
+    struct Kafka;
+    #[doc = include_str!("../docs/guide/state-and-event-time.md")]
+    struct StateAndEventTime;
+    #[doc = include_str!("../docs/guide/cluster.md")]
+    struct Cluster;
+    #[doc = include_str!("../docs/guide/operations.md")]
+    struct Operations;
+    #[doc = include_str!("../docs/reference/topics.md")]
+    struct Topics;
+}

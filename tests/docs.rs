@@ -67,7 +67,13 @@ fn error_classes_in(source: &str) -> Vec<String> {
 #[test]
 fn every_error_class_has_a_section_in_errors_md() {
     let mut files = Vec::new();
-    for dir in ["runtime/src", "connectors/src", "operators/src", "checkpoint/src", "src"] {
+    for dir in [
+        "runtime/src",
+        "connectors/src",
+        "operators/src",
+        "checkpoint/src",
+        "src",
+    ] {
         rust_files(&root().join(dir), &mut files);
     }
     let mut classes = BTreeSet::new();
@@ -82,7 +88,9 @@ fn every_error_class_has_a_section_in_errors_md() {
     );
     for class in &classes {
         assert!(
-            class.chars().all(|c| c.is_ascii_uppercase() || c == '_' || c == '.'),
+            class
+                .chars()
+                .all(|c| c.is_ascii_uppercase() || c == '_' || c == '.'),
             "not an error class: {class:?}"
         );
     }
@@ -184,7 +192,12 @@ fn metrics_md_matches_a_live_metrics_endpoint() {
         .start(checkpointed("documented").metrics_address(address))
         .unwrap();
 
-    let now_ms = || SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as i64;
+    let now_ms = || {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64
+    };
     let expected: BTreeSet<&String> = documented
         .iter()
         .filter(|(_, d)| !d.when.contains("Kafka") && !d.when.contains("cluster"))
