@@ -202,7 +202,9 @@ fn unit_nanos(unit: &str) -> std::result::Result<f64, String> {
 pub struct QueryConfig {
     /// The query's name, used in thread names, errors and metrics.
     pub name: String,
-    /// Where checkpoints are kept. Required.
+    /// Where checkpoints are kept. `Dataflow::start` requires it
+    /// (`CHECKPOINT_LOCATION_REQUIRED`); a clustered query checkpoints into
+    /// Kafka and needs none, but keeps local changelog copies here if given.
     pub checkpoint_location: Option<PathBuf>,
     /// How many committed checkpoints are kept. Default 3.
     pub checkpoints_retained: usize,
