@@ -12,6 +12,7 @@ pub type ActorId = usize;
 
 /// An acknowledgement the protocol cannot accept.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum AckError {
     #[error("actor {actor} acknowledged epoch {epoch}, but epoch {in_flight:?} is in flight")]
     UnexpectedEpoch {

@@ -22,6 +22,7 @@ use crate::Epoch;
 
 /// Why the store cannot serve a query.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     #[error("checkpoint location {path} is unusable: {reason}")]
     Unusable { path: PathBuf, reason: String },

@@ -179,7 +179,7 @@ mod tests {
             .into_iter()
             .filter_map(|emitted| match emitted {
                 Emitted::Record((_, value), _) => Some(value),
-                Emitted::Watermark(_) => None,
+                _ => None,
             })
             .collect()
     }

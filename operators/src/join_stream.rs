@@ -959,7 +959,7 @@ mod tests {
             .enumerate()
             .filter_map(|(at, e)| match e {
                 Emitted::Watermark(watermark) => Some((at, *watermark)),
-                Emitted::Record(..) => None,
+                _ => None,
             })
             .collect()
     }

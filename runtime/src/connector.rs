@@ -173,6 +173,7 @@ impl<T: 'static> Source<T> for Box<dyn Source<T>> {
 
 /// Whether a reader has more to give.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SourceStatus {
     /// More records may come.
     Active,

@@ -11,12 +11,18 @@ pub type Result<T, E = RtflowError> = std::result::Result<T, E>;
 
 /// The error type of every fallible rtflow call.
 ///
+/// Later versions may add variants, and fields to the variants rtflow alone
+/// makes (the start-time checks, `StartTimeout`, `Internal`, ...): match
+/// with a wildcard arm, and on those variants' fields with `..`, or use
+/// [`error_class`](Self::error_class).
+///
 /// ```
 /// use rtflow_runtime::RtflowError;
 /// let err = RtflowError::CheckpointLocationRequired;
 /// assert_eq!(err.error_class(), "CHECKPOINT_LOCATION_REQUIRED");
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RtflowError {
     /// Real-time mode only emits updated rows; other output modes are rejected.
     #[error(
@@ -33,10 +39,12 @@ pub enum RtflowError {
     CheckpointLocationRequired,
 
     /// The real-time trigger's batch duration is malformed or too short.
+    #[non_exhaustive]
     #[error("invalid real-time trigger interval '{interval}': {reason}")]
     InvalidTriggerInterval { interval: String, reason: String },
 
     /// An operator or sink outside the real-time allowlist.
+    #[non_exhaustive]
     #[error(
         "{what} '{name}' is not in the real-time mode allowlist; use a supported \
          operator or sink, or disable the check with QueryConfig::allowlist_check(false) \
@@ -45,6 +53,7 @@ pub enum RtflowError {
     OperatorOrSinkNotInAllowlist { what: &'static str, name: String },
 
     /// A source that cannot be read continuously.
+    #[non_exhaustive]
     #[error(
         "source '{source_name}' does not support real-time reading; \
          use a source that does (kafka, memory, generator)"
@@ -52,6 +61,7 @@ pub enum RtflowError {
     InputStreamNotSupported { source_name: String },
 
     /// A sink that cannot be written record by record.
+    #[non_exhaustive]
     #[error(
         "sink '{sink}' does not support real-time writing; \
          use a supported sink (kafka, foreach, console, memory)"
@@ -59,6 +69,7 @@ pub enum RtflowError {
     SinkNotSupported { sink: String },
 
     /// `union` of streams that come from the same source.
+    #[non_exhaustive]
     #[error(
         "union reads source '{source_name}' more than once; create a separate source \
          for each input of the union instead"
@@ -66,6 +77,7 @@ pub enum RtflowError {
     IdenticalSourcesInUnion { source_name: String },
 
     /// A shuffle (`key_by`) placed before `with_watermark`.
+    #[non_exhaustive]
     #[error(
         "with_watermark on operator '{operator}' follows a shuffle; declare the \
          watermark before key_by, directly on the source stream"
@@ -74,6 +86,7 @@ pub enum RtflowError {
 
     /// A stateful operator with more than one shuffle between it and the nearest
     /// watermark or stateful operator upstream.
+    #[non_exhaustive]
     #[error(
         "stateful operator '{operator}' is more than one shuffle away from the nearest \
          watermark or stateful operator upstream; key the stream once, directly before \
@@ -84,6 +97,7 @@ pub enum RtflowError {
     /// More actors than task slots: real-time mode holds one slot per actor.
     /// `whose` says what needs them (a query, a pipeline and what each of its
     /// flows needs), `fix` how to make them fit.
+    #[non_exhaustive]
     #[error(
         "{whose} needs {needed} task slots (one per long-running actor) but only \
          {available} are available; {fix}"
@@ -139,6 +153,7 @@ pub enum RtflowError {
 
     /// The dataflow cannot restore the state of its checkpoint: a stateful operator
     /// was removed, its state type changed, or the key-group count changed.
+    #[non_exhaustive]
     #[error(
         "the checkpoint does not match the dataflow: {difference}; undo the change, \
          or start on a new checkpoint location"
@@ -165,6 +180,7 @@ pub enum RtflowError {
     /// [`QueryConfig::start_timeout`](crate::QueryConfig::start_timeout):
     /// user code in a factory, `on_start`, or a source's or sink's opening
     /// has not returned. The start is abandoned: nothing runs once it returns.
+    #[non_exhaustive]
     #[error(
         "the query did not start within {waited}: an operator's factory or on_start, or a \
          source's or sink's opening, has not returned; nothing of the query runs once it \
@@ -175,6 +191,7 @@ pub enum RtflowError {
     /// A thread of the engine itself (the coordinator, the `/metrics`
     /// endpoint, a cluster's runner) panicked: a defect of rtflow, not of the
     /// dataflow. The query fails rather than hang without it.
+    #[non_exhaustive]
     #[error(
         "internal error on rtflow's thread '{thread}': {message}; the query stopped, and \
          restarts from its last checkpoint; please report this"

@@ -12,6 +12,7 @@ use crate::record::{EventTime, Nanos, RecordMeta};
 
 /// What part an operator instance plays, for reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Role {
     Source,
     Operator,

@@ -54,6 +54,7 @@ pub struct Record<T> {
 
 /// One message in a mailbox lane.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Message<T> {
     /// A batch of records, in order.
     Data(Vec<Record<T>>),

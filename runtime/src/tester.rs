@@ -19,6 +19,7 @@ use crate::state::Restored;
 
 /// What an operator under test emitted, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Emitted<T> {
     /// A record's value, with its event time.
     Record(T, EventTime),
@@ -197,7 +198,8 @@ impl<In: Send + 'static, Out: Send + 'static> OperatorTester<In, Out> {
     }
 }
 
-/// One step of a table-driven operator test.
+/// One step of a table-driven operator test. Later versions may add steps.
+#[non_exhaustive]
 pub enum Step<T> {
     /// A record with its event time.
     Record(T, EventTime),

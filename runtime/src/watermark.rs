@@ -19,6 +19,7 @@ use crate::record::{EventTime, Nanos, Record};
 
 /// What a watermark generator tells the streams after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Signal {
     /// No record with an earlier event time is expected any more.
     Watermark(EventTime),

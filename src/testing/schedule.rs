@@ -15,6 +15,7 @@ use rtflow_runtime::EventTime;
 ///
 /// [`DataflowHarness::apply`]: super::DataflowHarness::apply
 #[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Step<T> {
     /// Append `value` to source partition `partition`; with `event_time`, that is
     /// its event time (ms), else the time it is pushed.

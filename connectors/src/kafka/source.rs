@@ -27,6 +27,7 @@ use super::{KafkaRecord, Options, TimestampType, DEFAULT_METADATA_TIMEOUT};
 
 /// Where readers start in each partition.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum StartingOffsets {
     /// The oldest record still in the log.
     Earliest,
