@@ -570,3 +570,82 @@ fn kafka_windows_counts_views_per_event_time_window() {
         .count();
     assert!(closed > 0, "no window behind the watermark {watermark}");
 }
+
+/// The systemd unit and the Kubernetes StatefulSet under deploy/ run
+/// `cluster_count` with flags it takes, serve `/metrics` on the port that
+/// deploy/prometheus/prometheus.yml scrapes for clustered processes, keep a
+/// checkpoint location, and give the stop longer than the process's grace
+/// period, so that the process ends by itself.
+#[test]
+fn the_deployment_recipes_match_cluster_count_and_the_prometheus_config() {
+    let help = Command::new(example("cluster_count"))
+        .arg("--help")
+        .output()
+        .expect("cluster_count runs");
+    let help = String::from_utf8_lossy(&help.stdout);
+    let deploy = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    let read = |path: &str| std::fs::read_to_string(deploy.join(path)).unwrap();
+    let prometheus = read("prometheus/prometheus.yml");
+    let (_, cluster_job) = prometheus
+        .split_once("job_name: rtflow-cluster")
+        .expect("prometheus.yml scrapes the job rtflow-cluster");
+    let scraped: Vec<&str> = cluster_job
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("- \""))
+        .collect();
+    assert!(!scraped.is_empty(), "no targets in {cluster_job}");
+    assert!(
+        scraped.iter().all(|target| target.ends_with(":9898\"")),
+        "{scraped:?}"
+    );
+
+    for (recipe, stop_bound) in [
+        ("systemd/rtflow-clicks@.service", "TimeoutStopSec="),
+        (
+            "kubernetes/statefulset.yaml",
+            "terminationGracePeriodSeconds: ",
+        ),
+    ] {
+        let text = read(recipe);
+        // What the recipe runs, without its comments.
+        let words: Vec<&str> = text
+            .lines()
+            .filter(|line| !line.trim_start().starts_with('#'))
+            .flat_map(str::split_whitespace)
+            .map(|word| word.trim_matches(|c| matches!(c, '"' | ',' | '.' | ')' | '(')))
+            .filter(|word| !matches!(*word, "-" | "\\" | ""))
+            .collect();
+        let flags = words.iter().filter(|word| {
+            word.strip_prefix("--")
+                .is_some_and(|name| name.starts_with(|c: char| c.is_ascii_lowercase()))
+        });
+        for flag in flags {
+            assert!(
+                help.contains(&format!("{flag} ")),
+                "{recipe}: cluster_count takes no {flag}"
+            );
+        }
+        let after = |flag: &str| {
+            let at = words.iter().position(|word| *word == flag);
+            at.and_then(|at| words.get(at + 1).copied())
+                .unwrap_or_else(|| panic!("{recipe} passes no {flag}"))
+        };
+        assert_eq!(after("--metrics-address"), "0.0.0.0:9898", "{recipe}");
+        assert!(
+            after("--checkpoint-location").starts_with("/var/lib/rtflow/"),
+            "{recipe}"
+        );
+        let grace: u64 = after("--grace-period").parse().unwrap();
+        let bound: u64 = text
+            .lines()
+            .find_map(|line| line.trim().strip_prefix(stop_bound))
+            .and_then(|value| value.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{recipe} sets no {stop_bound}"));
+        assert!(
+            grace < bound,
+            "{recipe}: a grace period of {grace} s is not within {stop_bound}{bound}"
+        );
+    }
+    let unit = read("systemd/rtflow-clicks@.service");
+    assert!(unit.contains("\nKillSignal=SIGTERM\n"), "{unit}");
+}
