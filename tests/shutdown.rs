@@ -22,6 +22,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::kafka::{bootstrap, consume, produce, topic};
+use common::{config, wait_for_rows, TIMEOUT};
+use rtflow::prelude::*;
 
 /// The examples these tests run.
 const EXAMPLES: [&str; 4] = [
@@ -287,6 +289,44 @@ fn events(range: std::ops::Range<usize>) -> impl Iterator<Item = (i32, String, V
             format!("event {i}").into(),
         )
     })
+}
+
+/// What a signal sends: a stop request ends a query, and every flow of a
+/// pipeline, with a final checkpoint long before their 5-minute interval,
+/// and their waits return.
+#[test]
+fn a_stop_request_stops_a_query_and_a_pipeline_with_a_final_checkpoint() {
+    let input = MemorySource::new(1);
+    let output = MemorySink::new();
+    let flow = Dataflow::new("requested");
+    flow.source(input.clone()).sink(output.clone());
+    let query = flow.start(config("requested")).unwrap();
+    input.push_all(0, [1u32, 2, 3]).unwrap();
+    wait_for_rows(&output, 3);
+    query.stop_request().send();
+    assert_eq!(query.await_termination(Some(TIMEOUT)), Ok(true));
+    assert!(query.metrics().checkpoint.is_some(), "no final checkpoint");
+
+    let mut pipeline = Pipeline::new("requested").checkpoint_root(scratch("pipeline"));
+    let sink = pipeline.create_sink("out", MemorySink::<u32>::new());
+    for name in ["a", "b"] {
+        let source = MemorySource::<u32>::new(1);
+        pipeline.update_flow(
+            name,
+            &sink,
+            |config| config,
+            move |flow: &Dataflow| flow.source(source),
+        );
+    }
+    let running = pipeline.start().unwrap();
+    running.stop_request().send();
+    assert_eq!(running.await_termination(Some(TIMEOUT)), Ok(true));
+    for (flow, query) in running.flows() {
+        assert!(
+            query.metrics().checkpoint.is_some(),
+            "{flow}: no final checkpoint"
+        );
+    }
 }
 
 /// The quickstart needs no broker: SIGINT (Ctrl-C) stops it as SIGTERM does,
