@@ -22,7 +22,9 @@
 //! HOST:PORT` serves its Prometheus metrics, the partitions it owns among
 //! them; `--checkpoint-location DIR` keeps copies of the changelog partitions
 //! it restored there (on a volume of its own), so that a restart reads only
-//! the changelog written since.
+//! the changelog written since. `--input` and `--output` name other topics
+//! than `rtflow-clicks` and `rtflow-clicks-per-user`; deploy/ runs it under
+//! systemd and on Kubernetes.
 
 mod common;
 
