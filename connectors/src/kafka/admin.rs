@@ -13,6 +13,8 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientConfig;
 use rtflow_runtime::{Result, RtflowError};
 
+use super::Options;
+
 /// Creates and deletes topics on a Kafka cluster.
 ///
 /// ```no_run
@@ -21,6 +23,9 @@ use rtflow_runtime::{Result, RtflowError};
 /// admin.create_topic("clicks", 3)?;
 /// # Ok::<(), rtflow_runtime::RtflowError>(())
 /// ```
+///
+/// On a secured cluster, give it the librdkafka settings the connectors take
+/// ([`with_options`](Self::with_options)).
 pub struct KafkaAdmin {
     client: AdminClient<DefaultClientContext>,
     options: AdminOptions,
@@ -36,10 +41,55 @@ fn admin_error(message: impl std::fmt::Display) -> RtflowError {
 impl KafkaAdmin {
     /// Connects to the cluster at `bootstrap_servers`.
     pub fn new(bootstrap_servers: &str) -> Result<Self> {
-        let client = ClientConfig::new()
-            .set("bootstrap.servers", bootstrap_servers)
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", bootstrap_servers);
+        Self::with_config(config)
+    }
+
+    /// Connects to the cluster at `bootstrap_servers` with librdkafka
+    /// settings, given as [`KafkaSource`](super::KafkaSource),
+    /// [`KafkaSink`](super::KafkaSink) and [`KafkaCluster`](super::KafkaCluster)
+    /// take them: `("kafka.<key>", value)`. A key without the prefix fails
+    /// with `INVALID_CONFIGURATION`, a setting librdkafka refuses with
+    /// `SOURCE_FAILED`.
+    ///
+    /// ```no_run
+    /// use rtflow_connectors::kafka::KafkaAdmin;
+    /// let admin = KafkaAdmin::with_options(
+    ///     "kafka-1:9093",
+    ///     [
+    ///         ("kafka.security.protocol", "SASL_SSL"),
+    ///         ("kafka.sasl.mechanism", "SCRAM-SHA-512"),
+    ///         ("kafka.sasl.username", "rtflow"),
+    ///         ("kafka.sasl.password", "change-me"),
+    ///     ],
+    /// )?;
+    /// admin.create_topic("clicks", 3)?;
+    /// # Ok::<(), rtflow_runtime::RtflowError>(())
+    /// ```
+    pub fn with_options<K, V>(
+        bootstrap_servers: &str,
+        options: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<Self>
+    where
+        K: AsRef<str>,
+        V: ToString,
+    {
+        let mut settings = Options::default();
+        for (key, value) in options {
+            settings.set(key.as_ref(), &value.to_string());
+        }
+        let config =
+            settings.client_config("KafkaAdmin", &[("bootstrap.servers", bootstrap_servers)])?;
+        Self::with_config(config)
+    }
+
+    /// Connects with `config`: the settings of the connector it serves, so
+    /// that a secured cluster's options reach it too.
+    pub(crate) fn with_config(config: ClientConfig) -> Result<Self> {
+        let client = config
             .create()
-            .map_err(admin_error)?;
+            .map_err(|e| admin_error(format!("could not create the admin client: {e}")))?;
         let options = AdminOptions::new().operation_timeout(Some(OPERATION_TIMEOUT));
         Ok(Self { client, options })
     }
@@ -209,6 +259,53 @@ pub(crate) mod tests {
                 .delete_topic(&topic)
                 .unwrap();
         }
+    }
+
+    /// The settings reach the client: one librdkafka refuses fails its
+    /// creation, with no broker asked.
+    #[test]
+    fn an_admin_takes_the_connectors_options() {
+        let error = KafkaAdmin::with_options(
+            "127.0.0.1:1",
+            [("kafka.security.protocol", "no_such_protocol")],
+        )
+        .err()
+        .expect("librdkafka refuses the protocol");
+        assert_eq!(error.error_class(), "SOURCE_FAILED");
+        let message = error.to_string();
+        assert!(
+            message.contains("could not create the admin client")
+                && message.contains("security.protocol"),
+            "{message}"
+        );
+        let error = KafkaAdmin::with_options("127.0.0.1:1", [("security.protocol", "SASL_SSL")])
+            .err()
+            .expect("no prefix");
+        assert_eq!(error.error_class(), "INVALID_CONFIGURATION");
+        assert!(error.to_string().contains("KafkaAdmin option"), "{error}");
+    }
+
+    #[test]
+    fn an_admin_with_options_creates_and_deletes_topics() {
+        let Some(bootstrap) = broker() else { return };
+        let topic = format!(
+            "rtflow-admin-options-{}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        );
+        let admin = KafkaAdmin::with_options(
+            &bootstrap,
+            [
+                ("kafka.client.id", "rtflow-admin-test"),
+                ("kafka.security.protocol", "plaintext"),
+            ],
+        )
+        .unwrap();
+        admin.create_compacted_topic(&topic).unwrap();
+        assert_eq!(admin.cleanup_policy(&topic).unwrap(), "compact");
+        admin.delete_topic(&topic).unwrap();
     }
 
     #[test]

@@ -13,9 +13,10 @@ use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::flush;
 
-/// Makes `topic` compacted, unless it exists.
+/// Makes `topic` compacted, unless it exists, with an admin client that has
+/// the cluster's options.
 pub(crate) fn create(settings: &ClusterSettings, topic: &str) -> Result<(), String> {
-    KafkaAdmin::new(&settings.bootstrap_servers)
+    KafkaAdmin::with_config(settings.client_config())
         .and_then(|admin| admin.create_compacted_topic(topic))
         .map_err(|e| e.to_string())
 }
@@ -86,4 +87,44 @@ pub(crate) fn read(
         };
     }
     Ok(latest)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::kafka::Options;
+
+    /// The admin client that creates the shapes and instances topics is made
+    /// with the cluster's options: one librdkafka refuses fails it, with no
+    /// broker asked.
+    #[test]
+    fn the_topics_admin_client_takes_the_clusters_options() {
+        let mut options = Options::default();
+        options.set("kafka.security.protocol", "no_such_protocol");
+        let settings = ClusterSettings {
+            query: "q-1".into(),
+            bootstrap_servers: "127.0.0.1:1".into(),
+            instance: "a".into(),
+            static_member: false,
+            rack: None,
+            repartition_partitions: 4,
+            key_groups: 8,
+            session_timeout: Duration::from_secs(6),
+            transaction_timeout: Duration::from_secs(10),
+            operation_timeout: Duration::from_secs(30),
+            restore_timeout: Duration::from_secs(300),
+            retry_timeout: Duration::from_secs(300),
+            standby_replicas: 0,
+            copies: None,
+            options,
+        };
+        let error = create(&settings, &settings.shapes_topic()).expect_err("refused");
+        assert!(
+            error.contains("could not create the admin client")
+                && error.contains("security.protocol"),
+            "{error}"
+        );
+    }
 }

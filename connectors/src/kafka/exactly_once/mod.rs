@@ -65,7 +65,9 @@ pub(crate) struct TransactionalWriter<T> {
     transactional_id: String,
     /// The transactional id of writer `subtask` of this sink.
     id_of: Box<dyn Fn(u32) -> String + Send>,
-    bootstrap_servers: String,
+    /// The settings of the sink's clients other than its producers: the
+    /// reader of the commit topic.
+    clients: rdkafka::ClientConfig,
     commit_topic: String,
     serialize: SerializeFn<T>,
     spilled: SubtaskState<SpilledOutput>,
@@ -136,7 +138,8 @@ impl<T: Data> TransactionalWriter<T> {
             RtflowError::Source { message, .. } => sink.error(message),
             other => other,
         };
-        let admin = KafkaAdmin::new(&sink.bootstrap_servers).map_err(as_sink_error)?;
+        let clients = other_clients(&sink.config);
+        let admin = KafkaAdmin::with_config(clients.clone()).map_err(as_sink_error)?;
         admin
             .create_compacted_topic(&commit_topic)
             .map_err(as_sink_error)?;
@@ -165,7 +168,7 @@ impl<T: Data> TransactionalWriter<T> {
             },
             transactional_id,
             id_of: Box::new(id_of),
-            bootstrap_servers: sink.bootstrap_servers.clone(),
+            clients,
             commit_topic,
             serialize: sink.serialize.clone(),
             spilled,
@@ -187,6 +190,53 @@ enum RestoredOutput {
     Whole(Pending),
     /// The files holding it.
     Spilled(SpilledOutput),
+}
+
+/// librdkafka's producer-only settings (its CONFIGURATION.md, `P`), which a
+/// consumer ignores with a warning.
+const PRODUCER_ONLY: [&str; 30] = [
+    "transactional.id",
+    "transaction.timeout.ms",
+    "enable.idempotence",
+    "enable.gapless.guarantee",
+    "queue.buffering.max.messages",
+    "queue.buffering.max.kbytes",
+    "queue.buffering.max.ms",
+    "linger.ms",
+    "message.send.max.retries",
+    "retries",
+    "queue.buffering.backpressure.threshold",
+    "compression.codec",
+    "compression.type",
+    "compression.level",
+    "batch.num.messages",
+    "batch.size",
+    "delivery.report.only.error",
+    "dr_cb",
+    "dr_msg_cb",
+    "sticky.partitioning.linger.ms",
+    "request.required.acks",
+    "acks",
+    "request.timeout.ms",
+    "message.timeout.ms",
+    "delivery.timeout.ms",
+    "queuing.strategy",
+    "produce.offset.report",
+    "partitioner",
+    "partitioner_cb",
+    "msg_order_cmp",
+];
+
+/// The settings of the sink's admin client (which creates and describes the
+/// commit topic) and of the commit topic's reader: the sink's producer
+/// settings, its `kafka.` options included (security ones, the client id),
+/// without those only a producer reads.
+fn other_clients(producer: &rdkafka::ClientConfig) -> rdkafka::ClientConfig {
+    let mut config = producer.clone();
+    for key in PRODUCER_ONLY {
+        config.remove(key);
+    }
+    config
 }
 
 /// How long the broker lets a transaction stay open before it aborts it
@@ -343,12 +393,8 @@ impl<T> TransactionalWriter<T> {
         let Some((epoch, run)) = self.restored.clone() else {
             return Ok(());
         };
-        let records = committed_epochs(
-            &self.bootstrap_servers,
-            &self.commit_topic,
-            self.producer.timeout,
-        )
-        .map_err(|e| self.producer.error(e))?;
+        let records = committed_epochs(&self.clients, &self.commit_topic, self.producer.timeout)
+            .map_err(|e| self.producer.error(e))?;
         let mut ids: Vec<String> = (self.restored_output.iter())
             .map(|(old, _)| (self.id_of)(*old))
             .collect();
@@ -459,13 +505,13 @@ fn check_restored(
 /// restored epochs they cover would be written twice. A reader blocks at the
 /// open transaction until it ends, so this read waits for it, up to `timeout`.
 fn committed_epochs(
-    bootstrap_servers: &str,
+    clients: &rdkafka::ClientConfig,
     commit_topic: &str,
     timeout: Duration,
 ) -> std::result::Result<HashMap<String, CommitRecord>, String> {
     let reader = |isolation: &str| -> std::result::Result<BaseConsumer, String> {
-        rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", bootstrap_servers)
+        clients
+            .clone()
             .set("group.id", "rtflow-commit-reader")
             .set("enable.auto.commit", "false")
             .set("isolation.level", isolation)
@@ -679,6 +725,65 @@ mod tests {
                 assert!(message.contains("'w-0'"), "{message}");
             }
         }
+    }
+
+    /// A sink's producer settings, as `KafkaSink` makes them, with the
+    /// user's options `options` over them.
+    fn sink_config(options: &[(&str, &str)]) -> rdkafka::ClientConfig {
+        let mut config = rdkafka::ClientConfig::new();
+        config
+            .set("bootstrap.servers", "127.0.0.1:1")
+            .set("client.id", "rtflow-sink")
+            .set("linger.ms", "20")
+            .set("max.in.flight.requests.per.connection", "1")
+            .set("delivery.report.only.error", "true");
+        for (key, value) in options {
+            config.set(*key, *value);
+        }
+        config
+    }
+
+    /// The commit topic's admin client and reader get the sink's options, a
+    /// secured cluster's included, and not the settings only a producer
+    /// reads.
+    #[test]
+    fn the_commit_topics_clients_take_the_sinks_options() {
+        let config = other_clients(&sink_config(&[
+            ("security.protocol", "SASL_SSL"),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("client.id", "billing"),
+            ("acks", "all"),
+        ]));
+        for (key, value) in [
+            ("bootstrap.servers", "127.0.0.1:1"),
+            ("security.protocol", "SASL_SSL"),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("client.id", "billing"),
+            ("max.in.flight.requests.per.connection", "1"),
+        ] {
+            assert_eq!(config.get(key), Some(value), "{key}");
+        }
+        for key in ["linger.ms", "delivery.report.only.error", "acks"] {
+            assert_eq!(config.get(key), None, "{key}");
+        }
+    }
+
+    /// Both clients are made from those settings: one librdkafka refuses
+    /// fails them, with no broker asked.
+    #[test]
+    fn the_commit_topics_clients_are_made_with_the_sinks_options() {
+        let clients = other_clients(&sink_config(&[("security.protocol", "no_such_protocol")]));
+        let error = KafkaAdmin::with_config(clients.clone())
+            .err()
+            .expect("the admin client has the protocol");
+        assert!(error.to_string().contains("security.protocol"), "{error}");
+        let error = committed_epochs(&clients, "rtflow-commits-q-id", Duration::from_secs(1))
+            .expect_err("the reader has the protocol");
+        assert!(
+            error.contains("could not read the commit topic")
+                && error.contains("security.protocol"),
+            "{error}"
+        );
     }
 
     #[test]
