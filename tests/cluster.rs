@@ -50,6 +50,8 @@ const CHILD_HOST: &str = "RTFLOW_CLUSTER_HOST";
 /// Fault injection points (as `FAILPOINTS`) a child sets just before it
 /// stops its query, so that they meet its final checkpoint.
 const CHILD_STOP_FAILPOINTS: &str = "RTFLOW_CLUSTER_STOP_FAILPOINTS";
+/// The children's batch duration in milliseconds, if not [`config`]'s.
+const CHILD_BATCH: &str = "RTFLOW_CLUSTER_BATCH_MS";
 
 const PARTITIONS: i32 = 6;
 const KEYS: usize = 10;
@@ -150,28 +152,62 @@ fn build(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, windows: &
     count_and_window(&by_key, bootstrap, counts, windows);
 }
 
+/// [`build`] with the running counts written at least once: after a
+/// failure, the counts since the last commit may be written again.
+fn build_at_least_once(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, windows: &str) {
+    let by_key = side(flow, bootstrap, input).repartition_by(|e: &Event| e.key.clone());
+    count_and_window_with(
+        &by_key,
+        bootstrap,
+        counts,
+        windows,
+        DeliveryGuarantee::AtLeastOnce,
+    );
+}
+
 /// A running count per key of `keyed` into `counts` (`key:n`), and per key
-/// and tumbling window into `windows` (`key@start:n`).
+/// and tumbling window into `windows` (`key@start:n`), both exactly once.
 fn count_and_window<K, T>(keyed: &KeyedStream<K, T>, bootstrap: &str, counts: &str, windows: &str)
 where
     K: rtflow::operators::StateKey + std::fmt::Display,
     T: Data,
 {
-    keyed.count().sink(KafkaSink::new(
+    count_and_window_with(
+        keyed,
         bootstrap,
         counts,
-        |(key, count): &(K, u64)| KafkaMessage::new(format!("{key}:{count}")),
-    ));
-    keyed
-        .window(Window::tumbling(WINDOW))
-        .count()
-        .sink(KafkaSink::new(
+        windows,
+        DeliveryGuarantee::ExactlyOnce,
+    );
+}
+
+/// [`count_and_window`], the counts written with `delivery`.
+fn count_and_window_with<K, T>(
+    keyed: &KeyedStream<K, T>,
+    bootstrap: &str,
+    counts: &str,
+    windows: &str,
+    delivery: DeliveryGuarantee,
+) where
+    K: rtflow::operators::StateKey + std::fmt::Display,
+    T: Data,
+{
+    keyed.count().sink(
+        KafkaSink::new(bootstrap, counts, |(key, count): &(K, u64)| {
+            KafkaMessage::new(format!("{key}:{count}"))
+        })
+        .delivery(delivery),
+    );
+    keyed.window(Window::tumbling(WINDOW)).count().sink(
+        KafkaSink::new(
             bootstrap,
             windows,
             |(key, window, count): &(K, rtflow::operators::Window, u64)| {
                 KafkaMessage::new(format!("{key}@{}:{count}", window.start))
             },
-        ));
+        )
+        .delivery(DeliveryGuarantee::ExactlyOnce),
+    );
 }
 
 /// A count per key only, through the repartition.
@@ -184,11 +220,12 @@ fn count_per_key(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str) {
     .map(event)
     .repartition_by(|e: &Event| e.key.clone())
     .count()
-    .sink(KafkaSink::new(
-        bootstrap,
-        counts,
-        |(key, count): &(String, u64)| KafkaMessage::new(format!("{key}:{count}")),
-    ));
+    .sink(
+        KafkaSink::new(bootstrap, counts, |(key, count): &(String, u64)| {
+            KafkaMessage::new(format!("{key}:{count}"))
+        })
+        .delivery(DeliveryGuarantee::ExactlyOnce),
+    );
 }
 
 /// The bucket the second stage of [`chain`] keys by: a function of the key
@@ -305,11 +342,12 @@ fn joins(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str) {
     let right = side(flow, bootstrap, &right_topic(input));
     let key = |e: &Event| e.key.clone();
     let lines = |pairs: Stream<String>| {
-        pairs
-            .filter(|line: &String| !line.contains("flush"))
-            .sink(KafkaSink::new(bootstrap, counts, |line: &String| {
+        pairs.filter(|line: &String| !line.contains("flush")).sink(
+            KafkaSink::new(bootstrap, counts, |line: &String| {
                 KafkaMessage::new(line.clone())
-            }));
+            })
+            .delivery(DeliveryGuarantee::ExactlyOnce),
+        );
     };
     lines(
         left.join(&right, key, key, JOIN_WINDOW)
@@ -383,17 +421,19 @@ fn dedup(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, windows: &
         .repartition_by(|e: &Event| e.key.clone())
         .as_ref()
         .drop_duplicates(|e: &Event| (e.key.clone(), e.time));
-    distinct.sink(KafkaSink::new(bootstrap, counts, |e: &Event| {
-        KafkaMessage::new(row(e))
-    }));
+    distinct.sink(
+        KafkaSink::new(bootstrap, counts, |e: &Event| KafkaMessage::new(row(e)))
+            .delivery(DeliveryGuarantee::ExactlyOnce),
+    );
     distinct
         .repartition_by(|e: &Event| e.time / 1000)
         .count()
-        .sink(KafkaSink::new(
-            bootstrap,
-            windows,
-            |(second, count): &(i64, u64)| KafkaMessage::new(format!("{second}:{count}")),
-        ));
+        .sink(
+            KafkaSink::new(bootstrap, windows, |(second, count): &(i64, u64)| {
+                KafkaMessage::new(format!("{second}:{count}"))
+            })
+            .delivery(DeliveryGuarantee::ExactlyOnce),
+        );
 }
 
 /// [`dedup`]'s batch reference over records `0..n` (each read once or more,
@@ -470,8 +510,12 @@ fn cluster_child() {
     {
         cluster = cluster.retry_timeout(Duration::from_millis(ms));
     }
+    let mut config = config(&query);
+    if let Ok(ms) = std::env::var(CHILD_BATCH) {
+        config = config.trigger(Trigger::real_time(format!("{ms} milliseconds")));
+    }
     let running = cluster
-        .start(config(&query).checkpoint_location(location), move |flow| {
+        .start(config.checkpoint_location(location), move |flow| {
             build(flow, &b, &i, &c, &w);
             Ok(())
         })
@@ -529,6 +573,7 @@ fn dataflow_named(name: &str) -> Build {
     }
     match name {
         "counts" => Box::new(build),
+        "counts-at-least-once" => Box::new(build_at_least_once),
         "chain" => Box::new(chain),
         "joins" => Box::new(joins),
         "dedup" => Box::new(dedup),
@@ -558,6 +603,8 @@ struct Cluster {
     retry_timeout: Option<Duration>,
     /// What the next child started sets at its stop (`CHILD_STOP_FAILPOINTS`).
     stop_failpoints: Option<String>,
+    /// The children's batch duration, if not [`config`]'s.
+    batch: Option<Duration>,
 }
 
 impl Cluster {
@@ -584,6 +631,7 @@ impl Cluster {
             restore_timeout: None,
             retry_timeout: None,
             stop_failpoints: None,
+            batch: None,
         }
     }
 
@@ -673,6 +721,9 @@ impl Cluster {
         }
         if let Some(failpoints) = &self.stop_failpoints {
             child.env(CHILD_STOP_FAILPOINTS, failpoints);
+        }
+        if let Some(batch) = self.batch {
+            child.env(CHILD_BATCH, batch.as_millis().to_string());
         }
         let child = child
             .stdout(Stdio::null())
@@ -896,6 +947,65 @@ impl Cluster {
         check("window count per key", &windows, expected_windows, &logs);
     }
 
+    /// Stops every process, then checks that the counts hold every record
+    /// of `expected_counts` at least once and nothing else (each count once
+    /// in the state, whatever was written again), and the windows every
+    /// record of `expected_windows` exactly once.
+    fn stop_and_check_at_least_once(
+        &mut self,
+        expected_counts: &BTreeMap<String, usize>,
+        expected_windows: &BTreeMap<String, usize>,
+    ) {
+        self.stop_all();
+        let logs = self.logs();
+        let counts = self.read(&self.counts, usize::MAX, Duration::from_secs(5));
+        let distinct = tally(&counts);
+        let repeated: usize = distinct.values().map(|n| n - 1).sum();
+        eprintln!("{} counts written, {repeated} of them again", counts.len());
+        let once: Vec<String> = distinct.into_keys().collect();
+        check("count per key (distinct)", &once, expected_counts, &logs);
+        let past = expected_windows.len() + EXTRA_READ;
+        let windows = self.read(&self.windows, past, Duration::from_secs(3));
+        check("window count per key", &windows, expected_windows, &logs);
+    }
+
+    /// Waits until the counts, written at least once, hold every record of
+    /// `expected` or `timeout` passed.
+    fn await_counts_at_least_once(&self, expected: &BTreeMap<String, usize>, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let counts = tally(&self.read(&self.counts, usize::MAX, Duration::from_secs(2)));
+            if expected.keys().all(|count| counts.contains_key(count)) || Instant::now() > deadline
+            {
+                return;
+            }
+        }
+    }
+
+    /// The offsets of the input the query's processes committed, summed
+    /// over its partitions.
+    fn committed_input(&self) -> i64 {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.bootstrap)
+            .set("group.id", format!("rtflow-{}", self.query))
+            .set("isolation.level", "read_committed")
+            .create()
+            .unwrap();
+        let mut partitions = TopicPartitionList::new();
+        for partition in 0..PARTITIONS {
+            partitions.add_partition(&self.input, partition);
+        }
+        let committed = consumer
+            .committed_offsets(partitions, Duration::from_secs(30))
+            .unwrap();
+        (committed.elements().iter())
+            .filter_map(|e| match e.offset() {
+                rdkafka::Offset::Offset(offset) => Some(offset),
+                _ => None,
+            })
+            .sum()
+    }
+
     fn stop_all(&mut self) {
         std::fs::write(self.dir.join("stop"), b"").unwrap();
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -1020,6 +1130,101 @@ fn three_processes_one_killed_and_one_added_count_exactly_once() {
 
     let (expected_counts, expected_windows) = reference_with_late(total, cluster.late);
     cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
+/// An at-least-once sink of a clustered query writes each record as soon as
+/// it is processed, across a repartition and another process, not when its
+/// epoch commits: with a 5-minute batch (the longest a clustered query's
+/// transactions allow on a broker's default `transaction.max.timeout.ms`),
+/// every count is written while the input's committed offsets stay where
+/// they were.
+#[test]
+fn a_clustered_at_least_once_sink_writes_a_record_before_its_epoch_commits() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::running(&bootstrap, "counts-at-least-once");
+    cluster.batch = Some(Duration::from_secs(300));
+    let total = 2_000;
+    cluster.start(&["p0", "p1"], 0..total / 2, Duration::from_secs(90));
+    // The start-up rebalances committed at their handovers; nothing commits
+    // again for five minutes.
+    std::thread::sleep(Duration::from_secs(2));
+    let committed = cluster.committed_input();
+    produce(&bootstrap, &cluster.input, (total / 2..total).map(record));
+    let (all, _) = reference_of((0..total).map(|i| (record(i).1, i as i64 * STEP_MS)));
+    let before_flush: BTreeMap<String, usize> = all
+        .into_iter()
+        .filter(|(count, _)| !count.starts_with("flush"))
+        .collect();
+    cluster.await_counts_at_least_once(&before_flush, Duration::from_secs(60));
+    let written = tally(&cluster.read(&cluster.counts, usize::MAX, Duration::from_secs(2)));
+    let missing: Vec<_> = (before_flush.keys())
+        .filter(|count| !written.contains_key(*count))
+        .take(10)
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "counts not written before their epoch committed: {missing:?}\n{}",
+        cluster.logs()
+    );
+    assert_eq!(
+        cluster.committed_input(),
+        committed,
+        "no epoch committed meanwhile"
+    );
+    produce(&bootstrap, &cluster.input, flush_records());
+    let (expected_counts, expected_windows) = reference(total);
+    cluster.stop_and_check_at_least_once(&expected_counts, &expected_windows);
+}
+
+/// Records read before their transaction ends are counted once in the
+/// committed state whatever happens to that transaction: a process SIGKILLed
+/// mid-epoch (its open transaction aborted by the fencing) and a commit
+/// refused (its transaction aborted) make the processes that read from them
+/// roll back to their last commit. At-least-once output may repeat counts,
+/// but never shows one counted twice or lost; the windows, exactly once,
+/// hold each record once.
+#[test]
+fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_mid_epoch() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::running(&bootstrap, "counts-at-least-once");
+    let total = 6_000;
+    let third = total / 3;
+    produce(&bootstrap, &cluster.input, (0..third).map(record));
+    cluster.spawn("p0");
+    cluster.spawn("p1");
+    cluster.wait_for_shares(Duration::from_secs(90));
+    // Records flow all along, so that every epoch of every process holds
+    // some that the others read before it commits.
+    let input = cluster.input.clone();
+    std::thread::scope(|scope| {
+        let (bootstrap, input) = (&bootstrap, &input);
+        scope.spawn(move || {
+            for step in (third..total).step_by(25) {
+                produce(bootstrap, input, (step..step + 25).map(record));
+                std::thread::sleep(Duration::from_millis(25));
+            }
+        });
+        // Its eighth commit is refused: what it wrote in that epoch aborts.
+        cluster.spawn_with_failpoints("p2", "checkpoint-commit=7*off->1*return(refused)->off");
+        std::thread::sleep(Duration::from_secs(4));
+        cluster.kill("p1");
+        std::thread::sleep(Duration::from_secs(2));
+        cluster.spawn("p1");
+    });
+    produce(&bootstrap, &cluster.input, flush_records());
+    let (expected_counts, expected_windows) = reference(total);
+    cluster.await_counts_at_least_once(&expected_counts, Duration::from_secs(120));
+    cluster.outputs(0, expected_windows.len(), Duration::from_secs(60));
+    let logs = cluster.logs();
+    assert!(
+        logs.contains("checkpoint failed: refused"),
+        "p2's commit was never refused:\n{logs}"
+    );
+    assert!(
+        logs.contains("belong to one that aborted"),
+        "no process read records of a transaction that aborted:\n{logs}"
+    );
+    cluster.stop_and_check_at_least_once(&expected_counts, &expected_windows);
 }
 
 /// A process that joins takes its share from the others inside their runs,
@@ -1793,11 +1998,11 @@ fn coordinator_partition(id: &str) -> usize {
 }
 
 #[test]
-fn three_processes_on_a_replicated_kafka_count_exactly_once_through_a_broker_crash() {
+fn three_processes_on_a_replicated_kafka_count_each_record_once_through_a_broker_crash() {
     let Some(bootstrap) = replicated_bootstrap() else {
         return;
     };
-    let mut cluster = Cluster::new(&bootstrap);
+    let mut cluster = Cluster::running(&bootstrap, "counts-at-least-once");
     let client: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", &bootstrap)
         .create()
@@ -1867,11 +2072,8 @@ fn three_processes_on_a_replicated_kafka_count_exactly_once_through_a_broker_cra
     produce(&bootstrap, &cluster.input, flush_records());
 
     let (expected_counts, expected_windows) = reference(total);
-    let (counts, windows) = cluster.outputs(
-        expected_counts.len(),
-        expected_windows.len(),
-        Duration::from_secs(180),
-    );
+    cluster.await_counts_at_least_once(&expected_counts, Duration::from_secs(180));
+    cluster.outputs(0, expected_windows.len(), Duration::from_secs(60));
     let exited: Vec<String> = cluster
         .children
         .iter_mut()
@@ -1882,7 +2084,7 @@ fn three_processes_on_a_replicated_kafka_count_exactly_once_through_a_broker_cra
         "{exited:?} exited through the broker's crash:\n{}",
         cluster.logs()
     );
-    cluster.stop_and_check(&counts, &windows, &expected_counts, &expected_windows);
+    cluster.stop_and_check_at_least_once(&expected_counts, &expected_windows);
 }
 
 /// `output` holds every record of `expected` exactly once, and nothing else.
@@ -1937,11 +2139,12 @@ fn sum_per_key(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &
     side(flow, bootstrap, input)
         .repartition_by(|e: &Event| e.key.clone())
         .sum(|e: &Event| e.time)
-        .sink(KafkaSink::new(
-            bootstrap,
-            counts,
-            |(key, sum): &(String, i64)| KafkaMessage::new(format!("{key}:{sum}")),
-        ));
+        .sink(
+            KafkaSink::new(bootstrap, counts, |(key, sum): &(String, i64)| {
+                KafkaMessage::new(format!("{key}:{sum}"))
+            })
+            .delivery(DeliveryGuarantee::ExactlyOnce),
+        );
 }
 
 #[test]
@@ -2168,13 +2371,16 @@ fn windows_with_idleness(flow: &Dataflow, bootstrap: &str, input: &str, _: &str,
     .repartition_by(|e: &Event| e.key.clone())
     .window(Window::tumbling(WINDOW))
     .count()
-    .sink(KafkaSink::new(
-        bootstrap,
-        windows,
-        |(key, window, count): &(String, rtflow::operators::Window, u64)| {
-            KafkaMessage::new(format!("{key}@{}:{count}", window.start))
-        },
-    ));
+    .sink(
+        KafkaSink::new(
+            bootstrap,
+            windows,
+            |(key, window, count): &(String, rtflow::operators::Window, u64)| {
+                KafkaMessage::new(format!("{key}@{}:{count}", window.start))
+            },
+        )
+        .delivery(DeliveryGuarantee::ExactlyOnce),
+    );
 }
 
 /// One process "a" running [`windows_with_idleness`].
@@ -2327,9 +2533,12 @@ fn a_stateless_query_shared_by_two_processes_copies_each_record_once() {
                 .starting_offsets(StartingOffsets::Earliest),
         )
         .map(|record: KafkaRecord| record.value_str().into_owned())
-        .sink(KafkaSink::new(bootstrap, output, |value: &String| {
-            KafkaMessage::new(value.clone())
-        }));
+        .sink(
+            KafkaSink::new(bootstrap, output, |value: &String| {
+                KafkaMessage::new(value.clone())
+            })
+            .delivery(DeliveryGuarantee::ExactlyOnce),
+        );
     };
     let values = |from: usize, to: usize| {
         (from..to).map(|i| {
@@ -2440,11 +2649,12 @@ fn a_key_by_after_a_repartition_is_rejected_in_a_clustered_query() {
             .key_by(|e: &Event| e.time)
             .count()
             .name("count per time")
-            .sink(KafkaSink::new(
-                bootstrap,
-                counts,
-                |(time, n): &(i64, u64)| KafkaMessage::new(format!("{time}:{n}")),
-            ));
+            .sink(
+                KafkaSink::new(bootstrap, counts, |(time, n): &(i64, u64)| {
+                    KafkaMessage::new(format!("{time}:{n}"))
+                })
+                .delivery(DeliveryGuarantee::ExactlyOnce),
+            );
     };
     let error = start_here(&bootstrap, &cluster, "a", free_address(), rekeyed)
         .map(|_| ())
@@ -2569,9 +2779,12 @@ fn a_clustered_sink_message_without_a_topic_fails_the_process_with_its_sink_erro
                 .starting_offsets(StartingOffsets::Earliest),
         )
         .map(|record: KafkaRecord| record.value_str().into_owned())
-        .sink(KafkaSink::per_record_topic(bootstrap, |value: &String| {
-            KafkaMessage::new(value.clone())
-        }));
+        .sink(
+            KafkaSink::per_record_topic(bootstrap, |value: &String| {
+                KafkaMessage::new(value.clone())
+            })
+            .delivery(DeliveryGuarantee::ExactlyOnce),
+        );
     };
     let running = start_here(&bootstrap, &cluster, "a", free_address(), nowhere).unwrap();
     produce(
@@ -2798,9 +3011,12 @@ impl Pipeline {
                     .filter(|line: &String| !line.contains("flush"))
             }
         };
-        lines.sink(KafkaSink::new(bootstrap, counts, |line: &String| {
-            KafkaMessage::new(line.clone())
-        }));
+        lines.sink(
+            KafkaSink::new(bootstrap, counts, |line: &String| {
+                KafkaMessage::new(line.clone())
+            })
+            .delivery(DeliveryGuarantee::ExactlyOnce),
+        );
     }
 
     /// The output over left records `0..n`, right records `0..m` and the

@@ -142,11 +142,12 @@ pub fn build(flow: &Dataflow, bootstrap: &str, input: &str, output: &str) {
     .with_watermark(|e: &Event| e.time, Duration::ZERO)
     .repartition_by(|e: &Event| e.key.clone())
     .count()
-    .sink(KafkaSink::new(
-        bootstrap,
-        output,
-        |(key, count): &(String, u64)| KafkaMessage::new(count.to_string()).key(key.clone()),
-    ));
+    .sink(
+        KafkaSink::new(bootstrap, output, |(key, count): &(String, u64)| {
+            KafkaMessage::new(count.to_string()).key(key.clone())
+        })
+        .delivery(DeliveryGuarantee::ExactlyOnce),
+    );
 }
 
 /// The query's configuration: a 300 ms real-time trigger.

@@ -411,6 +411,9 @@ pub struct SinkContext {
     pub watermark_delay: Option<Duration>,
     /// In a clustered query, the process's link to its cluster.
     pub cluster: Option<Arc<dyn Membership>>,
+    /// In a clustered query, whether the writer's output commits second,
+    /// after the repartitions it reads ([`CommitOrder`](crate::cluster::CommitOrder)).
+    pub commits_second: bool,
 }
 
 /// A sink of records (Kafka, foreach, console, memory).

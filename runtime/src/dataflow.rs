@@ -17,7 +17,7 @@ use crate::config::QueryConfig;
 use crate::connector::{Sink, Source};
 use crate::dispatch::{KeyHash, Partitioning};
 use crate::error::Result;
-use crate::graph::{Edge, Graph, Node, NodeId, WITH_WATERMARK};
+use crate::graph::{Edge, Graph, Node, NodeId, RepartitionEnds, WITH_WATERMARK};
 use crate::key_groups::stable_hash;
 use crate::operator::{Operator, OperatorContext};
 use crate::query::{Prepared, Start, StreamingQuery};
@@ -308,9 +308,19 @@ impl<T: Data> Stream<T> {
             name: String::new(),
             graph: self.graph.clone(),
         };
-        let decoded = flow
-            .source(source)
-            .transform(repartition::DECODE, |_| Decode::<T>(PhantomData));
+        let read_back = flow.source(source);
+        {
+            let mut graph = self.graph.borrow_mut();
+            // The sink just added, then the source.
+            let reader = graph.nodes.len() - 1;
+            let ends = RepartitionEnds {
+                writer: reader - 1,
+                reader,
+                stage,
+            };
+            graph.repartition_ends.push(ends);
+        }
+        let decoded = read_back.transform(repartition::DECODE, |_| Decode::<T>(PhantomData));
         let keyed = decoded.key_by(move |value: &T| key(value));
         keyed
             .stream

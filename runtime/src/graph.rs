@@ -3,6 +3,7 @@
 //! records are spread over them. The planner ([`crate::plan`]) turns it into
 //! actors.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -58,9 +59,55 @@ pub(crate) struct Graph {
     /// partitioning each shuffles by: a clustered query may shuffle only
     /// there, and only by the repartition's own key.
     pub(crate) exchanges: Vec<(NodeId, Partitioning)>,
+    /// Each repartition: the sink that writes it, the source that reads it
+    /// back, and its number.
+    pub(crate) repartition_ends: Vec<RepartitionEnds>,
+}
+
+/// The two nodes a repartition cuts the dataflow into.
+pub(crate) struct RepartitionEnds {
+    pub(crate) writer: NodeId,
+    pub(crate) reader: NodeId,
+    pub(crate) stage: usize,
 }
 
 impl Graph {
+    /// Which nodes of a clustered query commit second (`true`), after the
+    /// repartitions they read, and which first, with the source offsets of
+    /// their records. Whatever a repartition's reader reaches commits
+    /// second; so does a source some of whose records meet such records (a
+    /// union, a join), and everything its records reach: a source's offsets
+    /// commit together with all that its records wrote.
+    pub(crate) fn commits_second(&self) -> Vec<bool> {
+        let readers: BTreeSet<NodeId> = self.repartition_ends.iter().map(|e| e.reader).collect();
+        let mut late: BTreeSet<NodeId> = readers.clone();
+        loop {
+            let mut second = vec![false; self.nodes.len()];
+            // Nodes come after their inputs.
+            for (id, node) in self.nodes.iter().enumerate() {
+                second[id] = late.contains(&id) || node.inputs.iter().any(|e| second[e.from]);
+            }
+            let mut reaching: Vec<BTreeSet<NodeId>> = vec![BTreeSet::new(); self.nodes.len()];
+            for (id, node) in self.nodes.iter().enumerate() {
+                if node.inputs.is_empty() {
+                    reaching[id].insert(id);
+                }
+                for edge in &node.inputs {
+                    let from = reaching[edge.from].clone();
+                    reaching[id].extend(from);
+                }
+            }
+            let more: BTreeSet<NodeId> = (0..self.nodes.len())
+                .filter(|id| second[*id])
+                .flat_map(|id| reaching[id].iter().copied())
+                .collect();
+            if more.is_subset(&late) {
+                return second;
+            }
+            late.extend(more);
+        }
+    }
+
     /// Every source, as progress reports name it.
     pub(crate) fn source_descriptions(&self) -> Vec<SourceDescription> {
         self.nodes

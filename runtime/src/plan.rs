@@ -11,6 +11,7 @@ use rtflow_checkpoint::Offsets;
 use crate::actor::{ActorEnv, Reading};
 use crate::cluster::handover::Reach;
 use crate::cluster::membership::Membership;
+use crate::cluster::CommitOrder;
 use crate::config::QueryConfig;
 use crate::connector::SinkWiring;
 use crate::connector::{SinkContext, SourceContext, SourceWaker};
@@ -238,6 +239,9 @@ pub(crate) struct Plan {
     /// partitions of all sources are numbered in one range, in node order.
     partition_base: Vec<u32>,
     consumers: Vec<Vec<(NodeId, usize)>>,
+    /// In a clustered query, the nodes that commit second
+    /// ([`CommitOrder`]); none otherwise.
+    commits_second: Vec<bool>,
     /// The node fused after each node in the same actor, if any.
     chained_next: Vec<Option<NodeId>>,
     chained_prev: Vec<Option<NodeId>>,
@@ -338,9 +342,27 @@ impl Plan {
                     .collect()
             })
             .collect();
+        let commits_second = match &graph.cluster {
+            Some(link) => {
+                let second = graph.commits_second();
+                link.commit_order(CommitOrder {
+                    read_before_commit: (graph.repartition_ends.iter())
+                        .filter(|ends| !second[ends.writer])
+                        .map(|ends| ends.stage)
+                        .collect(),
+                    second: (graph.nodes.iter().enumerate())
+                        .filter(|(id, node)| second[*id] && matches!(node.body, Body::Source(..)))
+                        .map(|(_, node)| node.uid.clone())
+                        .collect(),
+                });
+                second
+            }
+            None => vec![false; n],
+        };
         let plan = Self {
             graph,
             parallelism,
+            commits_second,
             source_partitions,
             read,
             partition_base,
@@ -644,6 +666,7 @@ impl Plan {
                                 watermark_delay: self.watermark_delay_before(id),
                                 cluster: (self.graph.cluster.clone())
                                     .map(|link| link as Arc<dyn Membership>),
+                                commits_second: self.commits_second[id],
                             };
                             let (sender, receiver) = crossbeam_channel::unbounded();
                             commits = Some(sender);

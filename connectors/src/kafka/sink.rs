@@ -24,6 +24,7 @@ use super::{Options, DEFAULT_METADATA_TIMEOUT};
 
 /// What a [`KafkaSink`] promises about each record's delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum DeliveryGuarantee {
     /// Every record is written at least once: the producer is flushed before each
     /// barrier is acknowledged, and a restart may write the records of the
@@ -94,11 +95,13 @@ impl<T: Data> KafkaSink<T> {
     /// [`option`](Self::option)); brokers cap that (`transaction.max.timeout.ms`,
     /// 15 minutes by default), so a longer batch duration fails at start.
     ///
-    /// In a clustered query ([`KafkaCluster`](crate::kafka::KafkaCluster))
-    /// the setting has no effect: every sink there writes in its process's
-    /// transaction of the epoch, with the epoch's state changes and input
-    /// offsets, so the output is exactly once whatever is set here, and
-    /// visible to `read_committed` consumers once per batch duration.
+    /// It means the same in a clustered query
+    /// ([`KafkaCluster`](crate::kafka::KafkaCluster)): at least once, a
+    /// record is written as soon as it reaches the sink, and after a failure
+    /// the records processed since the last commit may be written again;
+    /// exactly once, it is written in its process's transaction of the epoch,
+    /// with the epoch's state changes and input offsets, visible to
+    /// `read_committed` consumers when that commits.
     pub fn delivery(mut self, guarantee: DeliveryGuarantee) -> Self {
         self.guarantee = guarantee;
         self
@@ -232,7 +235,7 @@ impl<T: Data> Sink<T> for KafkaSink<T> {
             self.check_topic(topic)?;
         }
         let settings = self.settings()?;
-        if ctx.cluster.is_some() {
+        if ctx.cluster.is_some() && self.guarantee == DeliveryGuarantee::ExactlyOnce {
             let transactions = cluster::transactions_of(ctx, &settings.name())?;
             return Ok(Box::new(ClusterWriter {
                 sink: settings.name(),
@@ -305,9 +308,8 @@ impl<T: Data> SinkWriter<T> for KafkaWriter<T> {
     }
 }
 
-/// The writer of a sink in a clustered query: whatever the delivery guarantee
-/// asked, its records commit with the process's transaction of their epoch,
-/// exactly once.
+/// The writer of an exactly-once sink in a clustered query: its records
+/// commit with the process's transaction of their epoch.
 struct ClusterWriter<T> {
     staging: cluster::Staging,
     serialize: Serialize<T>,

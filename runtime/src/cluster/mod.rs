@@ -464,6 +464,10 @@ pub trait ClusterLink: Membership {
         stage: usize,
     ) -> Result<(Box<dyn Sink<Exchanged>>, Box<dyn Source<Exchanged>>)>;
 
+    /// What of the dataflow commits second, once it is complete and before
+    /// any of it runs.
+    fn commit_order(&self, order: CommitOrder);
+
     /// Where this process's partitions resume: their committed offsets, and
     /// the keyed state of the key groups they carry.
     fn recover(&self) -> Result<ClusterRecovery>;
@@ -477,6 +481,22 @@ pub trait ClusterLink: Membership {
         offsets: &BTreeMap<String, Offsets>,
         deltas: &[Delta],
     ) -> Result<()>;
+}
+
+/// The order a process of a clustered query commits its work in, each
+/// epoch: first what it read from source topics, with what it wrote of
+/// those records (to repartitions and sinks); then what crossed a
+/// repartition, with the keyed state and what it wrote of those records.
+/// A repartition written first can be read before it commits: what is read
+/// of it commits second, once it committed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommitOrder {
+    /// The repartitions, by number, whose writers commit first.
+    pub read_before_commit: BTreeSet<usize>,
+    /// The sources, by uid, whose offsets commit second: every
+    /// repartition's reader, and any source some of whose records meet
+    /// records that crossed a repartition.
+    pub second: BTreeSet<String>,
 }
 
 /// A reader's view of event time in one repartition partition: the latest

@@ -370,6 +370,21 @@ impl Coordinator {
         }
     }
 
+    /// Ends an epoch at every multiple of `period` on the wall clock. The
+    /// processes of a clustered query then end their epochs together, so that
+    /// a process's second transaction, which waits for the first ones of the
+    /// processes it read from, waits only for their commits, not for the
+    /// rest of their epochs.
+    fn trigger_on_the_clock(ctx: &mut Context<Self>, period: Duration) {
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        ctx.run_later(until_next_multiple(now, period), move |coordinator, ctx| {
+            coordinator.guarded(ctx, |coordinator, _| coordinator.trigger_checkpoint());
+            Self::trigger_on_the_clock(ctx, period);
+        });
+    }
+
     /// Ends the next epoch at every source, unless one is still in flight.
     fn trigger_checkpoint(&mut self) {
         let Some(checkpoints) = &mut self.checkpoints else {
@@ -696,9 +711,13 @@ impl Actor for Coordinator {
                 ctx.run_interval(progress_interval, |coordinator, ctx| {
                     coordinator.guarded(ctx, |coordinator, _| coordinator.publish_progress(None))
                 });
-                ctx.run_interval(batch_duration, |coordinator, ctx| {
-                    coordinator.guarded(ctx, |coordinator, _| coordinator.trigger_checkpoint())
-                });
+                if self.shared.cluster.is_some() {
+                    Self::trigger_on_the_clock(ctx, batch_duration);
+                } else {
+                    ctx.run_interval(batch_duration, |coordinator, ctx| {
+                        coordinator.guarded(ctx, |coordinator, _| coordinator.trigger_checkpoint())
+                    });
+                }
                 // A clustered run's first epoch ends sooner: a run restarted
                 // by a rebalance starts on the backlog of its pause, which
                 // only a commit makes visible downstream, once per
@@ -841,9 +860,19 @@ fn yield_to_actors(yes: bool) {
     }
 }
 
+/// How long from `now` until the next multiple of `period`, a whole period
+/// when `now` is one.
+fn until_next_multiple(now: Duration, period: Duration) -> Duration {
+    let period = period.as_nanos().max(1);
+    let rest = now.as_nanos() % period;
+    Duration::from_nanos((period - rest) as u64)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::StartClaim;
+    use std::time::Duration;
+
+    use super::{until_next_multiple, StartClaim};
 
     #[test]
     fn a_start_is_claimed_once_by_whichever_comes_first() {
@@ -853,5 +882,14 @@ mod tests {
         let abandoned_first = StartClaim::default();
         assert!(abandoned_first.abandon());
         assert!(!abandoned_first.run(), "an abandoned start never runs");
+    }
+
+    #[test]
+    fn epochs_end_on_multiples_of_the_batch_duration() {
+        let second = Duration::from_secs(1);
+        let at = |ms| Duration::from_millis(ms);
+        assert_eq!(until_next_multiple(at(12_300), second), at(700));
+        assert_eq!(until_next_multiple(at(12_000), second), second);
+        assert_eq!(until_next_multiple(at(12_999), second), at(1));
     }
 }

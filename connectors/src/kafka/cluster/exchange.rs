@@ -6,11 +6,16 @@
 //! partitions behind it. Records travel in frames: a Kafka message holds the
 //! records a writer has for one partition, up to [`FRAME_RECORDS`], so that
 //! librdkafka and the broker handle a message per frame, not per record.
-//! [`ExchangeSource`] reads the partitions the group assigned to the process,
-//! `read_committed`, and passes on the least watermark over all source
-//! partitions ([`UpstreamWatermarks`]). Records and
-//! watermarks commit with the epoch's transaction, so a reader sees an epoch's
-//! records and watermark together, once.
+//! [`ExchangeSource`] reads the partitions the group assigned to the process
+//! and passes on the least watermark over all source partitions
+//! ([`UpstreamWatermarks`]).
+//!
+//! A repartition of records read from the source topics is read as it is
+//! written: its writers hand each frame to their transaction as soon as
+//! their input pauses, and its readers read `read_uncommitted` and tell how
+//! many messages they passed on, which the process's commit checks against
+//! what committed (`upstream`). A repartition of records that crossed one
+//! before is read `read_committed`, when its writers' epoch commits.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,8 +23,8 @@ use std::time::Duration;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::cluster::{
-    late_across, EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks, WriterInput,
-    WritersProgress,
+    late_across, CommitOrder, EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks,
+    WriterInput, WritersProgress,
 };
 use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::key_groups::key_group;
@@ -30,7 +35,8 @@ use rtflow_runtime::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::transactions::{Staging, Transactions};
+use super::transactions::{Staging, Tier, Tiers};
+use super::upstream::{new_lineage, Skip, Upstream, READ_MARK};
 use super::{lock, ClusterSettings, WATERMARK_MARK};
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::KafkaMessage;
@@ -132,7 +138,7 @@ pub(crate) struct ExchangeSink {
     settings: Arc<ClusterSettings>,
     topic: String,
     /// The process's transactions; none in a probe, which writes nothing.
-    transactions: Option<Arc<Transactions>>,
+    transactions: Option<Arc<Tiers>>,
     /// What the run's writers tell together, made by the first writer.
     told: Arc<Mutex<Option<Told>>>,
 }
@@ -148,7 +154,7 @@ impl ExchangeSink {
     pub(crate) fn new(
         settings: Arc<ClusterSettings>,
         topic: String,
-        transactions: Option<Arc<Transactions>>,
+        transactions: Option<Arc<Tiers>>,
     ) -> Self {
         Self {
             settings,
@@ -173,9 +179,12 @@ impl Sink<Exchanged> for ExchangeSink {
     }
 
     fn writer(&self, ctx: &SinkContext) -> Result<Box<dyn SinkWriter<Exchanged>>> {
-        let transactions = self.transactions.clone().ok_or_else(|| {
-            RtflowError::sink(self.description(), "a probe of the dataflow writes nothing")
-        })?;
+        let tier = Tier::of(ctx.commits_second);
+        let transactions = (self.transactions.as_ref())
+            .map(|tiers| tiers.of(tier).clone())
+            .ok_or_else(|| {
+                RtflowError::sink(self.description(), "a probe of the dataflow writes nothing")
+            })?;
         lock(&self.told)
             .get_or_insert_with(|| Told {
                 progress: WritersProgress::new(ctx.parallelism, ctx.upstream_partitions),
@@ -196,6 +205,7 @@ impl Sink<Exchanged> for ExchangeSink {
             key_groups: self.settings.key_groups,
             subtask: ctx.subtask,
             epoch: ctx.first_epoch,
+            read_uncommitted: tier == Tier::Sourced,
             barrier: false,
             input: WriterInput::default(),
             told: self.told.clone(),
@@ -223,6 +233,9 @@ struct ExchangeWriter {
     subtask: usize,
     /// The epoch the writer's records belong to now.
     epoch: Epoch,
+    /// Whether the repartition is read before it commits: each frame goes
+    /// out once the writer's input pauses.
+    read_uncommitted: bool,
     /// Whether the last call was `on_barrier`: the `snapshot` after it does
     /// not end the input.
     barrier: bool,
@@ -310,6 +323,14 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
         Ok(())
     }
 
+    fn flush(&mut self) -> Result<()> {
+        if self.read_uncommitted {
+            self.flush();
+            self.staging.hand_over();
+        }
+        Ok(())
+    }
+
     fn on_watermark(&mut self, watermark: EventTime) -> Result<()> {
         self.input.watermark(watermark);
         Ok(())
@@ -321,8 +342,9 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
     }
 
     fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {
-        // Records become visible downstream only when the epoch commits, so a
-        // watermark told once per epoch, after its records, loses nothing.
+        // A watermark told once per epoch, after its records, loses nothing:
+        // readers pass it on after them. Records read before they commit
+        // wait for it in windows and timers, up to a batch duration.
         self.flush();
         self.staging.end_epoch(epoch);
         self.report(epoch, false);
@@ -382,6 +404,12 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
 pub(crate) struct ExchangeSource {
     pub(crate) settings: Arc<ClusterSettings>,
     pub(crate) topic: String,
+    pub(crate) stage: usize,
+    /// Whether it reads records before their transaction ends
+    /// ([`CommitOrder::read_before_commit`]), and what the process knows of
+    /// those that aborted.
+    pub(crate) order: Arc<Mutex<CommitOrder>>,
+    pub(crate) upstream: Option<Arc<Upstream>>,
 }
 
 impl ExchangeSource {
@@ -416,9 +444,14 @@ impl Source<Exchanged> for ExchangeSource {
         let error = |e: &dyn std::fmt::Display| {
             RtflowError::source(self.description(), format!("could not read: {e}"))
         };
-        let mut consumer: BaseConsumer = self
+        let uncommitted = lock(&self.order).read_before_commit.contains(&self.stage);
+        let mut config = self
             .settings
-            .committed_reader(&self.settings.group_of(&self.topic))
+            .committed_reader(&self.settings.group_of(&self.topic));
+        if uncommitted {
+            config.set("isolation.level", "read_uncommitted");
+        }
+        let mut consumer: BaseConsumer = config
             .set("enable.auto.offset.store", "false")
             .set("fetch.wait.max.ms", "5")
             .create()
@@ -428,7 +461,12 @@ impl Source<Exchanged> for ExchangeSource {
         let mut assignment = TopicPartitionList::new();
         let mut readers = Vec::new();
         for number in &ctx.partitions {
-            let partition = Partition::resumed(&self.topic, *number, &ctx.start_offsets);
+            let partition = Partition::resumed(
+                &self.topic,
+                *number,
+                &ctx.start_offsets,
+                self.upstream.as_deref(),
+            );
             assignment
                 .add_partition_offset(
                     &self.topic,
@@ -443,6 +481,8 @@ impl Source<Exchanged> for ExchangeSource {
             consumer: ClosingConsumer::new(consumer),
             topic: self.topic.clone(),
             source: self.description(),
+            uncommitted,
+            upstream: self.upstream.clone(),
             partitions: readers,
             emitted: None,
             restored: true,
@@ -456,16 +496,24 @@ struct Partition {
     partition: i32,
     position: i64,
     watermarks: UpstreamWatermarks,
+    /// What was read since the reader took the partition on, at `from`, in
+    /// a lineage of reads of its own (`upstream`).
+    lineage: i64,
+    from: i64,
+    read: i64,
+    /// Aborted messages to pass over.
+    skip: Option<Skip>,
 }
 
 impl Partition {
     /// Partition `number` of `topic`, where `offsets` resume it: its offset
-    /// and the watermark table committed with it.
-    fn resumed(topic: &str, number: usize, offsets: &Offsets) -> Self {
+    /// and the watermark table committed with it; and the aborted messages
+    /// to pass over there, that `upstream` knows of.
+    fn resumed(topic: &str, number: usize, offsets: &Offsets, upstream: Option<&Upstream>) -> Self {
         let partition = number as i32;
         let label = format!("{topic}-{partition}");
         let position = offsets.get(&label).copied().unwrap_or(0);
-        let mut upstream = 0;
+        let mut upstream_partitions = 0;
         let mut watermarks = Vec::new();
         let prefix = format!("{label}{WATERMARK_MARK}");
         for (key, value) in offsets.range(prefix.clone()..) {
@@ -473,7 +521,7 @@ impl Partition {
                 break;
             };
             match which {
-                "upstream" => upstream = *value as u32,
+                "upstream" => upstream_partitions = *value as u32,
                 partition => {
                     if let Ok(partition) = partition.parse() {
                         watermarks.push((partition, *value));
@@ -481,11 +529,16 @@ impl Partition {
                 }
             }
         }
+        let skip = upstream.and_then(|u| u.skip_of(&(topic.to_owned(), partition)));
         Self {
             number,
             partition,
             position,
-            watermarks: UpstreamWatermarks::restore(upstream, watermarks),
+            watermarks: UpstreamWatermarks::restore(upstream_partitions, watermarks),
+            lineage: new_lineage(),
+            from: position,
+            read: 0,
+            skip,
         }
     }
 }
@@ -494,6 +547,9 @@ struct ExchangeReader {
     consumer: ClosingConsumer,
     topic: String,
     source: String,
+    /// Whether it reads before the writers commit, and tells its reads.
+    uncommitted: bool,
+    upstream: Option<Arc<Upstream>>,
     partitions: Vec<Partition>,
     emitted: Option<EventTime>,
     /// Whether the restored watermark is still to be passed on.
@@ -537,33 +593,60 @@ impl SourceReader<Exchanged> for ExchangeReader {
                 format!("{label}{WATERMARK_MARK}upstream"),
                 i64::from(partition.watermarks.upstream()),
             );
+            if self.uncommitted {
+                for (what, value) in [
+                    ("lineage", partition.lineage),
+                    ("from", partition.from),
+                    ("read", partition.read),
+                ] {
+                    offsets.insert(format!("{label}{READ_MARK}{what}"), value);
+                }
+            }
             offsets.insert(label, partition.position);
         }
         offsets
     }
 
     fn hand_over(&mut self, change: &ReaderHandover<'_>) -> Result<()> {
+        // Only what changes is assigned or unassigned, as the Kafka source
+        // does: replacing the whole assignment just before the consumer
+        // closes (a handover that fails) can abort the process in librdkafka
+        // (confluentinc/librdkafka#5573).
+        let mut gone = TopicPartitionList::new();
+        for partition in (self.partitions.iter()).filter(|p| !change.partitions.contains(&p.number))
+        {
+            gone.add_partition(&self.topic, partition.partition);
+        }
         self.partitions
             .retain(|p| change.partitions.contains(&p.number));
+        let mut added = TopicPartitionList::new();
         for number in change.partitions {
             if !self.partitions.iter().any(|p| p.number == *number) {
-                let adopted = Partition::resumed(&self.topic, *number, change.start_offsets);
+                let adopted = Partition::resumed(
+                    &self.topic,
+                    *number,
+                    change.start_offsets,
+                    self.upstream.as_deref(),
+                );
+                added
+                    .add_partition_offset(
+                        &self.topic,
+                        adopted.partition,
+                        Offset::Offset(adopted.position),
+                    )
+                    .map_err(|e| RtflowError::source(&self.source, e.to_string()))?;
                 self.partitions.push(adopted);
             }
         }
-        let mut assignment = TopicPartitionList::new();
-        for partition in &self.partitions {
-            assignment
-                .add_partition_offset(
-                    &self.topic,
-                    partition.partition,
-                    Offset::Offset(partition.position),
-                )
-                .map_err(|e| RtflowError::source(&self.source, e.to_string()))?;
-        }
-        self.consumer.assign(&assignment).map_err(|e| {
+        let changed = |e: rdkafka::error::KafkaError| {
             RtflowError::source(&self.source, format!("could not change partitions: {e}"))
-        })?;
+        };
+        if gone.count() > 0 {
+            self.consumer.incremental_unassign(&gone).map_err(changed)?;
+        }
+        if added.count() > 0 {
+            self.consumer.incremental_assign(&added).map_err(changed)?;
+        }
         if change.starts_over {
             // Told again, idleness too: the operators after it wait for
             // every reader's word anew.
@@ -607,6 +690,16 @@ impl SourceReader<Exchanged> for ExchangeReader {
                     };
                     let partition = &mut self.partitions[index];
                     partition.position = message.offset() + 1;
+                    if let Some(skip) = &partition.skip {
+                        let skipped = skip.skips(message.offset());
+                        if skip.is_behind(partition.position) {
+                            partition.skip = None;
+                        }
+                        if skipped {
+                            continue;
+                        }
+                    }
+                    partition.read += 1;
                     let mut told = false;
                     // A frame passes on whole: the checkpoint's offset is the
                     // next frame's.

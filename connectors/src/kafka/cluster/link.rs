@@ -17,13 +17,14 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientContext;
 use rdkafka::{Offset, TopicPartitionList};
 use rtflow_checkpoint::{Delta, Offsets};
-use rtflow_runtime::cluster::{ClusterLink, ClusterRecovery, Exchanged, Membership};
+use rtflow_runtime::cluster::{ClusterLink, ClusterRecovery, CommitOrder, Exchanged, Membership};
 use rtflow_runtime::{Epoch, Result, RtflowError, Sink, SinkContext, Source};
 
 use super::changelog::{self, Fold};
 use super::exchange::{ExchangeSink, ExchangeSource};
 use super::local::{self, Image};
-use super::transactions::{Batch, Transactions};
+use super::transactions::{Batch, Tier, Tiers, Transactions};
+use super::upstream::{Reads, Upstream, Verified, READ_MARK};
 use super::{lock, while_coordinator_moves, ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
 use crate::kafka::closing::ClosingConsumer;
@@ -57,7 +58,11 @@ pub(crate) enum Mode {
     Live {
         /// What the process owns now: a handover inside the run changes it.
         owned: Mutex<Arc<Owned>>,
-        transactions: Arc<Transactions>,
+        transactions: Arc<Tiers>,
+        /// What the process knows of the transactions its readers read from.
+        upstream: Arc<Upstream>,
+        /// What the run's commits verified its readers read.
+        verified: Mutex<Verified>,
         /// Where the run tells what it restored.
         last_restore: Arc<Mutex<Option<RestoreStats>>>,
     },
@@ -66,6 +71,8 @@ pub(crate) enum Mode {
 pub(crate) struct KafkaLink {
     pub(crate) settings: Arc<ClusterSettings>,
     pub(crate) mode: Mode,
+    /// What commits second, as the dataflow's plan decided.
+    pub(crate) order: Arc<Mutex<CommitOrder>>,
 }
 
 impl KafkaLink {
@@ -77,7 +84,7 @@ impl KafkaLink {
         }
     }
 
-    pub(crate) fn transactions(&self) -> Option<&Arc<Transactions>> {
+    pub(crate) fn transactions(&self) -> Option<&Arc<Tiers>> {
         match &self.mode {
             Mode::Live { transactions, .. } => Some(transactions),
             Mode::Probe(_) => None,
@@ -160,13 +167,14 @@ impl Membership for Owned {
     }
 }
 
-/// The transactions of the process `ctx` runs in, for a writer that stages
-/// its records there.
+/// The transaction of the process `ctx` runs in that a writer stages its
+/// records in: the one of its tier.
 pub(crate) fn transactions_of(ctx: &SinkContext, sink: &str) -> Result<Arc<Transactions>> {
     ctx.cluster
         .as_ref()
         .and_then(|link| link.as_any().downcast_ref::<KafkaLink>())
-        .and_then(|link| link.transactions().cloned())
+        .and_then(|link| link.transactions())
+        .map(|tiers| tiers.of(Tier::of(ctx.commits_second)).clone())
         .ok_or_else(|| {
             RtflowError::sink(
                 sink,
@@ -216,13 +224,17 @@ impl ClusterLink for KafkaLink {
     ) -> Result<(Box<dyn Sink<Exchanged>>, Box<dyn Source<Exchanged>>)> {
         let topic = self.settings.repartition_topic(stage);
         if matches!(self.mode, Mode::Probe(_)) {
-            let admin = KafkaAdmin::new(&self.settings.bootstrap_servers)?;
+            let admin = KafkaAdmin::with_config(self.settings.client_config())?;
             admin.create_topic(&topic, self.settings.repartition_partitions as i32)?;
             admin.create_compacted_topic_of(
                 &self.settings.changelog_topic(),
                 self.settings.repartition_partitions as i32,
             )?;
         }
+        let upstream = match &self.mode {
+            Mode::Live { upstream, .. } => Some(upstream.clone()),
+            Mode::Probe(_) => None,
+        };
         Ok((
             Box::new(ExchangeSink::new(
                 self.settings.clone(),
@@ -232,8 +244,16 @@ impl ClusterLink for KafkaLink {
             Box::new(ExchangeSource {
                 settings: self.settings.clone(),
                 topic,
+                stage,
+                order: self.order.clone(),
+                upstream,
             }),
         ))
+    }
+
+    fn commit_order(&self, order: CommitOrder) {
+        tracing::debug!(?order, "commit order");
+        *lock(&self.order) = order;
     }
 
     fn recover(&self) -> Result<ClusterRecovery> {
@@ -248,7 +268,13 @@ impl ClusterLink for KafkaLink {
         offsets: &BTreeMap<String, Offsets>,
         deltas: &[Delta],
     ) -> Result<()> {
-        let Some(transactions) = self.transactions() else {
+        let Mode::Live {
+            transactions,
+            upstream,
+            verified,
+            ..
+        } = &self.mode
+        else {
             return Err(self.error("a probe does not commit"));
         };
         let partitions = self.settings.repartition_partitions as u32;
@@ -268,14 +294,45 @@ impl ClusterLink for KafkaLink {
                 });
             }
         }
-        let positions = positions(offsets.values(), |topic| self.settings.group_of(topic))?;
+        let (second, first): (Vec<_>, Vec<_>) = {
+            let order = lock(&self.order);
+            (offsets.iter()).partition(|(uid, _)| order.second.contains(*uid))
+        };
+        let group_of = |topic: &str| self.settings.group_of(topic);
+        let sourced = positions(first.into_iter().map(|(_, o)| o), group_of)?;
+        let repartitioned = positions(second.iter().map(|(_, o)| *o), group_of)?;
         tracing::debug!(
             epoch,
             changes = changes.messages.len(),
-            ?positions,
+            ?sourced,
+            ?repartitioned,
             "committing"
         );
-        transactions.commit(epoch, changes, &positions)
+        let nothing = Batch {
+            topic: None,
+            messages: Vec::new(),
+        };
+        transactions
+            .of(Tier::Sourced)
+            .commit(epoch, nothing, &sourced)?;
+        let reads = reads(second.into_iter().map(|(_, o)| o))?;
+        let checks: Vec<_> = {
+            let verified = lock(verified);
+            (reads.iter())
+                .filter_map(|(partition, reads)| {
+                    Some((partition.clone(), verified.check(partition, reads)?))
+                })
+                .collect()
+        };
+        upstream.verify(&checks)?;
+        transactions
+            .of(Tier::Repartitioned)
+            .commit(epoch, changes, &repartitioned)?;
+        let mut verified = lock(verified);
+        for (partition, reads) in reads {
+            verified.passed(partition, reads);
+        }
+        Ok(())
     }
 }
 
@@ -614,7 +671,7 @@ struct Read {
 
 /// The context of a consumer that reads partitions to their end: the end of
 /// a partition is what it waits for, not an error to log.
-struct EndsExpected;
+pub(crate) struct EndsExpected;
 
 impl ClientContext for EndsExpected {
     fn error(&self, error: KafkaError, reason: &str) {
@@ -623,12 +680,53 @@ impl ClientContext for EndsExpected {
             KafkaError::PartitionEOF(_) | KafkaError::Global(RDKafkaErrorCode::PartitionEOF)
         );
         if !end {
-            tracing::warn!(%error, reason, "changelog consumer error");
+            tracing::warn!(%error, reason, "consumer error");
         }
     }
 }
 
 impl ConsumerContext for EndsExpected {}
+
+/// What the readers that read before their writers commit told of their
+/// reads, by partition.
+fn reads<'a>(
+    offsets: impl Iterator<Item = &'a Offsets>,
+) -> Result<BTreeMap<TopicPartition, Reads>> {
+    let mut reads: BTreeMap<TopicPartition, BTreeMap<&str, i64>> = BTreeMap::new();
+    let mut next: BTreeMap<TopicPartition, i64> = BTreeMap::new();
+    for labels in offsets {
+        for (label, value) in labels {
+            if let Some((partition, what)) = label.split_once(READ_MARK) {
+                reads
+                    .entry(parse_label(partition)?)
+                    .or_default()
+                    .insert(what, *value);
+            } else if !label.contains(WATERMARK_MARK) {
+                next.insert(parse_label(label)?, *value);
+            }
+        }
+    }
+    reads
+        .into_iter()
+        .map(|(partition, told)| {
+            let value = |what| {
+                told.get(what).copied().ok_or_else(|| {
+                    RtflowError::Checkpoint(format!(
+                        "the reader of {}-{} told no '{what}' of its reads",
+                        partition.0, partition.1
+                    ))
+                })
+            };
+            let reads = Reads {
+                lineage: value("lineage")?,
+                from: value("from")?,
+                read: value("read")?,
+                position: next.get(&partition).copied().unwrap_or_default(),
+            };
+            Ok((partition, reads))
+        })
+        .collect()
+}
 
 /// The readers' offset labels as a partition list per consumer group
 /// (`group_of` a topic): `topic-partition` is the
@@ -643,6 +741,9 @@ fn positions<'a>(
     let mut watermarks: BTreeMap<TopicPartition, Vec<(String, i64)>> = BTreeMap::new();
     for labels in offsets {
         for (label, value) in labels {
+            if label.contains(READ_MARK) {
+                continue;
+            }
             match label.split_once(WATERMARK_MARK) {
                 Some((partition, upstream)) => watermarks
                     .entry(parse_label(partition)?)

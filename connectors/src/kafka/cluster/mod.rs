@@ -44,6 +44,7 @@ mod settle;
 mod shape;
 mod standby;
 mod transactions;
+mod upstream;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -59,7 +60,7 @@ pub use link::RestoreStats;
 pub use runner::ClusteredQuery;
 
 pub(crate) use link::transactions_of;
-pub(crate) use transactions::Staging;
+pub(crate) use transactions::{Staging, Tier};
 
 /// Separates a repartition partition's offset label from the upstream source
 /// partition whose watermark a label holds.
@@ -490,13 +491,13 @@ impl ClusterSettings {
         format!("rtflow-{}-instances", self.query)
     }
 
-    pub(crate) fn transactional_id(&self) -> String {
-        self.transactional_id_of(&self.instance)
-    }
-
-    /// The transactional id of the process named `instance`.
-    pub(crate) fn transactional_id_of(&self, instance: &str) -> String {
-        format!("rtflow-{}-{instance}", self.query)
+    /// The transactional id of the process named `instance`, for `tier`.
+    pub(crate) fn transactional_id_of(&self, instance: &str, tier: Tier) -> String {
+        match tier {
+            Tier::Sourced => format!("rtflow-{}-{instance}", self.query),
+            // '#' keeps it apart from any other instance's sourced id.
+            Tier::Repartitioned => format!("rtflow-{}-{instance}#repartitioned", self.query),
+        }
     }
 
     /// The configuration of a consumer of `group` that sees only committed

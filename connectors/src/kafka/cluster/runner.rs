@@ -38,7 +38,8 @@ use super::retries::{Retries, Verdict};
 use super::settle::{must_restart, Settling};
 use super::shape::{instance_of, list_group, Shape};
 use super::standby::{placement, Standby};
-use super::transactions::{fence, Transactions};
+use super::transactions::{fence, Tiers};
+use super::upstream::Upstream;
 use super::{lock, ClusterSettings};
 
 /// The threads of a process's part, as errors name them.
@@ -55,7 +56,10 @@ pub struct ClusteredQuery {
 
 struct Shared {
     settings: Arc<ClusterSettings>,
-    transactions: Arc<Transactions>,
+    transactions: Arc<Tiers>,
+    /// What the process knows of the transactions its readers read from,
+    /// kept from run to run.
+    upstream: Arc<Upstream>,
     /// What the latest run restored.
     last_restore: Arc<Mutex<Option<RestoreStats>>>,
     /// The partitions the group assigned to the process.
@@ -580,6 +584,7 @@ where
         RtflowError::InvalidConfiguration(format!("could not create the group lister: {e}"))
     })?;
     let probe = Arc::new(KafkaLink {
+        order: Arc::default(),
         settings: settings.clone(),
         mode: Mode::Probe(Mutex::default()),
     });
@@ -608,7 +613,8 @@ where
             .push(topic);
     }
     let shared = Arc::new(Shared {
-        transactions: Arc::new(Transactions::open(&settings)?),
+        transactions: Arc::new(Tiers::open(&settings)?),
+        upstream: Arc::new(Upstream::new(settings.clone())),
         last_restore: Arc::default(),
         settings: settings.clone(),
         assignment: Mutex::default(),
@@ -986,10 +992,13 @@ where
         return Ok(Ok(()));
     }
     let link = Arc::new(KafkaLink {
+        order: Arc::default(),
         settings: shared.settings.clone(),
         mode: Mode::Live {
             owned: Mutex::new(Arc::new(Owned::new(shared.settings.clone(), owned.clone()))),
             transactions: shared.transactions.clone(),
+            upstream: shared.upstream.clone(),
+            verified: Mutex::default(),
             last_restore: shared.last_restore.clone(),
         },
     });

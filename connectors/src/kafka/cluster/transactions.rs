@@ -16,6 +16,14 @@
 //! small records are large: handed over every 256 records, a million waiting
 //! records went through 12% slower (docs/performance.md).
 //!
+//! A process has two transactions per epoch ([`Tiers`]): one for what it
+//! read from the source topics (their offsets, and what it wrote of those
+//! records to repartitions and sinks), and one for what crossed a
+//! repartition (its offsets, the keyed state, and what it wrote of those
+//! records). The second commits after the first of every process whose
+//! records it read (`upstream`), which is what lets repartitions be read
+//! before their writers commit.
+//!
 //! [`Feed`] decides what goes when and does no I/O; [`Transactions`] and its
 //! feeder thread do the producing.
 
@@ -44,6 +52,79 @@ const HAND_OVER_MESSAGES: usize = 16 * 1024;
 /// How long apart a commit refused for a group generation that just ended
 /// is tried again with the next one (for at most the operation timeout).
 const GENERATION_RETRY_PAUSE: Duration = Duration::from_millis(100);
+
+/// Which of a process's two transactions something commits in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tier {
+    /// What the process read from the source topics: their offsets, and the
+    /// records written from them.
+    Sourced,
+    /// What crossed a repartition: its offsets, the keyed state, and the
+    /// records written from them.
+    Repartitioned,
+}
+
+impl Tier {
+    /// The tier of what a writer reached by records that crossed a
+    /// repartition (`after_repartition`), or not, writes.
+    pub(crate) fn of(after_repartition: bool) -> Self {
+        if after_repartition {
+            Tier::Repartitioned
+        } else {
+            Tier::Sourced
+        }
+    }
+}
+
+/// The process's two transactional producers, one per [`Tier`].
+pub(crate) struct Tiers {
+    sourced: Arc<Transactions>,
+    repartitioned: Arc<Transactions>,
+}
+
+impl Tiers {
+    /// Both producers of the process, initialised: what an earlier
+    /// incarnation left open is aborted.
+    pub(crate) fn open(settings: &ClusterSettings) -> Result<Self> {
+        let open = |tier| Transactions::open(settings, tier).map(Arc::new);
+        Ok(Self {
+            sourced: open(Tier::Sourced)?,
+            repartitioned: open(Tier::Repartitioned)?,
+        })
+    }
+
+    pub(crate) fn of(&self, tier: Tier) -> &Arc<Transactions> {
+        match tier {
+            Tier::Sourced => &self.sourced,
+            Tier::Repartitioned => &self.repartitioned,
+        }
+    }
+
+    fn both(&self) -> [&Arc<Transactions>; 2] {
+        [&self.sourced, &self.repartitioned]
+    }
+
+    pub(crate) fn set_group(&self, group: &str, metadata: Option<ConsumerGroupMetadata>) {
+        let metadata = metadata.map(Arc::new);
+        for transactions in self.both() {
+            transactions.set_group(group, metadata.clone());
+        }
+    }
+
+    /// Lets transactions begin ([`Transactions::release`]).
+    pub(crate) fn release(&self) {
+        for transactions in self.both() {
+            transactions.release();
+        }
+    }
+
+    /// Drops every record not committed ([`Transactions::discard`]).
+    pub(crate) fn discard(&self) {
+        for transactions in self.both() {
+            transactions.discard();
+        }
+    }
+}
 
 /// Records a writer staged for an epoch's transaction, and the topic of those
 /// that name none.
@@ -109,6 +190,13 @@ struct ForCommit {
     /// The open transaction holds a discarded run's records.
     stale: bool,
     failed: Option<RtflowError>,
+}
+
+impl ForCommit {
+    /// Nothing was staged or produced, and nothing must be aborted first.
+    fn is_empty(&self) -> bool {
+        !self.open && !self.stale && self.failed.is_none() && self.rest.is_empty()
+    }
 }
 
 impl Feed {
@@ -261,9 +349,14 @@ impl Transactions {
     /// The producer of the process's transactional id, initialised (an
     /// earlier incarnation's open transaction is aborted, and it can no
     /// longer commit), and its feeder.
-    pub(crate) fn open(settings: &ClusterSettings) -> Result<Self> {
-        let name = format!("kafka cluster {}", settings.bootstrap_servers);
-        let config = producer_config(settings, &settings.transactional_id());
+    pub(crate) fn open(settings: &ClusterSettings, tier: Tier) -> Result<Self> {
+        let name = format!("kafka cluster {} ({tier:?})", settings.bootstrap_servers);
+        let id = settings.transactional_id_of(&settings.instance, tier);
+        let mut config = producer_config(settings, &id);
+        if tier == Tier::Sourced {
+            // Its records are read before it commits: they go out at once.
+            config.set("linger.ms", "1");
+        }
         let producer = initialised(&config, settings.operation_timeout, &name)?;
         let inner = Arc::new(Inner {
             producer: Mutex::new(Arc::new(producer)),
@@ -290,10 +383,10 @@ impl Transactions {
         })
     }
 
-    pub(crate) fn set_group(&self, group: &str, metadata: Option<ConsumerGroupMetadata>) {
+    fn set_group(&self, group: &str, metadata: Option<Arc<ConsumerGroupMetadata>>) {
         let mut groups = lock(&self.inner.groups);
         match metadata {
-            Some(metadata) => groups.insert(group.to_owned(), Arc::new(metadata)),
+            Some(metadata) => groups.insert(group.to_owned(), metadata),
             None => groups.remove(group),
         };
     }
@@ -354,6 +447,12 @@ impl Transactions {
             feed.take_for_commit(epoch)
         };
         let run = taken.run;
+        if taken.is_empty() && changes.messages.is_empty() && positions.is_empty() {
+            // Nothing to commit: no transaction either.
+            lock(&inner.feed).committed(run, epoch, true);
+            inner.changed.notify_all();
+            return Ok(());
+        }
         let result = inner.commit(epoch, taken, changes, positions);
         lock(&inner.feed).committed(run, epoch, result.is_ok());
         inner.changed.notify_all();
@@ -619,6 +718,12 @@ impl Staging {
         }
     }
 
+    /// Hands what the writer holds to its transaction now, as a writer
+    /// read before its transaction commits does whenever its input paused.
+    pub(crate) fn hand_over(&mut self) {
+        self.stage(self.epoch);
+    }
+
     /// Epoch `epoch` ended: its records go to its transaction.
     pub(crate) fn end_epoch(&mut self, epoch: Epoch) {
         self.stage(epoch);
@@ -656,8 +761,11 @@ pub(crate) fn fence(settings: &ClusterSettings, instance: &str) -> Result<()> {
         "kafka cluster {} fencing '{instance}'",
         settings.bootstrap_servers
     );
-    let config = producer_config(settings, &settings.transactional_id_of(instance));
-    initialised(&config, settings.operation_timeout, &name).map(drop)
+    for tier in [Tier::Sourced, Tier::Repartitioned] {
+        let config = producer_config(settings, &settings.transactional_id_of(instance, tier));
+        initialised(&config, settings.operation_timeout, &name).map(drop)?;
+    }
+    Ok(())
 }
 
 /// The configuration of the transactional producer `transactional_id`.

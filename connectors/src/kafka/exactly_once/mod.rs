@@ -644,6 +644,7 @@ mod tests {
             upstream_partitions: 1,
             watermark_delay: None,
             cluster: None,
+            commits_second: false,
         }
     }
 

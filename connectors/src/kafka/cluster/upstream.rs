@@ -1,0 +1,429 @@
+//! Reading a repartition before its writers commit, and committing only what
+//! they committed.
+//!
+//! The writers of a repartition whose records come from the source topics
+//! produce each frame at once into their process's [`Tier::Sourced`]
+//! transaction, and its readers read it `read_uncommitted`: a record reaches
+//! the next stage, in whatever process, within milliseconds. What the readers
+//! pass on may then belong to a transaction that aborts (its process died and
+//! was fenced, or the brokers refused its commit). So the process's
+//! [`Tier::Repartitioned`] transaction, which commits the readers' offsets and
+//! the keyed state they fed, commits only once every message they read has
+//! ended committed ([`Upstream::verify`]): it waits until each partition's last
+//! stable offset passes what was read, reads the same range `read_committed`,
+//! and compares counts. A shortfall fails the commit: the run rolls back to its
+//! last commit, as a restart does, and its readers skip the aborted messages
+//! the check found ([`Skip`]), as a `read_committed` reader would.
+//!
+//! [`Verified`] and [`Skip`] decide what to check and skip and do no I/O;
+//! [`Upstream`] does the reading.
+//!
+//! [`Tier::Sourced`]: super::Tier::Sourced
+//! [`Tier::Repartitioned`]: super::Tier::Repartitioned
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{Message, Offset, TopicPartitionList};
+use rtflow_runtime::{Result, RtflowError};
+
+use super::link::{EndsExpected, TopicPartition};
+use super::{lock, ClusterSettings};
+use crate::kafka::closing::ClosingConsumer;
+
+/// Separates a partition's offset label from what its reader tells of its
+/// reads (`<label>#lineage`, `#from`, `#read`).
+pub(crate) const READ_MARK: char = '#';
+
+/// The longest pause between two looks at a partition's last stable offset.
+const STABLE_ASK_EVERY: Duration = Duration::from_millis(20);
+
+/// Numbers every lineage of reads in the process.
+static LINEAGES: AtomicI64 = AtomicI64::new(1);
+
+/// A number no reader of the process used before.
+pub(crate) fn new_lineage() -> i64 {
+    LINEAGES.fetch_add(1, Ordering::Relaxed)
+}
+
+/// What a reader read of one partition since it took it on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reads {
+    /// New for every time a reader takes the partition on.
+    pub(crate) lineage: i64,
+    /// The offset it began at.
+    pub(crate) from: i64,
+    /// The messages it passed on since...
+    pub(crate) read: i64,
+    /// ...up to here: its next offset.
+    pub(crate) position: i64,
+}
+
+/// What a commit checks of one partition: that `expected` messages of
+/// `[start, end)` committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Check {
+    pub(crate) start: i64,
+    pub(crate) end: i64,
+    pub(crate) expected: i64,
+}
+
+/// The reads of a run that its commits verified, by partition.
+#[derive(Default)]
+pub(crate) struct Verified(BTreeMap<TopicPartition, Reads>);
+
+impl Verified {
+    /// What to check of `reads`: the messages read since the last verified
+    /// commit of the same lineage, or since the lineage began. None when
+    /// nothing was read since.
+    pub(crate) fn check(&self, partition: &TopicPartition, reads: &Reads) -> Option<Check> {
+        let (start, before) = match self.0.get(partition) {
+            Some(last) if last.lineage == reads.lineage => (last.position, last.read),
+            _ => (reads.from, 0),
+        };
+        (reads.position > start).then_some(Check {
+            start,
+            end: reads.position,
+            expected: reads.read - before,
+        })
+    }
+
+    /// `reads` committed.
+    pub(crate) fn passed(&mut self, partition: TopicPartition, reads: Reads) {
+        self.0.insert(partition, reads);
+    }
+}
+
+/// The messages of a partition that ended aborted, below the offset up to
+/// which that is known.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Skip {
+    /// Every transaction below it had ended when it was read.
+    until: i64,
+    /// The messages below `until` that committed, from the first checked.
+    committed: BTreeSet<i64>,
+    /// The first offset checked: below it nothing is known.
+    from: i64,
+}
+
+impl Skip {
+    /// Whether a reader passes over the message at `offset`.
+    pub(crate) fn skips(&self, offset: i64) -> bool {
+        (self.from..self.until).contains(&offset) && !self.committed.contains(&offset)
+    }
+
+    /// Whether a reader at `position` is past every message skipped.
+    pub(crate) fn is_behind(&self, position: i64) -> bool {
+        position >= self.until
+    }
+}
+
+/// What the process knows of the transactions its readers read from: the
+/// aborted messages to skip, kept from run to run, and a `read_committed`
+/// consumer that checks what the commits cover.
+pub(crate) struct Upstream {
+    settings: Arc<ClusterSettings>,
+    skips: Mutex<BTreeMap<TopicPartition, Skip>>,
+    checker: Mutex<Option<Checker>>,
+}
+
+/// A `read_committed` consumer, and the partitions assigned to it: a check
+/// of the same partitions seeks them, one of others takes a new consumer,
+/// as replacing an assignment can abort the process in librdkafka
+/// (confluentinc/librdkafka#5573).
+struct Checker {
+    consumer: ClosingConsumer<EndsExpected>,
+    assigned: BTreeSet<TopicPartition>,
+}
+
+/// How one partition's check went.
+#[derive(Default)]
+struct Count {
+    committed: BTreeSet<i64>,
+    ended: bool,
+}
+
+impl Upstream {
+    pub(crate) fn new(settings: Arc<ClusterSettings>) -> Self {
+        Self {
+            settings,
+            skips: Mutex::default(),
+            checker: Mutex::default(),
+        }
+    }
+
+    /// The aborted messages the readers of `partition` pass over.
+    pub(crate) fn skip_of(&self, partition: &TopicPartition) -> Option<Skip> {
+        lock(&self.skips).get(partition).cloned()
+    }
+
+    fn error(&self, message: impl std::fmt::Display) -> RtflowError {
+        RtflowError::Checkpoint(format!(
+            "cluster {} of query '{}': {message}",
+            self.settings.bootstrap_servers, self.settings.query
+        ))
+    }
+
+    /// Waits until every message of `checks` has ended committed or
+    /// aborted, and fails if one the readers passed on aborted: the skips
+    /// then name every aborted message up to where the check read.
+    pub(crate) fn verify(&self, checks: &[(TopicPartition, Check)]) -> Result<()> {
+        tracing::debug!(?checks, "checking what was read before it committed");
+        if checks.is_empty() {
+            return Ok(());
+        }
+        let partitions: BTreeSet<TopicPartition> = checks.iter().map(|(p, _)| p.clone()).collect();
+        let mut kept = lock(&self.checker);
+        let checker = match kept.take() {
+            Some(checker) if checker.assigned == partitions => checker,
+            _ => Checker {
+                consumer: self.checker()?,
+                assigned: BTreeSet::new(),
+            },
+        };
+        let deadline = Instant::now() + self.settings.operation_timeout;
+        let stable = self.await_stable(&checker.consumer, checks, deadline)?;
+        let counts = self.count(&checker, checks, &stable, deadline)?;
+        // A consumer that failed is not kept.
+        *kept = Some(Checker {
+            assigned: partitions,
+            ..checker
+        });
+        let mut skips = lock(&self.skips);
+        let mut short = Vec::new();
+        for ((partition, check), until) in checks.iter().zip(&stable) {
+            let count = &counts[partition];
+            let committed = count.committed.range(..check.end).count() as i64;
+            if committed == check.expected {
+                if skips.get(partition).is_some_and(|s| s.is_behind(check.end)) {
+                    skips.remove(partition);
+                }
+                continue;
+            }
+            short.push(format!(
+                "{}-{}: {committed} of the {} messages read in [{}, {}) committed",
+                partition.0, partition.1, check.expected, check.start, check.end
+            ));
+            skips.insert(
+                partition.clone(),
+                Skip {
+                    until: *until,
+                    committed: count.committed.clone(),
+                    from: check.start,
+                },
+            );
+        }
+        if short.is_empty() {
+            return Ok(());
+        }
+        Err(self.error(format!(
+            "records read before their transaction ended belong to one that aborted ({}); \
+             the run starts over from its last commit without them",
+            short.join("; ")
+        )))
+    }
+
+    fn checker(&self) -> Result<ClosingConsumer<EndsExpected>> {
+        let consumer: BaseConsumer<EndsExpected> = self
+            .settings
+            .committed_reader(&self.settings.group())
+            .set("enable.partition.eof", "true")
+            .set("fetch.wait.max.ms", "10")
+            .create_with_context(EndsExpected)
+            .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
+        Ok(ClosingConsumer::new(consumer))
+    }
+
+    /// Waits until each partition's last stable offset reaches its check's
+    /// end: every transaction that wrote what was read has ended. Returns
+    /// those offsets.
+    fn await_stable(
+        &self,
+        consumer: &BaseConsumer<EndsExpected>,
+        checks: &[(TopicPartition, Check)],
+        deadline: Instant,
+    ) -> Result<Vec<i64>> {
+        let mut stable = vec![i64::MIN; checks.len()];
+        let mut pause = Duration::from_millis(1);
+        loop {
+            for ((partition, check), stable) in checks.iter().zip(&mut stable) {
+                if *stable >= check.end {
+                    continue;
+                }
+                let (_, end) = consumer
+                    .fetch_watermarks(&partition.0, partition.1, self.settings.operation_timeout)
+                    .map_err(|e| self.error(format!("could not read a partition's end: {e}")))?;
+                *stable = end;
+            }
+            let open: Vec<String> = (checks.iter().zip(&stable))
+                .filter(|((_, check), stable)| **stable < check.end)
+                .map(|((p, _), _)| format!("{}-{}", p.0, p.1))
+                .collect();
+            if open.is_empty() {
+                return Ok(stable);
+            }
+            if Instant::now() >= deadline {
+                return Err(self.error(format!(
+                    "transactions of the processes that wrote {} stayed open for {:?}",
+                    open.join(", "),
+                    self.settings.operation_timeout
+                )));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(STABLE_ASK_EVERY);
+        }
+    }
+
+    /// Reads each partition `read_committed` from its check's start to its
+    /// end: the offsets below its `stable` offset that committed.
+    fn count(
+        &self,
+        checker: &Checker,
+        checks: &[(TopicPartition, Check)],
+        stable: &[i64],
+        deadline: Instant,
+    ) -> Result<BTreeMap<TopicPartition, Count>> {
+        let consumer = &checker.consumer;
+        let mut list = TopicPartitionList::new();
+        let mut counts: BTreeMap<TopicPartition, Count> = BTreeMap::new();
+        for (partition, check) in checks {
+            list.add_partition_offset(&partition.0, partition.1, Offset::Offset(check.start))
+                .map_err(|e| self.error(e))?;
+            counts.insert(partition.clone(), Count::default());
+        }
+        let until: BTreeMap<&TopicPartition, i64> = (checks.iter().map(|(p, _)| p))
+            .zip(stable.iter().copied())
+            .collect();
+        // Read from after the stable offsets passed the ends: a partition's
+        // end of file comes after every committed message below them.
+        let failed = |e: KafkaError| self.error(format!("could not read what was read: {e}"));
+        if checker.assigned.is_empty() {
+            consumer.assign(&list).map_err(failed)?;
+        } else {
+            consumer.resume(&list).map_err(failed)?;
+            for (partition, check) in checks {
+                (consumer)
+                    .seek(
+                        &partition.0,
+                        partition.1,
+                        Offset::Offset(check.start),
+                        self.settings.operation_timeout,
+                    )
+                    .map_err(failed)?;
+            }
+        }
+        while counts.values().any(|count| !count.ended) {
+            if Instant::now() >= deadline {
+                return Err(self.error(format!(
+                    "could not read back what the readers read within {:?}",
+                    self.settings.operation_timeout
+                )));
+            }
+            match consumer.poll(Duration::from_millis(100)) {
+                None => {}
+                Some(Ok(message)) => {
+                    let partition = (message.topic().to_owned(), message.partition());
+                    if let (Some(count), Some(until)) =
+                        (counts.get_mut(&partition), until.get(&partition))
+                    {
+                        if message.offset() < *until {
+                            count.committed.insert(message.offset());
+                        } else {
+                            count.ended = true;
+                        }
+                    }
+                }
+                Some(Err(KafkaError::PartitionEOF(number))) => {
+                    for (partition, count) in &mut counts {
+                        if partition.1 == number {
+                            count.ended = true;
+                        }
+                    }
+                }
+                Some(Err(e)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::PartitionEOF) => {}
+                Some(Err(e)) => return Err(failed(e)),
+            }
+        }
+        // Until the next check: fetching on would only fill its queue.
+        consumer.pause(&list).map_err(failed)?;
+        Ok(counts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn partition() -> TopicPartition {
+        ("rtflow-q-0-repartition".to_owned(), 2)
+    }
+
+    fn reads(lineage: i64, from: i64, read: i64, position: i64) -> Reads {
+        Reads {
+            lineage,
+            from,
+            read,
+            position,
+        }
+    }
+
+    #[test]
+    fn a_check_covers_what_was_read_since_the_last_verified_commit() {
+        let mut verified = Verified::default();
+        let first = reads(1, 100, 7, 110);
+        let check = verified.check(&partition(), &first).unwrap();
+        assert_eq!(
+            check,
+            Check {
+                start: 100,
+                end: 110,
+                expected: 7
+            }
+        );
+        verified.passed(partition(), first);
+        let second = reads(1, 100, 12, 118);
+        let check = verified.check(&partition(), &second).unwrap();
+        assert_eq!(
+            check,
+            Check {
+                start: 110,
+                end: 118,
+                expected: 5
+            }
+        );
+        assert_eq!(verified.check(&partition(), &first), None, "nothing new");
+    }
+
+    #[test]
+    fn a_partition_taken_on_again_is_checked_from_where_its_new_reader_began() {
+        let mut verified = Verified::default();
+        verified.passed(partition(), reads(1, 100, 30, 150));
+        let again = reads(2, 100, 4, 120);
+        let check = verified.check(&partition(), &again).unwrap();
+        assert_eq!(
+            check,
+            Check {
+                start: 100,
+                end: 120,
+                expected: 4
+            }
+        );
+    }
+
+    #[test]
+    fn a_reader_skips_what_aborted_below_where_the_check_read_and_nothing_else() {
+        let skip = Skip {
+            until: 20,
+            committed: [10, 12, 19].into(),
+            from: 10,
+        };
+        let skipped: Vec<i64> = (5..25).filter(|o| skip.skips(*o)).collect();
+        assert_eq!(skipped, [11, 13, 14, 15, 16, 17, 18]);
+        assert!(!skip.is_behind(19) && skip.is_behind(20));
+    }
+}
