@@ -124,21 +124,10 @@ impl Skip {
 }
 
 /// What the process knows of the transactions its readers read from: the
-/// aborted messages to skip, kept from run to run, and a `read_committed`
-/// consumer that checks what the commits cover.
+/// aborted messages to skip, kept from run to run.
 pub(crate) struct Upstream {
     settings: Arc<ClusterSettings>,
     skips: Mutex<BTreeMap<TopicPartition, Skip>>,
-    checker: Mutex<Option<Checker>>,
-}
-
-/// A `read_committed` consumer, and the partitions assigned to it: a check
-/// of the same partitions seeks them, one of others takes a new consumer,
-/// as replacing an assignment can abort the process in librdkafka
-/// (confluentinc/librdkafka#5573).
-struct Checker {
-    consumer: ClosingConsumer<EndsExpected>,
-    assigned: BTreeSet<TopicPartition>,
 }
 
 /// How one partition's check went.
@@ -153,7 +142,6 @@ impl Upstream {
         Self {
             settings,
             skips: Mutex::default(),
-            checker: Mutex::default(),
         }
     }
 
@@ -177,23 +165,14 @@ impl Upstream {
         if checks.is_empty() {
             return Ok(());
         }
-        let partitions: BTreeSet<TopicPartition> = checks.iter().map(|(p, _)| p.clone()).collect();
-        let mut kept = lock(&self.checker);
-        let checker = match kept.take() {
-            Some(checker) if checker.assigned == partitions => checker,
-            _ => Checker {
-                consumer: self.checker()?,
-                assigned: BTreeSet::new(),
-            },
-        };
+        // A consumer of its own for each check: a partition's end of file
+        // then comes after every committed message below the stable offsets
+        // awaited, never from an earlier read (one consumer sought back
+        // from check to check counted ends of files left from the last).
+        let consumer = self.checker()?;
         let deadline = Instant::now() + self.settings.operation_timeout;
-        let stable = self.await_stable(&checker.consumer, checks, deadline)?;
-        let counts = self.count(&checker, checks, &stable, deadline)?;
-        // A consumer that failed is not kept.
-        *kept = Some(Checker {
-            assigned: partitions,
-            ..checker
-        });
+        let stable = self.await_stable(&consumer, checks, deadline)?;
+        let counts = self.count(&consumer, checks, &stable, deadline)?;
         let mut skips = lock(&self.skips);
         let mut short = Vec::new();
         for ((partition, check), until) in checks.iter().zip(&stable) {
@@ -228,6 +207,7 @@ impl Upstream {
         )))
     }
 
+    /// A `read_committed` consumer that reads partitions to their ends.
     fn checker(&self) -> Result<ClosingConsumer<EndsExpected>> {
         let consumer: BaseConsumer<EndsExpected> = self
             .settings
@@ -283,12 +263,11 @@ impl Upstream {
     /// end: the offsets below its `stable` offset that committed.
     fn count(
         &self,
-        checker: &Checker,
+        consumer: &BaseConsumer<EndsExpected>,
         checks: &[(TopicPartition, Check)],
         stable: &[i64],
         deadline: Instant,
     ) -> Result<BTreeMap<TopicPartition, Count>> {
-        let consumer = &checker.consumer;
         let mut list = TopicPartitionList::new();
         let mut counts: BTreeMap<TopicPartition, Count> = BTreeMap::new();
         for (partition, check) in checks {
@@ -299,24 +278,10 @@ impl Upstream {
         let until: BTreeMap<&TopicPartition, i64> = (checks.iter().map(|(p, _)| p))
             .zip(stable.iter().copied())
             .collect();
-        // Read from after the stable offsets passed the ends: a partition's
+        // Assigned after the stable offsets passed the ends: a partition's
         // end of file comes after every committed message below them.
         let failed = |e: KafkaError| self.error(format!("could not read what was read: {e}"));
-        if checker.assigned.is_empty() {
-            consumer.assign(&list).map_err(failed)?;
-        } else {
-            consumer.resume(&list).map_err(failed)?;
-            for (partition, check) in checks {
-                (consumer)
-                    .seek(
-                        &partition.0,
-                        partition.1,
-                        Offset::Offset(check.start),
-                        self.settings.operation_timeout,
-                    )
-                    .map_err(failed)?;
-            }
-        }
+        consumer.assign(&list).map_err(failed)?;
         while counts.values().any(|count| !count.ended) {
             if Instant::now() >= deadline {
                 return Err(self.error(format!(
@@ -349,8 +314,6 @@ impl Upstream {
                 Some(Err(e)) => return Err(failed(e)),
             }
         }
-        // Until the next check: fetching on would only fill its queue.
-        consumer.pause(&list).map_err(failed)?;
         Ok(counts)
     }
 }
