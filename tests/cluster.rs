@@ -2197,6 +2197,44 @@ fn a_process_with_another_dataflow_cannot_join_and_is_told_the_difference() {
     first.stop().unwrap();
 }
 
+/// A share handed over inside a run shows in the process's progress reports
+/// and `/metrics` as it stands, not as the run began.
+#[test]
+fn a_share_handed_over_inside_the_run_shows_in_progress_and_metrics() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let metrics = free_address();
+    let first = start_here(&bootstrap, &cluster, "a", metrics, build).unwrap();
+    let all = 2 * PARTITIONS as usize;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while first.partitions().len() < all {
+        assert!(Instant::now() < deadline, "a never ran every partition");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    cluster.spawn("b");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let share = first.partitions().len();
+        let reported = (first.last_progress().and_then(|p| p.cluster))
+            .map(|progress| progress.partitions.len());
+        let gauge = format!(
+            "rtflow_cluster_partitions{{query=\"{}\",member=\"a\"}} {share}",
+            cluster.query
+        );
+        if share < all && reported == Some(share) && scrape(metrics).contains(&gauge) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a owns {share} partitions, its progress says {reported:?}, its /metrics:\n{}",
+            scrape(metrics)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    first.stop().unwrap();
+    cluster.stop_all();
+}
+
 /// Two processes of different dataflows started in the same instant both
 /// find the group empty before either joins. Each checks the members again
 /// once it is one itself, before its first run: the later check sees the

@@ -241,7 +241,7 @@ fn gather(queries: &[Arc<QueryShared>]) -> Vec<MetricFamily> {
             f64::from(u8::from(failed)),
         );
 
-        if let Some(cluster) = &query.cluster {
+        if let Some(cluster) = &query.cluster_progress() {
             for partition in &cluster.partitions {
                 families.gauge(
                     "rtflow_cluster_partition_owned",

@@ -3,12 +3,14 @@
 //! callbacks.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
 use rtflow_checkpoint::Offsets;
 
+use crate::cluster::membership::Membership;
 use crate::metrics::{MetricsSnapshot, Percentiles, QueryMetrics};
 use crate::record::Epoch;
 
@@ -253,7 +255,7 @@ pub(crate) struct EpochOffsets<'a> {
 
 /// Builds each progress report from the counters' change since the previous one.
 pub(crate) struct ProgressTracker {
-    cluster: Option<ClusterProgress>,
+    cluster: Option<Arc<dyn Membership>>,
     id: String,
     run_id: String,
     name: String,
@@ -270,7 +272,7 @@ impl ProgressTracker {
         (id, run_id, name): (String, String, String),
         sources: Vec<SourceDescription>,
         sinks: Vec<String>,
-        cluster: Option<ClusterProgress>,
+        cluster: Option<Arc<dyn Membership>>,
     ) -> Self {
         Self {
             id,
@@ -373,7 +375,10 @@ impl ProgressTracker {
                 source_queuing_latency_ms: latency.source_queuing.into(),
                 e2e_latency_ms: latency.end_to_end.into(),
             },
-            cluster: self.cluster.clone(),
+            cluster: self.cluster.as_ref().map(|link| ClusterProgress {
+                member: link.member(),
+                partitions: link.partitions(),
+            }),
         }
     }
 }

@@ -10,6 +10,7 @@ use actix::{Actor, Addr};
 use rtflow_checkpoint::{CheckpointStore, Recovery};
 use uuid::Uuid;
 
+use crate::cluster::membership::Membership;
 use crate::cluster::Handover;
 use crate::config::QueryConfig;
 use crate::coordinator::{
@@ -20,7 +21,7 @@ use crate::error::{Result, RtflowError};
 use crate::graph::Graph;
 use crate::metrics::MetricsSnapshot;
 use crate::plan::{validate, Plan};
-use crate::progress::{ClusterProgress, StreamingQueryProgress, StreamingQueryStatus};
+use crate::progress::{StreamingQueryProgress, StreamingQueryStatus};
 use crate::record::Epoch;
 use crate::shared::{Lifecycle, QueryShared};
 use crate::shutdown::{StopRequest, Stoppable};
@@ -112,10 +113,7 @@ impl StreamingQuery {
         let task_slots = plan.actor_count();
         let mut shared = QueryShared::new(id, config.name.clone(), config.listeners.0.clone());
         shared.metrics.set_batch_duration(batch_duration);
-        shared.cluster = plan.graph().cluster.as_ref().map(|link| ClusterProgress {
-            member: link.member(),
-            partitions: link.partitions(),
-        });
+        shared.cluster = (plan.graph().cluster.clone()).map(|link| link as Arc<dyn Membership>);
         let shared = Arc::new(shared);
         let endpoint = config
             .metrics_address

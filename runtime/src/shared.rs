@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
+use crate::cluster::membership::Membership;
 use crate::error::RtflowError;
 use crate::metrics::QueryMetrics;
 use crate::progress::{ClusterProgress, StreamingQueryListener, StreamingQueryProgress};
@@ -29,14 +30,23 @@ pub(crate) struct QueryShared {
     pub(crate) name: String,
     pub(crate) metrics: QueryMetrics,
     pub(crate) listeners: Vec<Arc<dyn StreamingQueryListener>>,
-    /// In a clustered query, the process's share of it.
-    pub(crate) cluster: Option<ClusterProgress>,
+    /// In a clustered query, the process's membership: its share, which a
+    /// handover inside the run changes.
+    pub(crate) cluster: Option<Arc<dyn Membership>>,
     lifecycle: Mutex<Lifecycle>,
     changed: Condvar,
     progress: Mutex<VecDeque<StreamingQueryProgress>>,
 }
 
 impl QueryShared {
+    /// The process's share of a clustered query as it stands.
+    pub(crate) fn cluster_progress(&self) -> Option<ClusterProgress> {
+        self.cluster.as_ref().map(|link| ClusterProgress {
+            member: link.member(),
+            partitions: link.partitions(),
+        })
+    }
+
     /// A starting query's shared state, with a new run id.
     pub(crate) fn new(
         id: Uuid,
