@@ -65,10 +65,10 @@ pub(crate) enum Tier {
 }
 
 impl Tier {
-    /// The tier of what a writer reached by records that crossed a
-    /// repartition (`after_repartition`), or not, writes.
-    pub(crate) fn of(after_repartition: bool) -> Self {
-        if after_repartition {
+    /// The tier of a writer whose output commits second
+    /// (`SinkContext::commits_second`), or first.
+    pub(crate) fn of(commits_second: bool) -> Self {
+        if commits_second {
             Tier::Repartitioned
         } else {
             Tier::Sourced
