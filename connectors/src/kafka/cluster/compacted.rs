@@ -91,7 +91,6 @@ pub(crate) fn read(
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
 
     use super::*;
     use crate::kafka::Options;
@@ -103,23 +102,7 @@ mod tests {
     fn the_topics_admin_client_takes_the_clusters_options() {
         let mut options = Options::default();
         options.set("kafka.security.protocol", "no_such_protocol");
-        let settings = ClusterSettings {
-            query: "q-1".into(),
-            bootstrap_servers: "127.0.0.1:1".into(),
-            instance: "a".into(),
-            static_member: false,
-            rack: None,
-            repartition_partitions: 4,
-            key_groups: 8,
-            session_timeout: Duration::from_secs(6),
-            transaction_timeout: Duration::from_secs(10),
-            operation_timeout: Duration::from_secs(30),
-            restore_timeout: Duration::from_secs(300),
-            retry_timeout: Duration::from_secs(300),
-            standby_replicas: 0,
-            copies: None,
-            options,
-        };
+        let settings = ClusterSettings::for_tests(options);
         let error = create(&settings, &settings.shapes_topic()).expect_err("refused");
         assert!(
             error.contains("could not create the admin client")

@@ -423,6 +423,29 @@ pub(crate) struct ClusterSettings {
 }
 
 impl ClusterSettings {
+    /// Settings of a query `q-1` on a broker nobody listens on, with
+    /// `options`, for unit tests.
+    #[cfg(test)]
+    pub(crate) fn for_tests(options: Options) -> Self {
+        Self {
+            query: "q-1".into(),
+            bootstrap_servers: "127.0.0.1:1".into(),
+            instance: "a".into(),
+            static_member: false,
+            rack: None,
+            repartition_partitions: 4,
+            key_groups: 8,
+            session_timeout: Duration::from_secs(6),
+            transaction_timeout: Duration::from_secs(10),
+            operation_timeout: Duration::from_secs(30),
+            restore_timeout: Duration::from_secs(300),
+            retry_timeout: Duration::from_secs(300),
+            standby_replicas: 0,
+            copies: None,
+            options,
+        }
+    }
+
     /// The consumer group of the query's processes, which shares out the
     /// source topics' partitions.
     pub(crate) fn group(&self) -> String {
@@ -555,23 +578,7 @@ mod tests {
     }
 
     fn settings() -> ClusterSettings {
-        ClusterSettings {
-            query: "q-1".into(),
-            bootstrap_servers: "127.0.0.1:1".into(),
-            instance: "a".into(),
-            static_member: false,
-            rack: None,
-            repartition_partitions: 4,
-            key_groups: 8,
-            session_timeout: Duration::from_secs(6),
-            transaction_timeout: Duration::from_secs(10),
-            operation_timeout: Duration::from_secs(30),
-            restore_timeout: Duration::from_secs(300),
-            retry_timeout: Duration::from_secs(300),
-            standby_replicas: 0,
-            copies: None,
-            options: Options::default(),
-        }
+        ClusterSettings::for_tests(Options::default())
     }
 
     #[test]
