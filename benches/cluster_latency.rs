@@ -14,7 +14,12 @@
 //! * `kstreams` (with `--kstreams DIR`, the Kafka Streams app of
 //!   `../shared/peers/kstreams`): Kafka Streams 4.1 running the same topology
 //!   (`repartition()`, a dedup processor on a RocksDB store with a
-//!   changelog), its commit interval the batch duration,
+//!   changelog), its commit interval the batch duration;
+//! * `relay-shuffle` (at least once only): the floor for any engine that
+//!   shuffles through Kafka, two hand-written rdkafka relays in one process,
+//!   one from the input to a shuffle topic by the key's hash, one from there
+//!   to the output (no state, no commits; the settings of `kafka_latency`'s
+//!   relay: `linger.ms=1`, 5 requests in flight, `fetch.wait.max.ms=5`),
 //!
 //! with an at-least-once and an exactly-once sink (`--deliveries alo,eo`),
 //! at each batch duration of `--batches` (default 100 ms, 1 s and 5 min) and
@@ -23,7 +28,8 @@
 //! output shows when its epoch commits, so a batch longer than the run is
 //! measured at least once only. Each run prints one JSON line to stdout;
 //! the summary (p50 / p99 / p99.9 and each ratio to one process at the same
-//! delivery, batch and rate) goes to stderr.
+//! delivery, batch and rate, and of a clustered at-least-once query to
+//! `relay-shuffle` at the same rate) goes to stderr.
 //!
 //! ```text
 //! scripts/kafka.sh start
@@ -45,6 +51,11 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use latency::{consume, now_us, quantile_ms, Load, PRODUCED_US};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{BorrowedMessage, Message};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use rtflow::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -79,7 +90,8 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_values = ["alo", "eo"])]
     deliveries: Vec<Delivery>,
     /// What runs the query.
-    #[arg(long, value_delimiter = ',', default_values = ["one", "cluster-1", "cluster-3"])]
+    #[arg(long, value_delimiter = ',',
+          default_values = ["one", "cluster-1", "cluster-3", "relay-shuffle"])]
     modes: Vec<Mode>,
     /// The Kafka Streams app's directory: runs it too, as mode `kstreams`.
     #[arg(long)]
@@ -113,6 +125,8 @@ enum Mode {
     #[value(name = "cluster-3")]
     Cluster3,
     Kstreams,
+    #[value(name = "relay-shuffle")]
+    RelayShuffle,
 }
 
 impl Mode {
@@ -122,13 +136,14 @@ impl Mode {
             Mode::Cluster1 => "cluster-1",
             Mode::Cluster3 => "cluster-3",
             Mode::Kstreams => "kstreams",
+            Mode::RelayShuffle => "relay-shuffle",
         }
     }
 
     fn processes(self) -> usize {
         match self {
             Mode::Cluster3 => 3,
-            Mode::One | Mode::Cluster1 | Mode::Kstreams => 1,
+            Mode::One | Mode::Cluster1 | Mode::Kstreams | Mode::RelayShuffle => 1,
         }
     }
 }
@@ -252,8 +267,106 @@ fn child(spec: Spec) -> BenchResult<()> {
             }
             query.stop()?;
         }
+        Mode::RelayShuffle => {
+            let shuffle = shuffle_topic(&spec);
+            let stop_relays = std::sync::atomic::AtomicBool::new(false);
+            std::thread::scope(|scope| -> BenchResult<()> {
+                let to_shuffle = scope.spawn(|| {
+                    relay(&spec, &spec.input, &shuffle, &stop_relays, |message| {
+                        let key = message.key().unwrap_or_default();
+                        let hash = key.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+                            (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
+                        });
+                        (hash % spec.partitions) as i32
+                    })
+                });
+                let to_output = scope.spawn(|| {
+                    relay(&spec, &shuffle, &spec.output, &stop_relays, |message| {
+                        message.partition()
+                    })
+                });
+                write_status(spec.partitions as usize)?;
+                while !stop.exists() && !to_shuffle.is_finished() && !to_output.is_finished() {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                stop_relays.store(true, Ordering::Release);
+                for relay in [to_shuffle, to_output] {
+                    relay.join().expect("a relay does not panic")?;
+                }
+                Ok(())
+            })?;
+        }
         Mode::Kstreams => unreachable!("Kafka Streams runs as its own app"),
     }
+    Ok(())
+}
+
+/// The topic `relay-shuffle` shuffles through.
+fn shuffle_topic(spec: &Spec) -> String {
+    format!("{}-shuffle", spec.input)
+}
+
+/// Reads every partition of `input` from the beginning and produces each
+/// message to partition `to(message)` of `output`, key, value and headers as
+/// read, until `stop`.
+fn relay(
+    spec: &Spec,
+    input: &str,
+    output: &str,
+    stop: &std::sync::atomic::AtomicBool,
+    to: impl Fn(&BorrowedMessage<'_>) -> i32,
+) -> BenchResult<()> {
+    let config = |settings: &[(&str, &str)]| {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &spec.bootstrap)
+            .set("socket.nagle.disable", "true");
+        for (key, value) in settings {
+            config.set(*key, *value);
+        }
+        config
+    };
+    let consumer: BaseConsumer = config(&[
+        ("group.id", "rtflow-bench-relay-shuffle"),
+        ("enable.auto.commit", "false"),
+        ("fetch.wait.max.ms", "5"),
+    ])
+    .create()?;
+    let mut assignment = TopicPartitionList::new();
+    for partition in 0..spec.partitions as i32 {
+        assignment.add_partition_offset(input, partition, Offset::Beginning)?;
+    }
+    consumer.assign(&assignment)?;
+    let producer: BaseProducer = config(&[
+        ("linger.ms", "1"),
+        ("max.in.flight.requests.per.connection", "5"),
+    ])
+    .create()?;
+    while !stop.load(Ordering::Acquire) {
+        producer.poll(Duration::ZERO);
+        let Some(message) = consumer.poll(Duration::from_millis(1)) else {
+            continue;
+        };
+        let message = message?;
+        let mut record = BaseRecord::<[u8], [u8]>::to(output).partition(to(&message));
+        if let Some(key) = message.key() {
+            record = record.key(key);
+        }
+        if let Some(payload) = message.payload() {
+            record = record.payload(payload);
+        }
+        if let Some(headers) = message.headers() {
+            record = record.headers(headers.detach());
+        }
+        while let Err((error, back)) = producer.send(record) {
+            if error.rdkafka_error_code() != Some(RDKafkaErrorCode::QueueFull) {
+                return Err(format!("a relay could not produce: {error}").into());
+            }
+            producer.poll(Duration::from_millis(1));
+            record = back;
+        }
+    }
+    producer.flush(Duration::from_secs(30))?;
     Ok(())
 }
 
@@ -441,6 +554,9 @@ fn run(
     let admin = KafkaAdmin::new(&args.bootstrap)?;
     admin.create_topic(&spec.input, args.partitions as i32)?;
     admin.create_topic(&spec.output, args.partitions as i32)?;
+    if mode == Mode::RelayShuffle {
+        admin.create_topic(&shuffle_topic(&spec), args.partitions as i32)?;
+    }
     let mut processes = Processes::spawn(args, &spec)?;
     processes.await_settled(mode, args.partitions)?;
     let measure_from_us = now_us() + WARM_UP.as_micros() as u64;
@@ -474,7 +590,7 @@ fn run(
     processes.stop()?;
     // Best effort: leftovers in the temp dir and on the broker harm nothing.
     let _ = std::fs::remove_dir_all(&spec.dir);
-    for topic in [&spec.input, &spec.output] {
+    for topic in [&spec.input, &spec.output, &shuffle_topic(&spec)] {
         let _ = admin.delete_topic(topic);
     }
     if latencies.is_empty() {
@@ -525,14 +641,15 @@ fn print_summary(args: &Args, runs: &[Run]) {
         "\nKafka({} partitions) -> drop_duplicates(key) -> Kafka; {} bytes per record for {} s, \
          the first {} s not measured; latency from production to a read_committed reader, ms; \
          x one = the ratio to one process at the same delivery, batch and rate \
-         (target for a clustered at-least-once query: <= 1.5 at p50 and p99)",
+         (target for a clustered at-least-once query: <= 1.5 at p50 and p99); \
+         x relay = a clustered at-least-once query's ratio to relay-shuffle at the same rate",
         args.partitions,
         args.record_bytes,
         args.seconds,
         WARM_UP.as_secs()
     );
     eprintln!(
-        "{:>6} {:>9} {:>4} {:<10}{:>9}{:>8}  {:>30}  {:>20}",
+        "{:>6} {:>9} {:>4} {:<14}{:>9}{:>8}  {:>30}  {:>20}  {:>22}",
         "rate",
         "batch",
         "sink",
@@ -540,22 +657,29 @@ fn print_summary(args: &Args, runs: &[Run]) {
         "measured",
         "missing",
         "p50 / p99 / p99.9",
-        "x one p50/p99/p99.9"
+        "x one p50/p99/p99.9",
+        "x relay p50/p99/p99.9"
     );
+    let ratios = |run: &Run, to: Option<&Run>| {
+        to.map_or_else(
+            || "-".to_owned(),
+            |to| {
+                [0.5, 0.99, 0.999]
+                    .map(|q| format!("{:.2}", run.ms(q) / to.ms(q).max(0.001)))
+                    .join(" / ")
+            },
+        )
+    };
     for run in runs {
         let one = runs.iter().find(|r| {
             (r.mode, r.delivery, r.batch, r.rate) == (Mode::One, run.delivery, run.batch, run.rate)
         });
-        let ratios = one.map_or_else(
-            || "-".to_owned(),
-            |one| {
-                [0.5, 0.99, 0.999]
-                    .map(|q| format!("{:.2}", run.ms(q) / one.ms(q).max(0.001)))
-                    .join(" / ")
-            },
-        );
+        let relay = (matches!(run.mode, Mode::Cluster1 | Mode::Cluster3)
+            && run.delivery == Delivery::Alo)
+            .then(|| (runs.iter()).find(|r| (r.mode, r.rate) == (Mode::RelayShuffle, run.rate)))
+            .flatten();
         eprintln!(
-            "{:>6} {:>9} {:>4} {:<10}{:>9}{:>8}  {:>30}  {:>20}",
+            "{:>6} {:>9} {:>4} {:<14}{:>9}{:>8}  {:>30}  {:>20}  {:>22}",
             run.rate,
             run.batch(),
             format!("{:?}", run.delivery).to_lowercase(),
@@ -568,7 +692,8 @@ fn print_summary(args: &Args, runs: &[Run]) {
                 run.ms(0.99),
                 run.ms(0.999)
             ),
-            ratios
+            ratios(run, one),
+            ratios(run, relay)
         );
     }
 }
@@ -609,7 +734,12 @@ fn main() -> BenchResult<()> {
                     continue;
                 }
                 for &mode in &args.modes {
-                    if mode == Mode::Kstreams && args.kstreams.is_none() {
+                    // The relays have no batch: one run per rate.
+                    let relayed = |r: &Run| (r.mode, r.rate) == (Mode::RelayShuffle, rate);
+                    if (mode == Mode::Kstreams && args.kstreams.is_none())
+                        || (mode == Mode::RelayShuffle
+                            && (delivery == Delivery::Eo || runs.iter().any(relayed)))
+                    {
                         continue;
                     }
                     let run = run(&args, mode, delivery, batch, rate)?;
