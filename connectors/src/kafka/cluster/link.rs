@@ -687,6 +687,34 @@ impl ClientContext for EndsExpected {
 
 impl ConsumerContext for EndsExpected {}
 
+/// A reader's offset label, parsed.
+enum Label<'a> {
+    /// `topic-partition`: the next offset to read.
+    Next(TopicPartition),
+    /// `topic-partition@upstream`: a repartition reader's watermark of an
+    /// upstream source partition.
+    Watermark(TopicPartition, &'a str),
+    /// `topic-partition#what`: what a reader that reads before its writers
+    /// commit told of its reads.
+    Read(TopicPartition, &'a str),
+}
+
+/// The labels of `offsets`, parsed, with their values.
+fn labels<'a>(
+    offsets: impl Iterator<Item = &'a Offsets>,
+) -> impl Iterator<Item = Result<(Label<'a>, i64)>> {
+    offsets.flatten().map(|(label, value)| {
+        let label = if let Some((partition, what)) = label.split_once(READ_MARK) {
+            Label::Read(parse_label(partition)?, what)
+        } else if let Some((partition, upstream)) = label.split_once(WATERMARK_MARK) {
+            Label::Watermark(parse_label(partition)?, upstream)
+        } else {
+            Label::Next(parse_label(label)?)
+        };
+        Ok((label, *value))
+    })
+}
+
 /// What the readers that read before their writers commit told of their
 /// reads, by partition.
 fn reads<'a>(
@@ -694,16 +722,15 @@ fn reads<'a>(
 ) -> Result<BTreeMap<TopicPartition, Reads>> {
     let mut reads: BTreeMap<TopicPartition, BTreeMap<&str, i64>> = BTreeMap::new();
     let mut next: BTreeMap<TopicPartition, i64> = BTreeMap::new();
-    for labels in offsets {
-        for (label, value) in labels {
-            if let Some((partition, what)) = label.split_once(READ_MARK) {
-                reads
-                    .entry(parse_label(partition)?)
-                    .or_default()
-                    .insert(what, *value);
-            } else if !label.contains(WATERMARK_MARK) {
-                next.insert(parse_label(label)?, *value);
+    for label in labels(offsets) {
+        match label? {
+            (Label::Read(partition, what), value) => {
+                reads.entry(partition).or_default().insert(what, value);
             }
+            (Label::Next(partition), value) => {
+                next.insert(partition, value);
+            }
+            (Label::Watermark(..), _) => {}
         }
     }
     reads
@@ -729,30 +756,24 @@ fn reads<'a>(
 }
 
 /// The readers' offset labels as a partition list per consumer group
-/// (`group_of` a topic): `topic-partition` is the
-/// next offset to read; `topic-partition@upstream` a repartition reader's
-/// watermark of an upstream source partition, which travels as the offset's
-/// metadata, committed with it.
+/// (`group_of` a topic): each partition's next offset, with its watermark
+/// table as the offset's metadata, committed with it.
 fn positions<'a>(
     offsets: impl Iterator<Item = &'a Offsets>,
     group_of: impl Fn(&str) -> String,
 ) -> Result<BTreeMap<String, TopicPartitionList>> {
     let mut next: BTreeMap<TopicPartition, i64> = BTreeMap::new();
     let mut watermarks: BTreeMap<TopicPartition, Vec<(String, i64)>> = BTreeMap::new();
-    for labels in offsets {
-        for (label, value) in labels {
-            if label.contains(READ_MARK) {
-                continue;
+    for label in labels(offsets) {
+        match label? {
+            (Label::Next(partition), value) => {
+                next.insert(partition, value);
             }
-            match label.split_once(WATERMARK_MARK) {
-                Some((partition, upstream)) => watermarks
-                    .entry(parse_label(partition)?)
-                    .or_default()
-                    .push((upstream.to_owned(), *value)),
-                None => {
-                    next.insert(parse_label(label)?, *value);
-                }
-            }
+            (Label::Watermark(partition, upstream), value) => watermarks
+                .entry(partition)
+                .or_default()
+                .push((upstream.to_owned(), value)),
+            (Label::Read(..), _) => {}
         }
     }
     let mut lists: BTreeMap<String, TopicPartitionList> = BTreeMap::new();
@@ -897,6 +918,40 @@ mod tests {
             watermarks,
             vec![("0".to_owned(), 900), ("upstream".to_owned(), 3)]
         );
+    }
+
+    #[test]
+    fn a_readers_reads_come_with_its_position_and_a_missing_one_is_a_checkpoint_failure() {
+        let label = "rtflow-q-0-repartition-1";
+        let mut offsets: Offsets = [
+            (label.to_owned(), 40),
+            (format!("{label}{WATERMARK_MARK}0"), 900),
+            (format!("{label}{READ_MARK}lineage"), 7),
+            (format!("{label}{READ_MARK}from"), 10),
+            (format!("{label}{READ_MARK}read"), 25),
+            ("orders-2".to_owned(), 17),
+        ]
+        .into_iter()
+        .collect();
+        let read = reads([&offsets].into_iter()).unwrap();
+        let partition = ("rtflow-q-0-repartition".to_owned(), 1);
+        assert_eq!(
+            read.keys().collect::<Vec<_>>(),
+            [&partition],
+            "orders is read committed"
+        );
+        assert_eq!(
+            read[&partition],
+            Reads {
+                lineage: 7,
+                from: 10,
+                read: 25,
+                position: 40
+            }
+        );
+        offsets.remove(&format!("{label}{READ_MARK}read"));
+        let error = reads([&offsets].into_iter()).unwrap_err();
+        assert_eq!(error.error_class(), "CHECKPOINT_FAILED");
     }
 
     #[test]
