@@ -41,7 +41,7 @@ use crate::kafka::closing::ClosingConsumer;
 pub(crate) const READ_MARK: char = '#';
 
 /// The longest pause between two looks at a partition's last stable offset.
-const STABLE_ASK_EVERY: Duration = Duration::from_millis(20);
+const STABLE_ASK_EVERY: Duration = Duration::from_millis(5);
 
 /// Numbers every lineage of reads in the process.
 static LINEAGES: AtomicI64 = AtomicI64::new(1);
@@ -169,10 +169,13 @@ impl Upstream {
         // then comes after every committed message below the stable offsets
         // awaited, never from an earlier read (one consumer sought back
         // from check to check counted ends of files left from the last).
+        let started = Instant::now();
         let consumer = self.checker()?;
-        let deadline = Instant::now() + self.settings.operation_timeout;
+        let deadline = started + self.settings.operation_timeout;
         let stable = self.await_stable(&consumer, checks, deadline)?;
+        let stable_after = started.elapsed();
         let counts = self.count(&consumer, checks, &stable, deadline)?;
+        tracing::debug!(?stable_after, counted_after = ?started.elapsed(), "checked");
         let mut skips = lock(&self.skips);
         let mut short = Vec::new();
         for ((partition, check), until) in checks.iter().zip(&stable) {
@@ -213,7 +216,10 @@ impl Upstream {
             .settings
             .committed_reader(&self.settings.group())
             .set("enable.partition.eof", "true")
-            .set("fetch.wait.max.ms", "10")
+            // A partition's end of file comes with a fetch that found
+            // nothing, which the broker holds this long: the check, and so
+            // exactly-once output, waits for it at every commit.
+            .set("fetch.wait.max.ms", "1")
             .create_with_context(EndsExpected)
             .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
         Ok(ClosingConsumer::new(consumer))
