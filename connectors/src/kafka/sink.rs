@@ -1,9 +1,9 @@
-//! [`KafkaSink`]: one producer per sink actor; any delivery failure fails the
-//! query with the broker's error. At-least-once by default (one request in
-//! flight per broker, so order holds across retries; flushed at every barrier);
-//! exactly-once with Kafka transactions (see `exactly_once`).
+//! [`KafkaSink`]: any delivery failure fails the query with the broker's
+//! error. At-least-once by default (one producer per sink and process, one
+//! request in flight per broker, so order holds across retries; flushed at
+//! every barrier); exactly-once with Kafka transactions (see `exactly_once`).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use rdkafka::config::FromClientConfigAndContext;
@@ -55,6 +55,8 @@ pub struct KafkaSink<T> {
     /// Where exactly-once writers record their commits; by default a topic of
     /// the query's own.
     commit_topic: Option<String>,
+    /// The at-least-once writers' producer, while one of them holds it.
+    producer: Mutex<Weak<ThreadedProducer<Deliveries>>>,
 }
 
 impl<T: Data> KafkaSink<T> {
@@ -83,6 +85,7 @@ impl<T: Data> KafkaSink<T> {
             flush_timeout: Duration::from_secs(30),
             guarantee: DeliveryGuarantee::default(),
             commit_topic: None,
+            producer: Mutex::default(),
         }
     }
 
@@ -188,6 +191,28 @@ impl<T: Data> KafkaSink<T> {
         )
     }
 
+    /// The producer of the at-least-once writers in this process, made by the
+    /// first. One producer, as a hand-written relay has, sends each
+    /// partition's records in one request to the broker instead of one per
+    /// writer, and wakes one set of librdkafka threads per batch instead of
+    /// one per writer (docs/performance.md). A barrier's flush then waits for
+    /// the other writers' records too, which reach the same barrier.
+    fn shared_producer(
+        &self,
+        settings: &ProducerSettings<T>,
+    ) -> Result<Arc<ThreadedProducer<Deliveries>>> {
+        let mut shared = self.producer.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(producer) = shared.upgrade() {
+            return Ok(producer);
+        }
+        let producer = Arc::new(
+            ThreadedProducer::from_config_and_context(&settings.config, Deliveries::default())
+                .map_err(|e| settings.error(format!("could not create the producer: {e}")))?,
+        );
+        *shared = Arc::downgrade(&producer);
+        Ok(producer)
+    }
+
     /// Fails at start, not at the first record, when the fixed topic is missing.
     fn check_topic(&self, topic: &str) -> Result<()> {
         let consumer = metadata::client(&self.config()?)
@@ -246,11 +271,8 @@ impl<T: Data> Sink<T> for KafkaSink<T> {
         if self.guarantee == DeliveryGuarantee::ExactlyOnce {
             return Ok(Box::new(TransactionalWriter::open(&settings, ctx)?));
         }
-        let producer =
-            ThreadedProducer::from_config_and_context(&settings.config, Deliveries::default())
-                .map_err(|e| settings.error(format!("could not create the producer: {e}")))?;
         Ok(Box::new(KafkaWriter {
-            producer,
+            producer: self.shared_producer(&settings)?,
             sink: settings.name(),
             topic: settings.topic,
             serialize: settings.serialize,
@@ -260,7 +282,7 @@ impl<T: Data> Sink<T> for KafkaSink<T> {
 }
 
 struct KafkaWriter<T> {
-    producer: ThreadedProducer<Deliveries>,
+    producer: Arc<ThreadedProducer<Deliveries>>,
     topic: Option<String>,
     serialize: Serialize<T>,
     flush_timeout: Duration,
