@@ -50,11 +50,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use latency::{consume, now_us, quantile_ms, Load, PRODUCED_US};
+use latency::{consume, forward, now_us, quantile_ms, Load, PRODUCED_US};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{BorrowedMessage, Message};
-use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
-use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::producer::{BaseProducer, Producer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use rtflow::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -348,23 +347,7 @@ fn relay(
             continue;
         };
         let message = message?;
-        let mut record = BaseRecord::<[u8], [u8]>::to(output).partition(to(&message));
-        if let Some(key) = message.key() {
-            record = record.key(key);
-        }
-        if let Some(payload) = message.payload() {
-            record = record.payload(payload);
-        }
-        if let Some(headers) = message.headers() {
-            record = record.headers(headers.detach());
-        }
-        while let Err((error, back)) = producer.send(record) {
-            if error.rdkafka_error_code() != Some(RDKafkaErrorCode::QueueFull) {
-                return Err(format!("a relay could not produce: {error}").into());
-            }
-            producer.poll(Duration::from_millis(1));
-            record = back;
-        }
+        forward(&producer, &message, output, to(&message))?;
     }
     producer.flush(Duration::from_secs(30))?;
     Ok(())

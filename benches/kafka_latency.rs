@@ -96,14 +96,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::RDKafkaErrorCode;
-use rdkafka::message::{BorrowedMessage, Message};
-use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::message::Message;
+use rdkafka::producer::{BaseProducer, Producer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use rtflow::prelude::*;
 use rtflow::LatencyReport;
 
-use latency::{consume, median_ms, now_us, quantile_ms, Load, PRODUCED_US};
+use latency::{consume, forward, median_ms, now_us, quantile_ms, Load, PRODUCED_US};
 
 /// Records produced in the first seconds are not measured: connections, fetch
 /// sessions and caches are still warming up.
@@ -396,7 +395,7 @@ fn relay(
                 _ => {}
             }
         }
-        forward(&producer, &message, output)?;
+        forward(&producer, &message, output, message.partition())?;
     }
     producer.flush(Duration::from_secs(30))?;
     Ok(queuing)
@@ -452,34 +451,6 @@ fn relay_clients(
     Ok((consumer, producer))
 }
 
-/// Produces `message` to the same partition of `output`, with the key, value
-/// and headers it was read with; a full local queue waits for the broker, as
-/// backpressure.
-fn forward(
-    producer: &BaseProducer,
-    message: &BorrowedMessage<'_>,
-    output: &str,
-) -> BenchResult<()> {
-    let mut record = BaseRecord::<[u8], [u8]>::to(output).partition(message.partition());
-    if let Some(key) = message.key() {
-        record = record.key(key);
-    }
-    if let Some(payload) = message.payload() {
-        record = record.payload(payload);
-    }
-    if let Some(headers) = message.headers() {
-        record = record.headers(headers.detach());
-    }
-    while let Err((error, back)) = producer.send(record) {
-        if error.rdkafka_error_code() != Some(RDKafkaErrorCode::QueueFull) {
-            return Err(format!("the relay could not produce: {error}").into());
-        }
-        producer.poll(Duration::from_millis(1));
-        record = back;
-    }
-    Ok(())
-}
-
 /// Relays `input` to `output` as [`relay`] does, exactly once: a
 /// transactional producer commits what it relayed, with the consumer's
 /// offsets, every `--batch-ms`, as a hand-written exactly-once relay does (and
@@ -533,7 +504,7 @@ fn relay_exactly_once(
             message.partition(),
             Offset::Offset(message.offset() + 1),
         )?;
-        forward(&producer, &message, output)?;
+        forward(&producer, &message, output, message.partition())?;
     }
     transactions::commit_transaction(&producer, timeout)?;
     Ok(())

@@ -11,8 +11,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{
+    BaseProducer, BaseRecord, DefaultProducerContext, Producer, ThreadedProducer,
+};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -177,4 +179,33 @@ pub fn median_ms(latencies: &[u64]) -> f64 {
     let mut sorted = latencies.to_vec();
     sorted.sort_unstable();
     sorted[sorted.len() / 2] as f64 / 1000.0
+}
+
+/// Produces `message` to `partition` of `output`, with the key, value and
+/// headers it was read with, as a hand-written relay does; a full local
+/// queue waits for the broker, as backpressure.
+pub fn forward(
+    producer: &BaseProducer,
+    message: &BorrowedMessage<'_>,
+    output: &str,
+    partition: i32,
+) -> Result<(), Error> {
+    let mut record = BaseRecord::<[u8], [u8]>::to(output).partition(partition);
+    if let Some(key) = message.key() {
+        record = record.key(key);
+    }
+    if let Some(payload) = message.payload() {
+        record = record.payload(payload);
+    }
+    if let Some(headers) = message.headers() {
+        record = record.headers(headers.detach());
+    }
+    while let Err((error, back)) = producer.send(record) {
+        if error.rdkafka_error_code() != Some(RDKafkaErrorCode::QueueFull) {
+            return Err(format!("a relay could not produce: {error}").into());
+        }
+        producer.poll(Duration::from_millis(1));
+        record = back;
+    }
+    Ok(())
 }
