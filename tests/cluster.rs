@@ -512,9 +512,7 @@ fn cluster_child() {
     let failpoints = status.with_extension("failpoints");
     while !PathBuf::from(&stop).exists() && !stop_me.exists() {
         if let Ok(set) = std::fs::read_to_string(&failpoints) {
-            for (name, actions) in set.split(';').filter_map(|f| f.split_once('=')) {
-                fail::cfg(name, actions).expect("a failpoint's actions");
-            }
+            set_failpoints(&set);
             std::fs::remove_file(&failpoints).unwrap();
         }
         assert!(
@@ -540,15 +538,20 @@ fn cluster_child() {
         std::thread::sleep(Duration::from_millis(50));
     }
     if let Ok(failpoints) = std::env::var(CHILD_STOP_FAILPOINTS) {
-        for (name, actions) in failpoints.split(';').filter_map(|f| f.split_once('=')) {
-            fail::cfg(name, actions).expect("a failpoint's actions");
-        }
+        set_failpoints(&failpoints);
     }
     if let Err(error) = running.stop() {
         panic!(
             "the child did not leave cleanly: {}: {error}",
             error.error_class()
         );
+    }
+}
+
+/// Sets the failpoints of `failpoints` (`name=actions;...`, as `FAILPOINTS`).
+fn set_failpoints(failpoints: &str) {
+    for (name, actions) in failpoints.split(';').filter_map(|f| f.split_once('=')) {
+        fail::cfg(name, actions).expect("a failpoint's actions");
     }
 }
 

@@ -231,7 +231,7 @@ impl Feed {
     /// itself, now: the transaction it goes to is begun and nothing of the
     /// epoch waits before it. It saves the hop to the feeder's thread, on
     /// the way of every record read before it commits. The writer reports
-    /// with [`Feed::produced`].
+    /// with [`Feed::produced_by_writer`].
     fn produce_now(&mut self, run: u64, epoch: Epoch) -> bool {
         let now = run == self.run
             && self.open
