@@ -25,9 +25,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::kafka::{bootstrap, consume, produce, topic};
+use common::kafka::{bootstrap, consume, produce, producer, send, topic};
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::producer::{BaseProducer, Producer};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{ClientConfig, TopicPartitionList};
 use rtflow::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -850,6 +850,11 @@ impl Cluster {
             "{instance} stopped cleanly:\n{}",
             self.logs()
         );
+        self.log(instance)
+    }
+
+    /// The log of `instance`, of every process started under its name.
+    fn log(&self, instance: &str) -> String {
         std::fs::read_to_string(self.dir.join(format!("{instance}.log"))).unwrap_or_default()
     }
 
@@ -900,11 +905,23 @@ impl Cluster {
             .collect()
     }
 
+    /// Waits until the log of `instance` holds `text`.
+    fn await_log(&self, instance: &str, text: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self.log(instance).contains(text) {
+            assert!(
+                Instant::now() < deadline,
+                "{instance} never logged '{text}':\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Whether `instance` rolled a run back past records of a transaction
     /// that aborted.
     fn rolled_back(&self, instance: &str) -> bool {
-        std::fs::read_to_string(self.dir.join(format!("{instance}.log")))
-            .is_ok_and(|log| log.contains("belong to one that aborted"))
+        self.log(instance).contains("belong to one that aborted")
     }
 
     fn logs(&self) -> String {
@@ -1218,17 +1235,37 @@ fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_
     std::thread::scope(|scope| {
         let (bootstrap, input) = (&bootstrap, &input);
         scope.spawn(move || {
-            for step in (third..total).step_by(25) {
-                produce(bootstrap, input, (step..step + 25).map(record));
-                std::thread::sleep(Duration::from_millis(25));
+            // One producer all along: a new one per batch takes long enough
+            // to leave an epoch without records.
+            let producer = producer(bootstrap);
+            for (partition, key, value) in (third..total).map(record) {
+                let record = BaseRecord::to(input)
+                    .partition(partition)
+                    .key(key.as_str())
+                    .payload(&value);
+                send(&producer, record);
+                producer.poll(Duration::ZERO);
+                std::thread::sleep(Duration::from_micros(2_500));
             }
+            producer.flush(Duration::from_secs(30)).unwrap();
         });
         std::thread::sleep(Duration::from_secs(1));
         // p2's next commit is refused: what its writers produced in that
         // epoch, of its own input partitions, aborts. Ten keys over six
-        // repartition partitions send some of it to the others' readers.
+        // repartition partitions send some of it to the others' readers,
+        // which roll back past it before p1 is killed (whose fencing rolls
+        // readers back too).
         cluster.set_failpoints("p2", "checkpoint-commit=1*return(refused)->off");
-        std::thread::sleep(Duration::from_secs(3));
+        cluster.await_log("p2", "checkpoint failed: refused", Duration::from_secs(60));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !(cluster.rolled_back("p0") || cluster.rolled_back("p1")) {
+            assert!(
+                Instant::now() < deadline,
+                "no reader rolled back past p2's aborted transaction:\n{}",
+                cluster.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
         cluster.kill("p1");
         std::thread::sleep(Duration::from_secs(2));
         cluster.spawn("p1");
@@ -1237,15 +1274,6 @@ fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_
     let (expected, _) = reference(total);
     cluster.await_counts_at_least_once(&expected, Duration::from_secs(120));
     cluster.outputs(0, expected.len(), Duration::from_secs(60));
-    let logs = cluster.logs();
-    assert!(
-        logs.contains("checkpoint failed: refused"),
-        "p2's commit was never refused:\n{logs}"
-    );
-    assert!(
-        cluster.rolled_back("p0") || cluster.rolled_back("p1"),
-        "no reader rolled back past p2's aborted transaction:\n{logs}"
-    );
     cluster.stop_and_check_at_least_once(&expected);
 }
 
@@ -1495,7 +1523,7 @@ fn leave_a_transaction_open(bootstrap: &str, topic: &str) -> BaseProducer {
     for partition in 0..partitions {
         producer
             .send(
-                rdkafka::producer::BaseRecord::to(topic)
+                BaseRecord::to(topic)
                     .partition(partition)
                     .key("left open")
                     .payload("never committed"),

@@ -549,7 +549,13 @@ impl ClusterSettings {
         self.options
             .client_config(
                 "KafkaCluster",
-                &[("bootstrap.servers", &self.bootstrap_servers)],
+                &[
+                    ("bootstrap.servers", &self.bootstrap_servers),
+                    // As the source and sink: small requests (a frame, a
+                    // transaction's round trips) go at once rather than wait
+                    // for the acknowledgement of the one before.
+                    ("socket.nagle.disable", "true"),
+                ],
             )
             .expect("options were checked at start")
     }

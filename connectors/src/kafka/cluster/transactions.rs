@@ -624,6 +624,7 @@ impl Inner {
             generation: false,
         };
         let producer = lock(&self.producer).clone();
+        let started = std::time::Instant::now();
         if !open {
             producer
                 .begin_transaction()
@@ -638,6 +639,7 @@ impl Inner {
         if sent > 0 {
             flush(&producer, self.timeout).map_err(|e| failed("produce the records of", &e))?;
         }
+        let flushed = started.elapsed();
         for (group, positions) in positions {
             // Cloned out of the lock, which the members' threads take to
             // hand on each new generation.
@@ -657,6 +659,7 @@ impl Inner {
                     ..failed("add the offsets to", &e)
                 })?;
         }
+        let offsets_added = started.elapsed();
         for batch in &batches[sent..] {
             self.produce(&producer, batch).map_err(|error| Failed {
                 error,
@@ -664,6 +667,14 @@ impl Inner {
             })?;
         }
         commit_transaction(&producer, self.timeout).map_err(|e| failed("commit", &e))?;
+        tracing::debug!(
+            name = %self.name,
+            epoch,
+            ?flushed,
+            ?offsets_added,
+            committed = ?started.elapsed(),
+            "committed a transaction"
+        );
         producer
             .context()
             .check(&self.name)
