@@ -440,6 +440,7 @@ mod tests {
             repartition_partitions: 2,
             key_groups: 2,
             session_timeout: Duration::from_secs(6),
+            batch_duration: Duration::from_secs(1),
             transaction_timeout: Duration::from_secs(10),
             operation_timeout: Duration::from_secs(30),
             restore_timeout: Duration::from_secs(300),

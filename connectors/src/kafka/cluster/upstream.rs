@@ -171,10 +171,19 @@ impl Upstream {
         // from check to check counted ends of files left from the last).
         let started = Instant::now();
         let consumer = self.checker()?;
-        let deadline = started + self.settings.operation_timeout;
+        // A reader that took its barrier late read records of another
+        // process's next epoch, whose first transaction commits at that
+        // process's next barrier: up to a batch duration away.
+        let settings = &self.settings;
+        let deadline = started + settings.batch_duration + settings.operation_timeout;
         let stable = self.await_stable(&consumer, checks, deadline)?;
         let stable_after = started.elapsed();
-        let counts = self.count(&consumer, checks, &stable, deadline)?;
+        let counts = self.count(
+            &consumer,
+            checks,
+            &stable,
+            Instant::now() + settings.operation_timeout,
+        )?;
         tracing::debug!(?stable_after, counted_after = ?started.elapsed(), "checked");
         let mut skips = lock(&self.skips);
         let mut short = Vec::new();
@@ -255,9 +264,10 @@ impl Upstream {
             }
             if Instant::now() >= deadline {
                 return Err(self.error(format!(
-                    "transactions of the processes that wrote {} stayed open for {:?}",
+                    "transactions of the processes that wrote {} stayed open for {:?} \
+                     (a batch duration and the operation timeout)",
                     open.join(", "),
-                    self.settings.operation_timeout
+                    self.settings.batch_duration + self.settings.operation_timeout
                 )));
             }
             std::thread::sleep(pause);
