@@ -204,7 +204,7 @@ fn record_fields_are_exposed() {
     let record = &out.records()[0];
     let value = &record.value;
     assert_eq!(
-        (value.topic.as_str(), value.partition, value.offset),
+        (&*value.topic, value.partition, value.offset),
         (input.as_str(), 1, 0)
     );
     assert_eq!(value.key_str(), "the-key");

@@ -29,6 +29,7 @@ mod sink;
 mod source;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -57,7 +58,9 @@ pub enum TimestampType {
 /// repartition records as read.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KafkaRecord {
-    pub topic: String,
+    /// The topic, shared by every record of its partition: reading a record
+    /// allocates no copy of its name.
+    pub topic: Arc<str>,
     pub partition: i32,
     pub offset: i64,
     pub key: Option<Bytes>,

@@ -532,11 +532,11 @@ impl Source<KafkaRecord> for KafkaSource {
 
     fn reader(&self, ctx: &SourceContext) -> Result<Box<dyn SourceReader<KafkaRecord>>> {
         let assigned = self.assigned.lock().unwrap_or_else(|p| p.into_inner());
-        let partitions: Vec<(String, i32)> = ctx
-            .partitions
-            .iter()
-            .map(|i| assigned[*i].clone())
-            .collect();
+        let mut partitions: Vec<(Arc<str>, i32)> = Vec::with_capacity(ctx.partitions.len());
+        for i in &ctx.partitions {
+            let (topic, partition) = &assigned[*i];
+            partitions.push((shared_topic(&partitions, topic), *partition));
+        }
         let mut consumer = ClosingConsumer::new(self.consumer()?);
         // The reader waits parked, not inside librdkafka: a barrier's unpark
         // must end the wait at once, and `BaseConsumer::poll` waits out its
@@ -584,7 +584,9 @@ impl Source<KafkaRecord> for KafkaSource {
 struct KafkaReader {
     consumer: ClosingConsumer,
     source: String,
-    partitions: Vec<(String, i32)>,
+    /// The partitions read, each with its topic's name, which every record
+    /// read from it shares ([`shared_topic`]).
+    partitions: Vec<(Arc<str>, i32)>,
     /// Each partition's number in the source ([`SourceContext::partitions`]),
     /// which watermarks track event time by.
     numbers: Vec<usize>,
@@ -627,7 +629,27 @@ impl KafkaReader {
     }
 }
 
-fn record(message: &rdkafka::message::BorrowedMessage<'_>) -> (KafkaRecord, Option<i64>) {
+/// The name of `topic` for a partition the reader takes: the one its held
+/// partitions of that topic share, or a new one. Records take a reference
+/// to it, so that reading one allocates no copy of the name.
+fn shared_topic(partitions: &[(Arc<str>, i32)], topic: &str) -> Arc<str> {
+    partitions
+        .iter()
+        .find(|(held, _)| **held == *topic)
+        .map_or_else(|| Arc::from(topic), |(held, _)| Arc::clone(held))
+}
+
+/// Where `partition` of `topic` is among the reader's partitions; none for a
+/// message fetched before the reader let its partition go.
+fn held(partitions: &[(Arc<str>, i32)], topic: &str, partition: i32) -> Option<usize> {
+    partitions
+        .iter()
+        .position(|(t, p)| *p == partition && **t == *topic)
+}
+
+/// The record of `message`, read from a partition of `topic` (its name as
+/// the reader holds it).
+fn record<M: Message>(message: &M, topic: Arc<str>) -> (KafkaRecord, Option<i64>) {
     let timestamp = match message.timestamp() {
         Timestamp::CreateTime(ms) => Some((ms, TimestampType::CreateTime)),
         Timestamp::LogAppendTime(ms) => Some((ms, TimestampType::LogAppendTime)),
@@ -643,7 +665,7 @@ fn record(message: &rdkafka::message::BorrowedMessage<'_>) -> (KafkaRecord, Opti
         })
         .unwrap_or_default();
     let record = KafkaRecord {
-        topic: message.topic().to_owned(),
+        topic,
         partition: message.partition(),
         offset: message.offset(),
         key: message.key().map(Bytes::copy_from_slice),
@@ -696,19 +718,21 @@ impl SourceReader<KafkaRecord> for KafkaReader {
             if self.numbers.contains(number) {
                 continue;
             }
-            let (topic, partition) = self.all[*number].clone();
+            let (topic, partition) = &self.all[*number];
+            let partition = *partition;
             // No offset: no process committed one yet (the cluster's first
             // rebalance moved it before its first commit). It starts as a
             // run's start would start it.
             let position =
                 self.starts
-                    .offset(&self.consumer, change.start_offsets, &topic, partition)?;
+                    .offset(&self.consumer, change.start_offsets, topic, partition)?;
             added
-                .add_partition_offset(&topic, partition, Offset::Offset(position))
+                .add_partition_offset(topic, partition, Offset::Offset(position))
                 .map_err(|e| RtflowError::source(&self.source, e.to_string()))?;
-            let lag = self.lag.partition(&topic, &partition.to_string());
+            let lag = self.lag.partition(topic, &partition.to_string());
             lag.set_position(position);
-            self.watch.watch(&topic, partition, lag.clone());
+            self.watch.watch(topic, partition, lag.clone());
+            let topic = shared_topic(&self.partitions, topic);
             self.partitions.push((topic, partition));
             self.numbers.push(*number);
             self.positions.push(position);
@@ -737,18 +761,14 @@ impl SourceReader<KafkaRecord> for KafkaReader {
                 None if waited => break,
                 None => std::thread::park_timeout(max_wait),
                 Some(Ok(message)) => {
-                    let (topic, partition) = (message.topic(), message.partition());
-                    // One fetched before the reader let its partition go.
-                    let Some(i) = self
-                        .partitions
-                        .iter()
-                        .position(|(t, p)| *p == partition && t == topic)
+                    // None: one fetched before the reader let its partition go.
+                    let Some(i) = held(&self.partitions, message.topic(), message.partition())
                     else {
                         continue;
                     };
                     self.positions[i] = message.offset() + 1;
                     out.set_partition(self.numbers[i]);
-                    let (record, timestamp) = record(&message);
+                    let (record, timestamp) = record(&message, Arc::clone(&self.partitions[i].0));
                     match timestamp {
                         Some(ms) => out.push_at(record, ms as u64 * 1_000_000, ms),
                         None => out.push(record, now_nanos()),
@@ -790,6 +810,49 @@ mod tests {
             KafkaSource::new("127.0.0.1:1").max_partitions(0).readers(5),
             1
         );
+    }
+
+    #[test]
+    fn records_of_a_partition_share_one_topic_name() {
+        use rdkafka::message::OwnedMessage;
+
+        // As `reader` and `hand_over` take partitions.
+        let mut partitions: Vec<(Arc<str>, i32)> = Vec::new();
+        for (topic, partition) in [("clicks", 0), ("views", 0), ("clicks", 1)] {
+            partitions.push((shared_topic(&partitions, topic), partition));
+        }
+        // As `poll` reads a message.
+        let read = |topic: &str, partition: i32, offset: i64| {
+            let message = OwnedMessage::new(
+                Some(b"v".to_vec()),
+                None,
+                topic.to_owned(),
+                Timestamp::CreateTime(5),
+                partition,
+                offset,
+                None,
+            );
+            let i = held(&partitions, message.topic(), message.partition())?;
+            Some(record(&message, Arc::clone(&partitions[i].0)).0)
+        };
+        let first = read("clicks", 0, 7).unwrap();
+        let second = read("clicks", 0, 8).unwrap();
+        assert_eq!(
+            (&*first.topic, first.partition, first.offset),
+            ("clicks", 0, 7)
+        );
+        assert_eq!((&*second.topic, second.offset), ("clicks", 8));
+        assert!(
+            Arc::ptr_eq(&first.topic, &second.topic),
+            "one allocation of the name for every record of a partition"
+        );
+        let other_partition = read("clicks", 1, 0).unwrap();
+        assert!(Arc::ptr_eq(&first.topic, &other_partition.topic));
+        let views = read("views", 0, 3).unwrap();
+        assert_eq!(&*views.topic, "views");
+        assert!(!Arc::ptr_eq(&first.topic, &views.topic));
+        assert!(read("clicks", 2, 0).is_none(), "a partition not held");
+        assert!(read("orders", 0, 0).is_none(), "a topic not held");
     }
 
     #[test]
