@@ -99,9 +99,13 @@ impl Options {
         self.0.insert(key.to_owned(), value.to_owned());
     }
 
-    /// A librdkafka configuration: `defaults`, then the user's options over them.
+    /// A librdkafka configuration: what every client of rtflow sets, then
+    /// `defaults`, then the user's options over them.
     fn client_config(&self, connector: &str, defaults: &[(&str, &str)]) -> Result<ClientConfig> {
         let mut config = ClientConfig::new();
+        // Small requests (a record, a frame, a transaction's round trip) go
+        // at once rather than wait for the acknowledgement of the one before.
+        config.set("socket.nagle.disable", "true");
         for (key, value) in defaults {
             config.set(*key, *value);
         }
@@ -115,5 +119,23 @@ impl Options {
             config.set(librdkafka_key, value);
         }
         Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_client_sends_at_once_unless_the_user_says_otherwise() {
+        let defaults = Options::default()
+            .client_config("KafkaSink", &[("linger.ms", "0.2")])
+            .unwrap();
+        assert_eq!(defaults.get("socket.nagle.disable"), Some("true"));
+        assert_eq!(defaults.get("linger.ms"), Some("0.2"));
+        let mut options = Options::default();
+        options.set("kafka.socket.nagle.disable", "false");
+        let config = options.client_config("KafkaSink", &[]).unwrap();
+        assert_eq!(config.get("socket.nagle.disable"), Some("false"));
     }
 }

@@ -181,7 +181,6 @@ impl<T: Data> KafkaSink<T> {
                 // flight keeps the order on retries and batches what arrives
                 // meanwhile (benches/kafka_latency.rs).
                 ("max.in.flight.requests.per.connection", "1"),
-                ("socket.nagle.disable", "true"),
                 // Only failures need a report (`Deliveries`); a flush waits for
                 // the rest. A report per record cost the producers' polling
                 // thread three points of a core at 10,000-50,000 records/s

@@ -548,18 +548,20 @@ impl ClusterSettings {
         config
     }
 
+    /// How long a commit waits for the transactions its readers read from
+    /// to end: a reader that took its barrier late read records of another
+    /// process's next epoch, whose first transaction commits at that
+    /// process's next barrier, up to a batch duration away.
+    pub(crate) fn upstream_timeout(&self) -> Duration {
+        self.batch_duration + self.operation_timeout
+    }
+
     /// A client configuration: the brokers, then the user's options.
     pub(crate) fn client_config(&self) -> ClientConfig {
         self.options
             .client_config(
                 "KafkaCluster",
-                &[
-                    ("bootstrap.servers", &self.bootstrap_servers),
-                    // As the source and sink: small requests (a frame, a
-                    // transaction's round trips) go at once rather than wait
-                    // for the acknowledgement of the one before.
-                    ("socket.nagle.disable", "true"),
-                ],
+                &[("bootstrap.servers", &self.bootstrap_servers)],
             )
             .expect("options were checked at start")
     }

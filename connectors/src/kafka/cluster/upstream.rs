@@ -171,18 +171,14 @@ impl Upstream {
         // from check to check counted ends of files left from the last).
         let started = Instant::now();
         let consumer = self.checker()?;
-        // A reader that took its barrier late read records of another
-        // process's next epoch, whose first transaction commits at that
-        // process's next barrier: up to a batch duration away.
-        let settings = &self.settings;
-        let deadline = started + settings.batch_duration + settings.operation_timeout;
+        let deadline = started + self.settings.upstream_timeout();
         let stable = self.await_stable(&consumer, checks, deadline)?;
         let stable_after = started.elapsed();
         let counts = self.count(
             &consumer,
             checks,
             &stable,
-            Instant::now() + settings.operation_timeout,
+            Instant::now() + self.settings.operation_timeout,
         )?;
         tracing::debug!(?stable_after, counted_after = ?started.elapsed(), "checked");
         let mut skips = lock(&self.skips);
@@ -267,7 +263,7 @@ impl Upstream {
                     "transactions of the processes that wrote {} stayed open for {:?} \
                      (a batch duration and the operation timeout)",
                     open.join(", "),
-                    self.settings.batch_duration + self.settings.operation_timeout
+                    self.settings.upstream_timeout()
                 )));
             }
             std::thread::sleep(pause);
