@@ -101,6 +101,10 @@ struct Args {
     seconds: u64,
     #[arg(long, default_value_t = 1_200)]
     record_bytes: u64,
+    /// Keeps each run's directory (the processes' logs; `RUST_LOG` sets
+    /// what they write) and prints its path.
+    #[arg(long)]
+    keep_logs: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -572,7 +576,11 @@ fn run(
     processes.check()?;
     processes.stop()?;
     // Best effort: leftovers in the temp dir and on the broker harm nothing.
-    let _ = std::fs::remove_dir_all(&spec.dir);
+    if args.keep_logs {
+        eprintln!("logs of the run: {}", spec.dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&spec.dir);
+    }
     for topic in [&spec.input, &spec.output, &shuffle_topic(&spec)] {
         let _ = admin.delete_topic(topic);
     }

@@ -128,6 +128,13 @@ impl Skip {
 pub(crate) struct Upstream {
     settings: Arc<ClusterSettings>,
     skips: Mutex<BTreeMap<TopicPartition, Skip>>,
+    /// Asks the partitions' last stable offsets, kept from commit to commit:
+    /// a new client's first answer waits for its connections (6-60 ms at
+    /// 10,000 records/s, each commit's longest wait).
+    stable: Mutex<Option<ClosingConsumer<EndsExpected>>>,
+    /// The next count's consumer, made and connected after the last count,
+    /// off the commit's way, for the same reason.
+    next_counter: Arc<Mutex<Option<ClosingConsumer<EndsExpected>>>>,
 }
 
 /// How one partition's check went.
@@ -142,6 +149,8 @@ impl Upstream {
         Self {
             settings,
             skips: Mutex::default(),
+            stable: Mutex::default(),
+            next_counter: Arc::default(),
         }
     }
 
@@ -165,21 +174,35 @@ impl Upstream {
         if checks.is_empty() {
             return Ok(());
         }
-        // A consumer of its own for each check: a partition's end of file
+        let started = Instant::now();
+        let stable = {
+            let mut asking = lock(&self.stable);
+            let asker = match asking.take() {
+                Some(asker) => asker,
+                None => checker(&self.settings).map_err(|e| self.error(e))?,
+            };
+            let stable =
+                self.await_stable(&asker, checks, started + self.settings.upstream_timeout())?;
+            // One that failed is not kept: the next commit asks a new one.
+            *asking = Some(asker);
+            stable
+        };
+        let stable_after = started.elapsed();
+        // A consumer of its own for each count: a partition's end of file
         // then comes after every committed message below the stable offsets
         // awaited, never from an earlier read (one consumer sought back
         // from check to check counted ends of files left from the last).
-        let started = Instant::now();
-        let consumer = self.checker()?;
-        let deadline = started + self.settings.upstream_timeout();
-        let stable = self.await_stable(&consumer, checks, deadline)?;
-        let stable_after = started.elapsed();
+        let consumer = match lock(&self.next_counter).take() {
+            Some(consumer) => consumer,
+            None => checker(&self.settings).map_err(|e| self.error(e))?,
+        };
         let counts = self.count(
             &consumer,
             checks,
             &stable,
             Instant::now() + self.settings.operation_timeout,
         )?;
+        self.prepare_next_counter(checks);
         tracing::debug!(?stable_after, counted_after = ?started.elapsed(), "checked");
         let mut skips = lock(&self.skips);
         let mut short = Vec::new();
@@ -215,19 +238,27 @@ impl Upstream {
         )))
     }
 
-    /// A `read_committed` consumer that reads partitions to their ends.
-    fn checker(&self) -> Result<ClosingConsumer<EndsExpected>> {
-        let consumer: BaseConsumer<EndsExpected> = self
-            .settings
-            .committed_reader(&self.settings.group())
-            .set("enable.partition.eof", "true")
-            // A partition's end of file comes with a fetch that found
-            // nothing, which the broker holds this long: the check, and so
-            // exactly-once output, waits for it at every commit.
-            .set("fetch.wait.max.ms", "1")
-            .create_with_context(EndsExpected)
-            .map_err(|e| self.error(format!("could not create a consumer: {e}")))?;
-        Ok(ClosingConsumer::new(consumer))
+    /// Makes the next count's consumer on a thread of its own, connected to
+    /// the leaders of the partitions of `checks` (which the next check most
+    /// likely reads again). A commit that comes before it is ready makes
+    /// its own.
+    fn prepare_next_counter(&self, checks: &[(TopicPartition, Check)]) {
+        let (settings, slot) = (self.settings.clone(), self.next_counter.clone());
+        let mut partitions = TopicPartitionList::new();
+        for (partition, _) in checks {
+            let _ = partitions.add_partition_offset(&partition.0, partition.1, Offset::End);
+        }
+        let prepare = move || {
+            let Ok(consumer) = checker(&settings) else {
+                return;
+            };
+            // Any answer will do: asking connects.
+            let _ = consumer.offsets_for_times(partitions, settings.operation_timeout);
+            *lock(&slot) = Some(consumer);
+        };
+        let _ = std::thread::Builder::new()
+            .name("rtflow-check-prepare".into())
+            .spawn(prepare);
     }
 
     /// Waits until each partition's last stable offset reaches its check's
@@ -242,14 +273,32 @@ impl Upstream {
         let mut stable = vec![i64::MIN; checks.len()];
         let mut pause = Duration::from_millis(1);
         loop {
-            for ((partition, check), stable) in checks.iter().zip(&mut stable) {
-                if *stable >= check.end {
-                    continue;
+            // The latest offset a `read_committed` client is told is the last
+            // stable one; asked as a time (the latest), every partition of a
+            // broker is asked in one request.
+            let mut open = TopicPartitionList::new();
+            for ((partition, check), stable) in checks.iter().zip(&stable) {
+                if *stable < check.end {
+                    open.add_partition_offset(&partition.0, partition.1, Offset::End)
+                        .map_err(|e| self.error(e))?;
                 }
-                let (_, end) = consumer
-                    .fetch_watermarks(&partition.0, partition.1, self.settings.operation_timeout)
-                    .map_err(|e| self.error(format!("could not read a partition's end: {e}")))?;
-                *stable = end;
+            }
+            let failed = |e: &dyn std::fmt::Display| {
+                self.error(format!(
+                    "could not read a partition's last stable offset: {e}"
+                ))
+            };
+            let told = consumer
+                .offsets_for_times(open, self.settings.operation_timeout)
+                .map_err(|e| failed(&e))?;
+            for ((partition, _), stable) in checks.iter().zip(&mut stable) {
+                let Some(told) = told.find_partition(&partition.0, partition.1) else {
+                    continue;
+                };
+                told.error().map_err(|e| failed(&e))?;
+                if let Offset::Offset(offset) = told.offset() {
+                    *stable = offset;
+                }
             }
             let open: Vec<String> = (checks.iter().zip(&stable))
                 .filter(|((_, check), stable)| **stable < check.end)
@@ -328,6 +377,22 @@ impl Upstream {
         }
         Ok(counts)
     }
+}
+
+/// A `read_committed` consumer that reads partitions to their ends.
+fn checker(
+    settings: &ClusterSettings,
+) -> std::result::Result<ClosingConsumer<EndsExpected>, String> {
+    let consumer: BaseConsumer<EndsExpected> = settings
+        .committed_reader(&settings.group())
+        .set("enable.partition.eof", "true")
+        // A partition's end of file comes with a fetch that found nothing,
+        // which the broker holds this long: the check, and so exactly-once
+        // output, waits for it at every commit.
+        .set("fetch.wait.max.ms", "1")
+        .create_with_context(EndsExpected)
+        .map_err(|e| format!("could not create a consumer: {e}"))?;
+    Ok(ClosingConsumer::new(consumer))
 }
 
 #[cfg(test)]
