@@ -1286,6 +1286,42 @@ fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_
     cluster.stop_and_check_at_least_once(&expected);
 }
 
+/// A process commits each epoch's second transaction beside the next epoch.
+/// One that fails fails the run's next checkpoint: the run rolls back to its
+/// last commit and starts over, and every count still comes out once in the
+/// committed state, the output at least once.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_second_transaction_that_fails_rolls_the_run_back_and_every_count_stays_exact() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::running(&bootstrap, "counts-at-least-once");
+    let total = 3_000;
+    let half = total / 2;
+    produce(&bootstrap, &cluster.input, (0..half).map(record));
+    for instance in ["p0", "p1"] {
+        cluster.spawn(instance);
+    }
+    cluster.wait_for_shares(Duration::from_secs(90));
+    cluster.set_failpoints("p0", "second-transaction=1*return(second refused)->off");
+    produce(&bootstrap, &cluster.input, (half..total).map(record));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !(cluster.log("p0").lines())
+        .any(|l| l.contains("stopping the query") && l.contains("second refused"))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "p0's second transaction did not fail its run:\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    produce(&bootstrap, &cluster.input, flush_records());
+    let (expected, _) = reference(total);
+    cluster.await_counts_at_least_once(&expected, Duration::from_secs(120));
+    cluster.outputs(0, expected.len(), Duration::from_secs(60));
+    cluster.stop_and_check_at_least_once(&expected);
+}
+
 /// A process that joins takes its share from the others inside their runs,
 /// and gives it back the same way when it leaves: each of the others hands
 /// partitions over or takes them on at a barrier and runs on, with no

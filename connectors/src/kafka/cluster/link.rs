@@ -23,6 +23,7 @@ use rtflow_runtime::{Epoch, Result, RtflowError, Sink, SinkContext, Source};
 use super::changelog::{self, Fold};
 use super::exchange::{ExchangeSink, ExchangeSource};
 use super::local::{self, Image};
+use super::second_tier::SecondTier;
 use super::transactions::{Batch, Tier, Tiers, Transactions};
 use super::upstream::{Reads, Upstream, Verified, READ_MARK};
 use super::{lock, while_coordinator_moves, ClusterSettings, WATERMARK_MARK};
@@ -62,7 +63,9 @@ pub(crate) enum Mode {
         /// What the process knows of the transactions its readers read from.
         upstream: Arc<Upstream>,
         /// What the run's commits verified its readers read.
-        verified: Mutex<Verified>,
+        verified: Arc<Mutex<Verified>>,
+        /// Commits each epoch's second transaction beside the next epoch.
+        second: SecondTier,
         /// Where the run tells what it restored.
         last_restore: Arc<Mutex<Option<RestoreStats>>>,
     },
@@ -102,6 +105,16 @@ impl KafkaLink {
         match &self.mode {
             Mode::Live { owned, .. } => lock(owned).partitions.iter().cloned().collect(),
             Mode::Probe(_) => Vec::new(),
+        }
+    }
+
+    /// Waits until the run's last second transaction ended; fails if one
+    /// failed. A run's end and a handover wait for it: the partitions'
+    /// next run, here or elsewhere, resumes from what they committed.
+    pub(crate) fn settle(&self) -> Result<()> {
+        match &self.mode {
+            Mode::Live { second, .. } => second.settle(),
+            Mode::Probe(_) => Ok(()),
         }
     }
 
@@ -272,11 +285,15 @@ impl ClusterLink for KafkaLink {
             transactions,
             upstream,
             verified,
+            second,
             ..
         } = &self.mode
         else {
             return Err(self.error("a probe does not commit"));
         };
+        // A run whose second transaction failed lost that epoch's records:
+        // it starts over from its last commit.
+        second.check()?;
         let partitions = self.settings.repartition_partitions as u32;
         let mut changes = Batch {
             topic: Some(self.settings.changelog_topic()),
@@ -294,13 +311,13 @@ impl ClusterLink for KafkaLink {
                 });
             }
         }
-        let (second, first): (Vec<_>, Vec<_>) = {
+        let (later, first): (Vec<_>, Vec<_>) = {
             let order = lock(&self.order);
             (offsets.iter()).partition(|(uid, _)| order.second.contains(*uid))
         };
         let group_of = |topic: &str| self.settings.group_of(topic);
         let sourced = positions(first.into_iter().map(|(_, o)| o), group_of)?;
-        let repartitioned = positions(second.iter().map(|(_, o)| *o), group_of)?;
+        let repartitioned = positions(later.iter().map(|(_, o)| *o), group_of)?;
         tracing::debug!(
             epoch,
             changes = changes.messages.len(),
@@ -315,24 +332,32 @@ impl ClusterLink for KafkaLink {
         transactions
             .of(Tier::Sourced)
             .commit(epoch, nothing, &sourced)?;
-        let reads = reads(second.into_iter().map(|(_, o)| o))?;
-        let checks: Vec<_> = {
-            let verified = lock(verified);
-            (reads.iter())
-                .filter_map(|(partition, reads)| {
-                    Some((partition.clone(), verified.check(partition, reads)?))
-                })
-                .collect()
+        let reads = reads(later.into_iter().map(|(_, o)| o))?;
+        let (transactions, upstream, verified) =
+            (transactions.clone(), upstream.clone(), verified.clone());
+        let commit = move || {
+            fail::fail_point!("second-transaction", |message| Err(
+                RtflowError::Checkpoint(message.unwrap_or_default())
+            ));
+            let checks: Vec<_> = {
+                let verified = lock(&verified);
+                (reads.iter())
+                    .filter_map(|(partition, reads)| {
+                        Some((partition.clone(), verified.check(partition, reads)?))
+                    })
+                    .collect()
+            };
+            upstream.verify(&checks)?;
+            transactions
+                .of(Tier::Repartitioned)
+                .commit(epoch, changes, &repartitioned)?;
+            let mut verified = lock(&verified);
+            for (partition, reads) in reads {
+                verified.passed(partition, reads);
+            }
+            Ok(())
         };
-        upstream.verify(&checks)?;
-        transactions
-            .of(Tier::Repartitioned)
-            .commit(epoch, changes, &repartitioned)?;
-        let mut verified = lock(verified);
-        for (partition, reads) in reads {
-            verified.passed(partition, reads);
-        }
-        Ok(())
+        second.hand_over(epoch, Box::new(commit))
     }
 }
 

@@ -40,6 +40,7 @@ mod link;
 mod local;
 mod retries;
 mod runner;
+mod second_tier;
 mod settle;
 mod shape;
 mod standby;

@@ -35,6 +35,7 @@ use super::compacted;
 use super::departures::{self, members, Departures};
 use super::link::{KafkaLink, Mode, Owned, RestoreStats, TopicPartition};
 use super::retries::{Retries, Verdict};
+use super::second_tier::SecondTier;
 use super::settle::{must_restart, Settling};
 use super::shape::{instance_of, list_group, Shape};
 use super::standby::{placement, Standby};
@@ -127,6 +128,7 @@ impl Shared {
         let epoch = run
             .query
             .hand_over(handover, self.settings.operation_timeout)?;
+        run.link.settle()?;
         run.link.hand_over(after);
         // A run that failed since is the runner's to take away, not to
         // bring back.
@@ -153,13 +155,15 @@ impl Shared {
         let Some(run) = lock(&self.run).take() else {
             return Ok(());
         };
-        run.query.stop()?;
-        match run.query.exception() {
-            Some(error) => {
+        let stopped = run.query.stop();
+        let settled = run.link.settle();
+        stopped?;
+        match run.query.exception().map_or(settled, Err) {
+            Err(error) => {
                 self.transactions.discard();
                 Err(error)
             }
-            None => Ok(()),
+            Ok(()) => Ok(()),
         }
     }
 
@@ -190,6 +194,8 @@ impl Shared {
         let run = lock(&self.run).take();
         if let Some(run) = run {
             run.query.abandon();
+            // What it drops is what its second transaction did not commit.
+            let _ = run.link.settle();
         }
         self.transactions.discard();
         Ok(())
@@ -885,7 +891,9 @@ where
             .as_ref()
             .and_then(|run| run.query.exception());
         if let Some(error) = failed {
-            lock(&shared.run).take();
+            let run = lock(&shared.run).take();
+            // Its own failure is the one to tell.
+            let _ = run.map(|run| run.link.settle());
             shared.transactions.discard();
             not_before = retry_at(&mut retries, error, "the run failed")?;
             running = None;
@@ -991,6 +999,10 @@ where
     if owned.is_empty() {
         return Ok(Ok(()));
     }
+    let second = match SecondTier::start() {
+        Ok(second) => second,
+        Err(error) => return Ok(Err(error)),
+    };
     let link = Arc::new(KafkaLink {
         order: Arc::default(),
         settings: shared.settings.clone(),
@@ -998,7 +1010,8 @@ where
             owned: Mutex::new(Arc::new(Owned::new(shared.settings.clone(), owned.clone()))),
             transactions: shared.transactions.clone(),
             upstream: shared.upstream.clone(),
-            verified: Mutex::default(),
+            verified: Arc::default(),
+            second,
             last_restore: shared.last_restore.clone(),
         },
     });
