@@ -4,7 +4,7 @@
 //! A producer thread writes `--record-bytes` (default 1,200) byte records at a
 //! fixed `--rate` (default 10,000 records/s in total) round-robin over the
 //! `--partitions` (default 4) partitions of a fresh input topic for `--seconds`
-//! (default 30); each record carries its production wall-clock time in
+//! (default 20); each record carries its production wall-clock time in
 //! microseconds in the `produced-us` header. The query reads the input (one reader
 //! per partition), uppercases the payload and writes it with the header to the same
 //! partition of a fresh output topic. A consumer thread reads the output and
@@ -115,128 +115,71 @@ const DRAIN: Duration = Duration::from_secs(10);
 
 type BenchResult<T> = std::result::Result<T, BoxError>;
 
-#[derive(Clone)]
+#[derive(Clone, clap::Parser)]
+#[command(
+    about = "Kafka -> rtflow -> Kafka latency, beside the floors that hand-written relays set"
+)]
 struct Args {
+    /// Kafka bootstrap servers.
+    #[arg(long, default_value_t = default_bootstrap())]
     bootstrap: String,
     /// Records per second over all partitions, one measurement each.
+    #[arg(long, alias = "rate", value_delimiter = ',',
+          default_values_t = [1_000, 10_000, 30_000, 50_000],
+          value_parser = clap::value_parser!(u64).range(1..))]
     rates: Vec<u64>,
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
     partitions: u64,
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     seconds: u64,
+    #[arg(long, default_value_t = 1_200, value_parser = clap::value_parser!(u64).range(1..))]
     record_bytes: u64,
     /// The exactly-once pipelines' batch duration (the query's trigger, the
     /// relay's commit interval), in milliseconds.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
     batch_ms: u64,
     /// rtflow's readers of the input (`KafkaSource::max_partitions`); 0, the
     /// default, runs one per partition.
+    #[arg(long, default_value_t = 0)]
     readers: u64,
     /// What runs at each rate, in this order.
+    #[arg(long, value_delimiter = ',', default_values = Pipeline::ALL.map(Pipeline::name),
+          value_parser = |name: &str| Pipeline::named(name).ok_or("an unknown pipeline"))]
     pipelines: Vec<Pipeline>,
-    /// How the bench's producer batches, one measurement of every rate each.
+    /// How the bench's producer batches, one measurement of every rate each:
+    /// smooth, bursty or default.
+    #[arg(long = "producer-profile", alias = "producer-profiles", value_delimiter = ',',
+          default_value = "smooth",
+          value_parser = |name: &str| Profile::named(name).ok_or("smooth, bursty or default"))]
     profiles: Vec<Profile>,
-    /// librdkafka settings (`key=value`) for the source, the sink, the bench's
-    /// producer and the bench's consumer.
+    /// A librdkafka setting (`key=value`, repeatable) for rtflow's source.
+    #[arg(long = "source-option", value_parser = key_value)]
     source_options: Vec<(String, String)>,
+    /// ... for rtflow's sink.
+    #[arg(long = "sink-option", value_parser = key_value)]
     sink_options: Vec<(String, String)>,
+    /// ... for the bench's producer.
+    #[arg(long = "producer-option", value_parser = key_value)]
     producer_options: Vec<(String, String)>,
+    /// ... for the bench's consumer.
+    #[arg(long = "consumer-option", value_parser = key_value)]
     consumer_options: Vec<(String, String)>,
+    /// ... for the relays' clients.
+    #[arg(long = "relay-option", value_parser = key_value)]
     relay_options: Vec<(String, String)>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
-impl Args {
-    /// Reads `--bootstrap HOST:PORT`, `--rates N,N,...` (or `--rate N`),
-    /// `--pipelines NAME,...`, `--producer-profile NAME,...`, `--partitions N`, `--seconds N`, `--record-bytes
-    /// N`, `--batch-ms N`, `--readers N` and the `--*-option KEY=VALUE`s;
-    /// ignores anything else, such as the `--bench` that `cargo bench` passes.
-    fn parse() -> Self {
-        let mut args = Self {
-            bootstrap: std::env::var("RTFLOW_KAFKA_BOOTSTRAP")
-                .unwrap_or_else(|_| "127.0.0.1:9092".to_owned()),
-            rates: vec![1_000, 10_000, 30_000, 50_000],
-            partitions: 4,
-            seconds: 20,
-            record_bytes: 1_200,
-            batch_ms: 300,
-            readers: 0,
-            pipelines: Pipeline::ALL.to_vec(),
-            profiles: vec![Profile::Smooth],
-            source_options: Vec::new(),
-            sink_options: Vec::new(),
-            producer_options: Vec::new(),
-            consumer_options: Vec::new(),
-            relay_options: Vec::new(),
-        };
-        let mut words = std::env::args().skip(1);
-        while let Some(flag) = words.next() {
-            let options = match flag.as_str() {
-                "--source-option" => Some(&mut args.source_options),
-                "--sink-option" => Some(&mut args.sink_options),
-                "--producer-option" => Some(&mut args.producer_options),
-                "--consumer-option" => Some(&mut args.consumer_options),
-                "--relay-option" => Some(&mut args.relay_options),
-                _ => None,
-            };
-            if let Some(options) = options {
-                let option = words
-                    .next()
-                    .and_then(|w| {
-                        let (key, value) = w.split_once('=')?;
-                        Some((key.to_owned(), value.to_owned()))
-                    })
-                    .unwrap_or_else(|| usage(&flag, "a librdkafka key=value"));
-                options.push(option);
-                continue;
-            }
-            let value = match flag.as_str() {
-                "--bootstrap" => {
-                    args.bootstrap = words.next().unwrap_or_else(|| usage(&flag, "an address"));
-                    continue;
-                }
-                "--rate" | "--rates" => {
-                    args.rates = words
-                        .next()
-                        .and_then(|w| w.split(',').map(|r| r.parse().ok()).collect())
-                        .filter(|rates: &Vec<u64>| !rates.is_empty() && !rates.contains(&0))
-                        .unwrap_or_else(|| usage(&flag, "positive integers, comma separated"));
-                    continue;
-                }
-                "--pipelines" => {
-                    args.pipelines = words
-                        .next()
-                        .and_then(|w| w.split(',').map(Pipeline::named).collect())
-                        .filter(|pipelines: &Vec<Pipeline>| !pipelines.is_empty())
-                        .unwrap_or_else(|| usage(&flag, "pipeline names, comma separated"));
-                    continue;
-                }
-                "--producer-profile" | "--producer-profiles" => {
-                    args.profiles = words
-                        .next()
-                        .and_then(|w| w.split(',').map(Profile::named).collect())
-                        .filter(|profiles: &Vec<Profile>| !profiles.is_empty())
-                        .unwrap_or_else(|| {
-                            usage(&flag, "smooth, bursty or default, comma separated")
-                        });
-                    continue;
-                }
-                "--partitions" => &mut args.partitions,
-                "--seconds" => &mut args.seconds,
-                "--record-bytes" => &mut args.record_bytes,
-                "--batch-ms" => &mut args.batch_ms,
-                "--readers" => &mut args.readers,
-                _ => continue,
-            };
-            *value = words
-                .next()
-                .and_then(|v| v.parse().ok())
-                .filter(|v| *v > 0)
-                .unwrap_or_else(|| usage(&flag, "a positive integer"));
-        }
-        args
-    }
+fn default_bootstrap() -> String {
+    std::env::var("RTFLOW_KAFKA_BOOTSTRAP").unwrap_or_else(|_| "127.0.0.1:9092".to_owned())
 }
 
-fn usage(flag: &str, takes: &str) -> ! {
-    eprintln!("{flag} takes {takes}");
-    std::process::exit(2);
+/// A librdkafka setting, `key=value`.
+fn key_value(option: &str) -> std::result::Result<(String, String), &'static str> {
+    let (key, value) = option.split_once('=').ok_or("a librdkafka key=value")?;
+    Ok((key.to_owned(), value.to_owned()))
 }
 
 /// input -> uppercase -> output, on `flow`; the sink commits exactly once
@@ -788,7 +731,7 @@ fn run(args: &Args, profile: Profile, rate: u64, pipeline: Pipeline) -> BenchRes
 }
 
 fn main() -> BenchResult<()> {
-    let args = Args::parse();
+    let args = <Args as clap::Parser>::parse();
     // rtflow's own logs, to stderr, when asked for: how a checkpoint's time
     // splits shows in the coordinator's and the sinks' debug lines.
     if let Ok(filter) = std::env::var("RUST_LOG") {
