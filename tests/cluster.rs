@@ -423,6 +423,18 @@ fn dedup(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, windows: &
         );
 }
 
+/// Every record after a repartition by key, at least once into the counts
+/// topic as `key@time`, in the order the stage after the repartition took
+/// it.
+fn in_order(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str) {
+    side(flow, bootstrap, input)
+        .repartition_by(|e: &Event| e.key.clone())
+        .as_ref()
+        .sink(KafkaSink::new(bootstrap, counts, |e: &Event| {
+            KafkaMessage::new(row(e))
+        }));
+}
+
 /// [`dedup`]'s batch reference over records `0..n` (each read once or more,
 /// late records dropped) and the flush records.
 fn dedup_reference(n: usize) -> (BTreeMap<String, usize>, BTreeMap<String, usize>) {
@@ -574,6 +586,7 @@ fn dataflow_named(name: &str) -> Build {
         "chain" => Box::new(chain),
         "joins" => Box::new(joins),
         "dedup" => Box::new(dedup),
+        "in-order" => Box::new(in_order),
         other => panic!("no dataflow '{other}'"),
     }
 }
@@ -1284,6 +1297,55 @@ fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_
     cluster.await_counts_at_least_once(&expected, Duration::from_secs(120));
     cluster.outputs(0, expected.len(), Duration::from_secs(60));
     cluster.stop_and_check_at_least_once(&expected);
+}
+
+/// A key's records of one source partition cross a repartition in the order
+/// they were read, across every barrier, though each epoch's first
+/// transaction goes out with another producer than the last one's.
+#[test]
+fn a_keys_records_cross_a_repartition_in_their_order_across_epochs() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::running(&bootstrap, "in-order");
+    cluster.batch = Some(Duration::from_millis(100));
+    for instance in ["p0", "p1"] {
+        cluster.spawn(instance);
+    }
+    cluster.wait_for_shares(Duration::from_secs(90));
+    // One producer at ~2,000 records/s: some 40 barriers pass while records
+    // flow, each with records on their way.
+    let total = 8_000;
+    let producer = producer(&bootstrap);
+    for (partition, key, value) in (0..total).map(record) {
+        let record = BaseRecord::to(&cluster.input)
+            .partition(partition)
+            .key(key.as_str())
+            .payload(&value);
+        send(&producer, record);
+        producer.poll(Duration::ZERO);
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+    let rows = cluster.read(&cluster.counts, total, Duration::from_secs(120));
+    assert_eq!(
+        rows.len(),
+        total,
+        "every record crossed:\n{}",
+        cluster.logs()
+    );
+    let mut last: BTreeMap<(String, i64), i64> = BTreeMap::new();
+    for row in &rows {
+        let (key, time) = row.split_once('@').unwrap();
+        let time: i64 = time.parse().unwrap();
+        let partition = (time / STEP_MS) % i64::from(PARTITIONS);
+        if let Some(before) = last.insert((key.to_owned(), partition), time) {
+            assert!(
+                before < time,
+                "{key} of partition {partition}: {time} after {before}\n{}",
+                cluster.logs()
+            );
+        }
+    }
+    cluster.stop_all();
 }
 
 /// A process commits each epoch's second transaction beside the next epoch.
