@@ -719,10 +719,12 @@ impl Inner {
                 Ok(()) => return Ok(()),
                 Err(failed) => failed,
             };
-            // Made again, the transaction would put this epoch's records
-            // after those of the next one that went out meanwhile.
-            let reordered = sealed && !seal.close();
-            if !failed.generation || reordered || std::time::Instant::now() >= deadline {
+            let retry = failed.generation
+                && std::time::Instant::now() < deadline
+                // Made again, the transaction would put this epoch's records
+                // after those of the next one that went out meanwhile.
+                && (!sealed || seal.close());
+            if !retry {
                 let _ = self.renew();
                 return Err(failed.error);
             }
