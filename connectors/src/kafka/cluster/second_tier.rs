@@ -11,7 +11,12 @@
 //! next epoch runs and its first transaction commits.
 //!
 //! One waits at most: a checkpoint that finds the last one's second
-//! transaction still committing waits for it before it hands its own over.
+//! transaction still waiting for the one before waits before it hands its
+//! own over. A checkpoint that waited for the last one's would hold the next
+//! barrier back whenever a second transaction outlasts a batch: the
+//! process's readers would take their barriers late, after records of the
+//! others' next epochs, and each late epoch's second transaction would wait
+//! a batch for those.
 //! A second transaction that failed fails every later checkpoint of the run
 //! (its records are gone from the process's transaction: the run must start
 //! over from its last commit), and the run's end or handover waits for the
@@ -44,14 +49,14 @@ struct Pipeline {
 }
 
 impl Pipeline {
-    /// Whether a commit handed over now must wait for the one before.
+    /// Whether a commit handed over has not ended.
     fn busy(&self) -> bool {
         self.waiting.is_some() || self.committing
     }
 
-    /// Takes `commit` of `epoch`, the one before it ended.
+    /// Takes `commit` of `epoch`, once none waits.
     fn hand_over(&mut self, epoch: Epoch, commit: Commit) -> Result<()> {
-        debug_assert!(!self.busy());
+        debug_assert!(self.waiting.is_none());
         if let Some(error) = &self.failed {
             return Err(error.clone());
         }
@@ -59,9 +64,10 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The next commit for the thread to run, if any.
+    /// The next commit for the thread to run, if any: none after one
+    /// failed.
     fn next(&mut self) -> Option<(Epoch, Commit)> {
-        let next = self.waiting.take();
+        let next = self.waiting.take().filter(|_| self.failed.is_none());
         self.committing = next.is_some();
         next
     }
@@ -102,11 +108,11 @@ impl SecondTier {
     }
 
     /// Hands `commit`, epoch `epoch`'s second transaction, to the thread,
-    /// once the one before it ended; fails if a commit before it failed.
+    /// once no other waits there; fails if a commit before it failed.
     pub(crate) fn hand_over(&self, epoch: Epoch, commit: Commit) -> Result<()> {
         let (pipeline, changed) = &*self.shared;
         let mut pipeline = changed
-            .wait_while(lock(pipeline), |p| p.busy())
+            .wait_while(lock(pipeline), |p| p.waiting.is_some())
             .unwrap_or_else(|p| p.into_inner());
         pipeline.hand_over(epoch, commit)?;
         changed.notify_all();
@@ -146,6 +152,8 @@ fn run(shared: &(Mutex<Pipeline>, Condvar)) {
     loop {
         if let Some((epoch, commit)) = guard.next() {
             drop(guard);
+            // A checkpoint may hand the next one over now.
+            changed.notify_all();
             let result = commit();
             if let Err(error) = &result {
                 tracing::debug!(epoch, %error, "the second transaction failed");
@@ -188,27 +196,32 @@ mod tests {
     }
 
     #[test]
-    fn a_commit_handed_over_waits_until_the_one_before_ended() {
+    fn one_commit_waits_behind_the_one_committing_and_the_next_waits_to_be_handed_over() {
         let tier = SecondTier::start().unwrap();
         let (release, released) = mpsc::channel::<()>();
+        let (log, ran) = mpsc::channel();
+        let held = log.clone();
         tier.hand_over(
             1,
             Box::new(move || {
                 released.recv().unwrap();
+                held.send(1).unwrap();
                 Ok(())
             }),
         )
         .unwrap();
-        let (log, ran) = mpsc::channel();
+        // The thread takes epoch 1 before epoch 2 can wait behind it.
+        std::thread::sleep(Duration::from_millis(50));
+        tier.hand_over(2, noted(2, &log, Ok(()))).unwrap();
         std::thread::scope(|scope| {
-            let second = scope.spawn(|| tier.hand_over(2, noted(2, &log, Ok(()))));
+            let third = scope.spawn(|| tier.hand_over(3, noted(3, &log, Ok(()))));
             std::thread::sleep(Duration::from_millis(50));
-            assert!(!second.is_finished(), "epoch 1 still commits");
+            assert!(!third.is_finished(), "epoch 2 waits behind epoch 1");
             release.send(()).unwrap();
-            second.join().unwrap().unwrap();
+            third.join().unwrap().unwrap();
         });
         tier.settle().unwrap();
-        assert_eq!(ran.try_iter().collect::<Vec<_>>(), [2]);
+        assert_eq!(ran.try_iter().collect::<Vec<_>>(), [1, 2, 3]);
     }
 
     #[test]
@@ -226,6 +239,26 @@ mod tests {
             "epoch 2 is not committed after a failed epoch 1"
         );
         assert_eq!(ran.try_iter().collect::<Vec<_>>(), [1]);
+    }
+
+    #[test]
+    fn a_commit_waiting_behind_one_that_fails_does_not_run() {
+        let tier = SecondTier::start().unwrap();
+        let (release, released) = mpsc::channel::<()>();
+        tier.hand_over(
+            1,
+            Box::new(move || {
+                released.recv().unwrap();
+                Err(RtflowError::Checkpoint("refused".into()))
+            }),
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let (log, ran) = mpsc::channel();
+        tier.hand_over(2, noted(2, &log, Ok(()))).unwrap();
+        release.send(()).unwrap();
+        assert!(tier.settle().is_err());
+        assert_eq!(ran.try_iter().count(), 0, "epoch 2 did not commit");
     }
 
     #[test]
