@@ -79,6 +79,22 @@ fn record(i: usize) -> (i32, String, Vec<u8>) {
     )
 }
 
+/// Writes records `range` with one producer, pausing `pause` after each, and
+/// waits until all are acknowledged.
+fn produce_paced(bootstrap: &str, topic: &str, range: Range<usize>, pause: Duration) {
+    let producer = producer(bootstrap);
+    for (partition, key, value) in range.map(record) {
+        let record = BaseRecord::to(topic)
+            .partition(partition)
+            .key(key.as_str())
+            .payload(&value);
+        send(&producer, record);
+        producer.poll(Duration::ZERO);
+        std::thread::sleep(pause);
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+}
+
 /// One record per partition far ahead in event time: every window closes.
 fn flush_records() -> Vec<(i32, String, Vec<u8>)> {
     (0..PARTITIONS)
@@ -1237,17 +1253,7 @@ fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_
         scope.spawn(move || {
             // One producer all along: a new one per batch takes long enough
             // to leave an epoch without records.
-            let producer = producer(bootstrap);
-            for (partition, key, value) in (third..total).map(record) {
-                let record = BaseRecord::to(input)
-                    .partition(partition)
-                    .key(key.as_str())
-                    .payload(&value);
-                send(&producer, record);
-                producer.poll(Duration::ZERO);
-                std::thread::sleep(Duration::from_micros(2_500));
-            }
-            producer.flush(Duration::from_secs(30)).unwrap();
+            produce_paced(bootstrap, input, third..total, Duration::from_micros(2_500));
         });
         std::thread::sleep(Duration::from_secs(1));
         // p2's next commit is refused: what its writers produced in that
@@ -1300,8 +1306,7 @@ fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_
 }
 
 /// A key's records of one source partition cross a repartition in the order
-/// they were read, across every barrier, though each epoch's first
-/// transaction goes out with another producer than the last one's.
+/// they were read, across every barrier.
 #[test]
 fn a_keys_records_cross_a_repartition_in_their_order_across_epochs() {
     let Some(bootstrap) = bootstrap() else { return };
@@ -1314,17 +1319,12 @@ fn a_keys_records_cross_a_repartition_in_their_order_across_epochs() {
     // One producer at ~2,000 records/s: some 40 barriers pass while records
     // flow, each with records on their way.
     let total = 8_000;
-    let producer = producer(&bootstrap);
-    for (partition, key, value) in (0..total).map(record) {
-        let record = BaseRecord::to(&cluster.input)
-            .partition(partition)
-            .key(key.as_str())
-            .payload(&value);
-        send(&producer, record);
-        producer.poll(Duration::ZERO);
-        std::thread::sleep(Duration::from_micros(500));
-    }
-    producer.flush(Duration::from_secs(30)).unwrap();
+    produce_paced(
+        &bootstrap,
+        &cluster.input,
+        0..total,
+        Duration::from_micros(500),
+    );
     let rows = cluster.read(&cluster.counts, total, Duration::from_secs(120));
     assert_eq!(
         rows.len(),

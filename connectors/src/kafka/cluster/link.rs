@@ -24,7 +24,7 @@ use super::changelog::{self, Fold};
 use super::exchange::{ExchangeSink, ExchangeSource};
 use super::local::{self, Image};
 use super::second_tier::SecondTier;
-use super::transactions::{Batch, Lanes, Tier, Tiers};
+use super::transactions::{Batch, Tier, Tiers, Transactions};
 use super::upstream::{Reads, Upstream, Verified, READ_MARK};
 use super::{lock, while_coordinator_moves, ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
@@ -182,7 +182,7 @@ impl Membership for Owned {
 
 /// The transaction of the process `ctx` runs in that a writer stages its
 /// records in: the one of its tier.
-pub(crate) fn transactions_of(ctx: &SinkContext, sink: &str) -> Result<Lanes> {
+pub(crate) fn transactions_of(ctx: &SinkContext, sink: &str) -> Result<Arc<Transactions>> {
     ctx.cluster
         .as_ref()
         .and_then(|link| link.as_any().downcast_ref::<KafkaLink>())
@@ -329,7 +329,9 @@ impl ClusterLink for KafkaLink {
             topic: None,
             messages: Vec::new(),
         };
-        transactions.commit(Tier::Sourced, epoch, nothing, &sourced)?;
+        transactions
+            .of(Tier::Sourced)
+            .commit(epoch, nothing, &sourced)?;
         let reads = reads(later.into_iter().map(|(_, o)| o))?;
         let (transactions, upstream, verified) =
             (transactions.clone(), upstream.clone(), verified.clone());
@@ -346,7 +348,9 @@ impl ClusterLink for KafkaLink {
                     .collect()
             };
             upstream.verify(&checks)?;
-            transactions.commit(Tier::Repartitioned, epoch, changes, &repartitioned)?;
+            transactions
+                .of(Tier::Repartitioned)
+                .commit(epoch, changes, &repartitioned)?;
             let mut verified = lock(&verified);
             for (partition, reads) in reads {
                 verified.passed(partition, reads);

@@ -11,14 +11,12 @@
 //! changelog and the offsets, and commits. Had the commit produced every
 //! record, the epoch's output would become visible that much later (at
 //! 10,000 records/s of 1.2 KB, p99 400 ms against 337), and an epoch that
-//! took long to commit would gather more records for the next. A producer
-//! has one transaction at a time, so the first tier's epochs alternate
-//! between two ([`Lanes`]): the next epoch's batches wait only until every
-//! record of the last one is on the brokers, not for its commit. Every
-//! batch is kept until its epoch commits, so that a transaction the brokers
-//! refused can be made again. Batches of small records are large: handed
-//! over every 256 records, a million waiting records went through 12%
-//! slower (docs/performance.md).
+//! took long to commit would gather more records for the next. Batches of a
+//! later epoch wait for the commit before theirs: a producer has one
+//! transaction at a time. Every batch is kept until its epoch commits, so
+//! that a transaction the brokers refused can be made again. Batches of
+//! small records are large: handed over every 256 records, a million waiting
+//! records went through 12% slower (docs/performance.md).
 //!
 //! A process has two transactions per epoch ([`Tiers`]): one for what it
 //! read from the source topics (their offsets, and what it wrote of those
@@ -78,103 +76,55 @@ impl Tier {
             Tier::Sourced
         }
     }
-
-    /// How many producers take its epochs in turn ([`Lanes`]). The second
-    /// tier's output is read when it commits, so its next epoch gains
-    /// nothing from not waiting.
-    pub(crate) fn lanes(self) -> usize {
-        match self {
-            Tier::Sourced => 2,
-            Tier::Repartitioned => 1,
-        }
-    }
 }
 
-/// The process's transactional producers: two lanes for [`Tier::Sourced`],
-/// one for [`Tier::Repartitioned`].
+/// The process's two transactional producers, one per [`Tier`].
 pub(crate) struct Tiers {
-    sourced: Lanes,
-    repartitioned: Lanes,
+    sourced: Arc<Transactions>,
+    repartitioned: Arc<Transactions>,
 }
 
 impl Tiers {
-    /// Every producer of the process, initialised: what an earlier
+    /// Both producers of the process, initialised: what an earlier
     /// incarnation left open is aborted.
     pub(crate) fn open(settings: &ClusterSettings) -> Result<Self> {
-        let lanes = |tier: Tier| -> Result<Lanes> {
-            let count = tier.lanes();
-            (0..count)
-                .map(|lane| Transactions::open(settings, tier, lane, count).map(Arc::new))
-                .collect::<Result<_>>()
-                .map(Lanes)
-        };
+        let open = |tier| Transactions::open(settings, tier).map(Arc::new);
         Ok(Self {
-            sourced: lanes(Tier::Sourced)?,
-            repartitioned: lanes(Tier::Repartitioned)?,
+            sourced: open(Tier::Sourced)?,
+            repartitioned: open(Tier::Repartitioned)?,
         })
     }
 
-    pub(crate) fn of(&self, tier: Tier) -> &Lanes {
+    pub(crate) fn of(&self, tier: Tier) -> &Arc<Transactions> {
         match tier {
             Tier::Sourced => &self.sourced,
             Tier::Repartitioned => &self.repartitioned,
         }
     }
 
-    fn all(&self) -> impl Iterator<Item = &Arc<Transactions>> {
-        self.sourced.0.iter().chain(&self.repartitioned.0)
+    fn both(&self) -> [&Arc<Transactions>; 2] {
+        [&self.sourced, &self.repartitioned]
     }
 
     pub(crate) fn set_group(&self, group: &str, metadata: Option<ConsumerGroupMetadata>) {
         let metadata = metadata.map(Arc::new);
-        for transactions in self.all() {
+        for transactions in self.both() {
             transactions.set_group(group, metadata.clone());
         }
     }
 
     /// Lets transactions begin ([`Transactions::release`]).
     pub(crate) fn release(&self) {
-        for transactions in self.all() {
+        for transactions in self.both() {
             transactions.release();
         }
     }
 
     /// Drops every record not committed ([`Transactions::discard`]).
     pub(crate) fn discard(&self) {
-        for transactions in self.all() {
+        for transactions in self.both() {
             transactions.discard();
         }
-    }
-
-    /// Commits `tier`'s transaction of `epoch` ([`Transactions::commit`]).
-    pub(crate) fn commit(
-        &self,
-        tier: Tier,
-        epoch: Epoch,
-        changes: Batch,
-        positions: &BTreeMap<String, TopicPartitionList>,
-    ) -> Result<()> {
-        let lanes = self.of(tier);
-        let next = (lanes.0.len() > 1).then(|| &*lanes.of(epoch + 1).inner);
-        lanes.of(epoch).commit(epoch, changes, positions, next)
-    }
-}
-
-/// The producers a tier's epochs commit with, in turn: epoch `x` in lane
-/// `x % lanes`.
-///
-/// With one producer, the records of epoch `x + 1` wait while `x` commits
-/// (a producer has one transaction at a time): 10 ms in one process, 30-40
-/// when three commit on the same tick, which at a 1 s batch was most of a
-/// clustered query's p99 across a repartition. With two lanes they go out
-/// as soon as everything of `x` is on the brokers (its lane is *sealed*,
-/// [`Feed::open_gate`]): a key's records stay in order within a partition.
-#[derive(Clone)]
-pub(crate) struct Lanes(Vec<Arc<Transactions>>);
-
-impl Lanes {
-    fn of(&self, epoch: Epoch) -> &Arc<Transactions> {
-        &self.0[(epoch % self.0.len() as u64) as usize]
     }
 }
 
@@ -218,18 +168,6 @@ struct Feed {
     /// among the query's instances (`departures`), and one that died with a
     /// transaction open would be in no newcomer's list to fence.
     held: bool,
-    /// Which of its tier's [`Lanes`] this is, if it has more than one.
-    lane: Option<Lane>,
-}
-
-/// A lane among its tier's lanes.
-#[derive(Debug, Clone, Copy)]
-struct Lane {
-    index: u64,
-    count: u64,
-    /// The latest epoch whose records may be produced: the one after the
-    /// latest whose lane sealed, or the run's first.
-    gate: Epoch,
 }
 
 /// What the feeder does next.
@@ -267,60 +205,13 @@ impl ForCommit {
 }
 
 impl Feed {
-    /// Lane `index` of `count`; one lane if `count` is 1.
-    fn new(index: usize, count: usize) -> Self {
-        Self {
-            held: true,
-            lane: (count > 1).then_some(Lane {
-                index: index as u64,
-                count: count as u64,
-                gate: 0,
-            }),
-            ..Self::default()
-        }
-    }
-
     /// A run's writer whose first epoch is `first` opens: the run's number,
     /// which its batches carry.
     fn join(&mut self, first: Epoch) -> u64 {
         if !self.open {
-            self.next = Some(match self.lane {
-                Some(lane) => first + (lane.index + lane.count - first % lane.count) % lane.count,
-                None => first,
-            });
-        }
-        if let Some(lane) = &mut self.lane {
-            lane.gate = lane.gate.max(first);
+            self.next = Some(first);
         }
         self.run
-    }
-
-    /// Whether records of `epoch` may be produced: every record of the
-    /// epochs before it went out already.
-    fn opened(&self, epoch: Epoch) -> bool {
-        self.lane.is_none_or(|lane| epoch <= lane.gate)
-    }
-
-    /// Every record of the epoch before `epoch` is on the brokers: `epoch`'s
-    /// may follow.
-    fn open_gate(&mut self, epoch: Epoch) {
-        if let Some(lane) = &mut self.lane {
-            lane.gate = lane.gate.max(epoch);
-        }
-    }
-
-    /// Closes the gate [`open_gate`](Self::open_gate) opened for `epoch`,
-    /// if nothing went through it: the epoch before is produced again.
-    /// Whether it could.
-    fn close_gate(&mut self, epoch: Epoch) -> bool {
-        let untouched = !self.open && !self.in_use();
-        match &mut self.lane {
-            Some(lane) if untouched => {
-                lane.gate = lane.gate.min(epoch - 1);
-                true
-            }
-            _ => false,
-        }
     }
 
     /// Takes `batch` of `epoch` from run `run`; whether the feeder may
@@ -333,7 +224,7 @@ impl Feed {
             .entry(epoch)
             .or_default()
             .push_back(Arc::new(batch));
-        self.next == Some(epoch) && self.opened(epoch)
+        self.next == Some(epoch)
     }
 
     /// Whether a writer of run `run` may produce its batch of `epoch`
@@ -345,7 +236,6 @@ impl Feed {
         let now = run == self.run
             && self.open
             && self.next == Some(epoch)
-            && self.opened(epoch)
             && !(self.committing || self.busy || self.held || self.stale || self.closed)
             && self.failed.is_none()
             && !self.waiting.contains_key(&epoch);
@@ -369,7 +259,7 @@ impl Feed {
         if self.failed.is_some() {
             return Step::Wait;
         }
-        let Some(epoch) = self.next.filter(|epoch| self.opened(*epoch)) else {
+        let Some(epoch) = self.next else {
             return Step::Wait;
         };
         let Some(queue) = self.waiting.get_mut(&epoch) else {
@@ -445,8 +335,7 @@ impl Feed {
     fn committed(&mut self, run: u64, epoch: Epoch, committed: bool) {
         self.committing = false;
         if run == self.run {
-            let stride = self.lane.map_or(1, |lane| lane.count);
-            self.next = committed.then_some(epoch + stride);
+            self.next = committed.then_some(epoch + 1);
         }
     }
 
@@ -456,10 +345,6 @@ impl Feed {
         self.waiting.clear();
         self.next = None;
         self.failed = None;
-        if let Some(lane) = &mut self.lane {
-            // The next run's first epoch may come before this run's last.
-            lane.gate = 0;
-        }
         if self.open {
             (self.stale, self.open) = (true, false);
             self.produced.clear();
@@ -501,17 +386,9 @@ impl Transactions {
     /// The producer of the process's transactional id, initialised (an
     /// earlier incarnation's open transaction is aborted, and it can no
     /// longer commit), and its feeder.
-    pub(crate) fn open(
-        settings: &ClusterSettings,
-        tier: Tier,
-        lane: usize,
-        lanes: usize,
-    ) -> Result<Self> {
-        let name = format!(
-            "kafka cluster {} ({tier:?} {lane})",
-            settings.bootstrap_servers
-        );
-        let id = settings.transactional_id_of(&settings.instance, tier, lane);
+    pub(crate) fn open(settings: &ClusterSettings, tier: Tier) -> Result<Self> {
+        let name = format!("kafka cluster {} ({tier:?})", settings.bootstrap_servers);
+        let id = settings.transactional_id_of(&settings.instance, tier);
         let mut config = producer_config(settings, &id);
         if tier == Tier::Sourced {
             // Its records are read before it commits: they go out at once.
@@ -523,7 +400,10 @@ impl Transactions {
         let producer = initialised(&config, settings.operation_timeout, &name)?;
         let inner = Arc::new(Inner {
             producer: Mutex::new(Arc::new(producer)),
-            feed: Mutex::new(Feed::new(lane, lanes)),
+            feed: Mutex::new(Feed {
+                held: true,
+                ..Feed::default()
+            }),
             changed: Condvar::new(),
             groups: Mutex::default(),
             config,
@@ -576,15 +456,11 @@ impl Transactions {
     /// commits, before it takes effect). A member the group removed
     /// (`UNKNOWN_MEMBER_ID`: its session expired) owns nothing any more: its
     /// partitions may already run elsewhere, so that commit fails for good.
-    ///
-    /// `next`, the lane of the next epoch, may produce that epoch's records
-    /// once this one's are all on the brokers, before it commits.
-    fn commit(
+    pub(crate) fn commit(
         &self,
         epoch: Epoch,
         changes: Batch,
         positions: &BTreeMap<String, TopicPartitionList>,
-        next: Option<&Inner>,
     ) -> Result<()> {
         let inner = &self.inner;
         let taken = {
@@ -615,12 +491,9 @@ impl Transactions {
             // Nothing to commit: no transaction either.
             lock(&inner.feed).committed(run, epoch, true);
             inner.changed.notify_all();
-            if let Some(next) = next {
-                next.open_gate(epoch + 1);
-            }
             return Ok(());
         }
-        let result = inner.commit(epoch, taken, changes, positions, next);
+        let result = inner.commit(epoch, taken, changes, positions);
         lock(&inner.feed).committed(run, epoch, result.is_ok());
         inner.changed.notify_all();
         result
@@ -694,7 +567,6 @@ impl Inner {
         taken: ForCommit,
         changes: Batch,
         positions: &BTreeMap<String, TopicPartitionList>,
-        next: Option<&Inner>,
     ) -> Result<()> {
         if let Some(error) = taken.failed {
             let _ = self.renew();
@@ -710,21 +582,12 @@ impl Inner {
         batches.extend(taken.rest);
         batches.push(Arc::new(changes));
         let deadline = std::time::Instant::now() + self.timeout;
-        let seal = Seal { epoch, next };
         loop {
-            let mut sealed = false;
-            let failed = match self.attempt(epoch, &batches, (open, sent), positions, || {
-                seal.open(&mut sealed)
-            }) {
+            let failed = match self.attempt(epoch, &batches, open, sent, positions) {
                 Ok(()) => return Ok(()),
                 Err(failed) => failed,
             };
-            let retry = failed.generation
-                && std::time::Instant::now() < deadline
-                // Made again, the transaction would put this epoch's records
-                // after those of the next one that went out meanwhile.
-                && (!sealed || seal.close());
-            if !retry {
+            if !failed.generation || std::time::Instant::now() >= deadline {
                 let _ = self.renew();
                 return Err(failed.error);
             }
@@ -744,15 +607,14 @@ impl Inner {
     }
 
     /// One attempt at epoch `epoch`'s transaction: the first `sent` of
-    /// `batches` are in the transaction already, begun if `open`. Calls
-    /// `seal` once every record of it is on the brokers.
+    /// `batches` are in the transaction already, begun if `open`.
     fn attempt(
         &self,
         epoch: Epoch,
         batches: &[Arc<Batch>],
-        (open, sent): (bool, usize),
+        open: bool,
+        sent: usize,
         positions: &BTreeMap<String, TopicPartitionList>,
-        mut seal: impl FnMut(),
     ) -> Result<(), Failed> {
         let failed = |what: &str, e: &dyn std::fmt::Display| Failed {
             error: RtflowError::Checkpoint(format!(
@@ -777,10 +639,6 @@ impl Inner {
         if sent > 0 {
             flush(&producer, self.timeout).map_err(|e| failed("produce the records of", &e))?;
         }
-        let rest = &batches[sent..];
-        if rest.iter().all(|batch| batch.messages.is_empty()) {
-            seal();
-        }
         let flushed = started.elapsed();
         for (group, positions) in positions {
             // Cloned out of the lock, which the members' threads take to
@@ -802,14 +660,12 @@ impl Inner {
                 })?;
         }
         let offsets_added = started.elapsed();
-        for batch in rest {
+        for batch in &batches[sent..] {
             self.produce(&producer, batch).map_err(|error| Failed {
                 error,
                 generation: false,
             })?;
         }
-        flush(&producer, self.timeout).map_err(|e| failed("produce the records of", &e))?;
-        seal();
         commit_transaction(&producer, self.timeout).map_err(|e| failed("commit", &e))?;
         tracing::debug!(
             name = %self.name,
@@ -826,12 +682,6 @@ impl Inner {
                 error,
                 generation: false,
             })
-    }
-
-    /// Records of `epoch` may go out ([`Feed::open_gate`]).
-    fn open_gate(&self, epoch: Epoch) {
-        lock(&self.feed).open_gate(epoch);
-        self.changed.notify_all();
     }
 
     /// Aborts what the transaction holds and starts a fresh producer.
@@ -873,37 +723,15 @@ impl Inner {
     }
 }
 
-/// Lets the lane of the epoch after `epoch` produce, once everything of
-/// `epoch` is on the brokers.
-struct Seal<'a> {
-    epoch: Epoch,
-    next: Option<&'a Inner>,
-}
-
-impl Seal<'_> {
-    fn open(&self, sealed: &mut bool) {
-        if let Some(next) = self.next.filter(|_| !*sealed) {
-            next.open_gate(self.epoch + 1);
-            *sealed = true;
-        }
-    }
-
-    /// Closes the gate again; whether nothing went through it.
-    fn close(&self) -> bool {
-        self.next
-            .is_none_or(|next| lock(&next.feed).close_gate(self.epoch + 1))
-    }
-}
-
 /// Buffers a writer's records and hands them to the process's transaction of
 /// their epoch, a batch at a time as they come and the rest at the barrier
 /// (and at the end, for the final epoch), with the topic of those that name
 /// none: no record carries a copy of it.
 pub(crate) struct Staging {
-    /// Each lane of the writer's tier, and the run the writer belongs to
-    /// there (`Feed::join`).
-    lanes: Vec<(Arc<Transactions>, u64)>,
+    transactions: Arc<Transactions>,
     topic: Option<String>,
+    /// The run the writer belongs to (`Feed::join`).
+    run: u64,
     epoch: Epoch,
     buffer: Vec<KafkaMessage>,
     /// Bytes of the values in `buffer`.
@@ -911,16 +739,16 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
-    pub(crate) fn new(lanes: &Lanes, topic: Option<String>, first_epoch: Epoch) -> Self {
-        let lanes = (lanes.0.iter())
-            .map(|lane| {
-                let run = lock(&lane.inner.feed).join(first_epoch);
-                (lane.clone(), run)
-            })
-            .collect();
+    pub(crate) fn new(
+        transactions: Arc<Transactions>,
+        topic: Option<String>,
+        first_epoch: Epoch,
+    ) -> Self {
+        let run = lock(&transactions.inner.feed).join(first_epoch);
         Self {
-            lanes,
+            transactions,
             topic,
+            run,
             epoch: first_epoch,
             buffer: Vec::new(),
             bytes: 0,
@@ -967,17 +795,16 @@ impl Staging {
             messages: std::mem::take(&mut self.buffer),
         };
         self.bytes = 0;
-        let (transactions, run) = &self.lanes[(epoch % self.lanes.len() as u64) as usize];
-        let (inner, run) = (&transactions.inner, *run);
+        let inner = &self.transactions.inner;
         let mut feed = lock(&inner.feed);
-        if feed.produce_now(run, epoch) {
+        if feed.produce_now(self.run, epoch) {
             drop(feed);
             let batch = Arc::new(batch);
             let producer = lock(&inner.producer).clone();
             let result = inner.produce(&producer, &batch);
-            lock(&inner.feed).produced_by_writer(run, batch, result);
+            lock(&inner.feed).produced_by_writer(self.run, batch, result);
             inner.changed.notify_all();
-        } else if feed.stage(run, epoch, batch) {
+        } else if feed.stage(self.run, epoch, batch) {
             drop(feed);
             inner.changed.notify_all();
         }
@@ -995,15 +822,8 @@ pub(crate) fn fence(settings: &ClusterSettings, instance: &str) -> Result<()> {
         settings.bootstrap_servers
     );
     for tier in [Tier::Sourced, Tier::Repartitioned] {
-        for lane in 0..tier.lanes() {
-            let id = settings.transactional_id_of(instance, tier, lane);
-            initialised(
-                &producer_config(settings, &id),
-                settings.operation_timeout,
-                &name,
-            )
-            .map(drop)?;
-        }
+        let config = producer_config(settings, &settings.transactional_id_of(instance, tier));
+        initialised(&config, settings.operation_timeout, &name).map(drop)?;
     }
     Ok(())
 }
@@ -1215,63 +1035,6 @@ mod tests {
             matches!(feed.step(), Step::Wait),
             "after a failed commit, the next epoch is not known"
         );
-    }
-
-    #[test]
-    fn a_lane_takes_every_other_epoch_each_once_the_lane_before_sealed() {
-        let mut odd = Feed {
-            held: false,
-            ..Feed::new(1, 2)
-        };
-        let run = odd.join(4);
-        assert!(!odd.stage(run, 5, batch("a")), "epoch 4 is not sealed");
-        assert!(!odd.produce_now(run, 5));
-        assert!(feed_all(&mut odd).is_empty());
-        odd.open_gate(5);
-        assert_eq!(feed_all(&mut odd), [("a".to_owned(), true)]);
-        assert!(odd.produce_now(run, 5), "the gate stays open");
-        odd.produced_by_writer(run, Arc::new(batch("b")), Ok(()));
-        let taken = odd.take_for_commit(5);
-        odd.committed(taken.run, 5, true);
-        assert!(!odd.stage(run, 7, batch("c")), "epoch 6 is not sealed");
-        odd.open_gate(7);
-        assert_eq!(feed_all(&mut odd), [("c".to_owned(), true)]);
-    }
-
-    #[test]
-    fn a_run_begins_in_the_lane_of_its_first_epoch() {
-        let mut even = Feed::new(0, 2);
-        let mut odd = Feed::new(1, 2);
-        let (first, second) = (even.join(6), odd.join(6));
-        assert!(even.opened(6) && !odd.opened(7));
-        assert_eq!((even.next, odd.next), (Some(6), Some(7)));
-        even.discard();
-        odd.discard();
-        let (first_again, second_again) = (even.join(3), odd.join(3));
-        assert!((first_again, second_again) != (first, second));
-        assert_eq!((even.next, odd.next), (Some(4), Some(3)));
-        assert!(
-            odd.opened(3) && !even.opened(4),
-            "the gate of a run discarded is gone"
-        );
-    }
-
-    #[test]
-    fn a_gate_closes_again_only_while_nothing_went_through_it() {
-        let mut odd = Feed {
-            held: false,
-            ..Feed::new(1, 2)
-        };
-        let run = odd.join(4);
-        odd.open_gate(5);
-        assert!(odd.close_gate(5));
-        assert!(!odd.opened(5));
-        odd.open_gate(5);
-        odd.stage(run, 5, batch("a"));
-        feed_all(&mut odd);
-        assert!(!odd.close_gate(5), "epoch 5's transaction holds 'a'");
-        let one = Feed::default();
-        assert!(one.opened(9), "a tier of one lane has no gate");
     }
 
     #[test]
