@@ -332,32 +332,53 @@ impl ClusterLink for KafkaLink {
         transactions
             .of(Tier::Sourced)
             .commit(epoch, nothing, &sourced)?;
-        let reads = reads(later.into_iter().map(|(_, o)| o))?;
+        let second_transaction = SecondTransaction {
+            epoch,
+            reads: reads(later.into_iter().map(|(_, o)| o))?,
+            changes,
+            positions: repartitioned,
+        };
         let (transactions, upstream, verified) =
             (transactions.clone(), upstream.clone(), verified.clone());
-        let commit = move || {
-            fail::fail_point!("second-transaction", |message| Err(
-                RtflowError::Checkpoint(message.unwrap_or_default())
-            ));
-            let checks: Vec<_> = {
-                let verified = lock(&verified);
-                (reads.iter())
-                    .filter_map(|(partition, reads)| {
-                        Some((partition.clone(), verified.check(partition, reads)?))
-                    })
-                    .collect()
-            };
-            upstream.verify(&checks)?;
-            transactions
-                .of(Tier::Repartitioned)
-                .commit(epoch, changes, &repartitioned)?;
-            let mut verified = lock(&verified);
-            for (partition, reads) in reads {
-                verified.passed(partition, reads);
-            }
-            Ok(())
+        second.hand_over(
+            epoch,
+            Box::new(move || second_transaction.commit(&transactions, &upstream, &verified)),
+        )
+    }
+}
+
+/// What an epoch's second transaction commits: the changelog's `changes`
+/// and the `positions` of what was read after a repartition, once the
+/// `reads` of those readers ended committed.
+struct SecondTransaction {
+    epoch: Epoch,
+    reads: BTreeMap<TopicPartition, Reads>,
+    changes: Batch,
+    positions: BTreeMap<String, TopicPartitionList>,
+}
+
+impl SecondTransaction {
+    fn commit(self, tiers: &Tiers, upstream: &Upstream, verified: &Mutex<Verified>) -> Result<()> {
+        fail::fail_point!("second-transaction", |message| Err(
+            RtflowError::Checkpoint(message.unwrap_or_default())
+        ));
+        let checks: Vec<_> = {
+            let verified = lock(verified);
+            (self.reads.iter())
+                .filter_map(|(partition, reads)| {
+                    Some((partition.clone(), verified.check(partition, reads)?))
+                })
+                .collect()
         };
-        second.hand_over(epoch, Box::new(commit))
+        upstream.verify(&checks)?;
+        tiers
+            .of(Tier::Repartitioned)
+            .commit(self.epoch, self.changes, &self.positions)?;
+        let mut verified = lock(verified);
+        for (partition, reads) in self.reads {
+            verified.passed(partition, reads);
+        }
+        Ok(())
     }
 }
 
