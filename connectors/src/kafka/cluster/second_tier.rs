@@ -17,6 +17,7 @@
 //! process's readers would take their barriers late, after records of the
 //! others' next epochs, and each late epoch's second transaction would wait
 //! a batch for those.
+//!
 //! A second transaction that failed fails every later checkpoint of the run
 //! (its records are gone from the process's transaction: the run must start
 //! over from its last commit), and the run's end or handover waits for the
