@@ -158,13 +158,7 @@ impl Shared {
         let stopped = run.query.stop();
         let settled = run.link.settle();
         stopped?;
-        match run.query.exception().map_or(settled, Err) {
-            Err(error) => {
-                self.transactions.discard();
-                Err(error)
-            }
-            Ok(()) => Ok(()),
-        }
+        (run.query.exception().map_or(settled, Err)).inspect_err(|_| self.transactions.discard())
     }
 
     /// Lets the `revoked` partitions go: they leave the assignment and the
@@ -891,9 +885,12 @@ where
             .as_ref()
             .and_then(|run| run.query.exception());
         if let Some(error) = failed {
+            // Taken out of the lock first: the wait holds no one else.
             let run = lock(&shared.run).take();
-            // Its own failure is the one to tell.
-            let _ = run.map(|run| run.link.settle());
+            if let Some(run) = run {
+                // Its own failure is the one to tell.
+                let _ = run.link.settle();
+            }
             shared.transactions.discard();
             not_before = retry_at(&mut retries, error, "the run failed")?;
             running = None;

@@ -65,17 +65,19 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The next commit for the thread to run, if any: none after one
-    /// failed.
+    /// The next commit for the thread to run, if any.
     fn next(&mut self) -> Option<(Epoch, Commit)> {
-        let next = self.waiting.take().filter(|_| self.failed.is_none());
+        let next = self.waiting.take();
         self.committing = next.is_some();
         next
     }
 
+    /// The commit running ended; one that failed drops the one waiting
+    /// behind it, which must not commit.
     fn ended(&mut self, result: Result<()>) {
         self.committing = false;
         if let Err(error) = result {
+            self.waiting = None;
             self.failed.get_or_insert(error);
         }
     }

@@ -276,10 +276,11 @@ impl Upstream {
             // The latest offset a `read_committed` client is told is the last
             // stable one; asked as a time (the latest), every partition of a
             // broker is asked in one request.
-            let mut open = TopicPartitionList::new();
+            let mut asked = TopicPartitionList::new();
             for ((partition, check), stable) in checks.iter().zip(&stable) {
                 if *stable < check.end {
-                    open.add_partition_offset(&partition.0, partition.1, Offset::End)
+                    asked
+                        .add_partition_offset(&partition.0, partition.1, Offset::End)
                         .map_err(|e| self.error(e))?;
                 }
             }
@@ -289,7 +290,7 @@ impl Upstream {
                 ))
             };
             let told = consumer
-                .offsets_for_times(open, self.settings.operation_timeout)
+                .offsets_for_times(asked, self.settings.operation_timeout)
                 .map_err(|e| failed(&e))?;
             for ((partition, _), stable) in checks.iter().zip(&mut stable) {
                 let Some(told) = told.find_partition(&partition.0, partition.1) else {
