@@ -1384,6 +1384,79 @@ fn a_second_transaction_that_fails_rolls_the_run_back_and_every_count_stays_exac
     cluster.stop_and_check_at_least_once(&expected);
 }
 
+/// A run that rolls back because a transaction it read from aborted still
+/// commits its own first transaction: the others read it before it
+/// committed, and its abort would roll them back in turn, and theirs the
+/// next, for as long as records flow. Only the process whose commit was
+/// refused aborts a transaction.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_run_rolled_back_by_another_process_abort_aborts_nothing_of_its_own() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::running(&bootstrap, "counts-at-least-once");
+    let total = 6_000;
+    for instance in ["p0", "p1"] {
+        cluster.spawn(instance);
+    }
+    cluster.wait_for_shares(Duration::from_secs(90));
+    let aborts = |cluster: &Cluster, instance: &str| {
+        (cluster.log(instance).lines())
+            .filter(|l| l.contains("the open transaction aborts") && l.contains("(Sourced)"))
+            .count()
+    };
+    let refusals = |cluster: &Cluster| {
+        (cluster.log("p1").lines())
+            .filter(|l| l.contains("stopping the query") && l.contains("failed: refused"))
+            .count()
+    };
+    let input = cluster.input.clone();
+    std::thread::scope(|scope| {
+        let (bootstrap, input) = (&bootstrap, &input);
+        let producing = scope.spawn(move || {
+            produce_paced(bootstrap, input, 0..total, Duration::from_micros(2_500));
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        // An epoch can end before p1's writers produced a frame for p0:
+        // refused again until p0 rolls back.
+        for refusal in 1..=5 {
+            cluster.set_failpoints("p1", "checkpoint-commit=1*return(refused)->off");
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while refusals(&cluster) < refusal {
+                assert!(
+                    Instant::now() < deadline,
+                    "p1's commit was not refused:\n{}",
+                    cluster.logs()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !cluster.rolled_back("p0") && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if cluster.rolled_back("p0") {
+                break;
+            }
+        }
+        assert!(
+            cluster.rolled_back("p0"),
+            "p0 did not roll back past p1's aborted transaction:\n{}",
+            cluster.logs()
+        );
+        producing.join().unwrap();
+    });
+    produce(&bootstrap, &cluster.input, flush_records());
+    let (expected, _) = reference(total);
+    cluster.await_counts_at_least_once(&expected, Duration::from_secs(120));
+    assert_eq!(
+        (aborts(&cluster, "p0"), aborts(&cluster, "p1")),
+        (0, refusals(&cluster)),
+        "only the refused commits aborted:\n{}",
+        cluster.logs()
+    );
+    cluster.outputs(0, expected.len(), Duration::from_secs(60));
+    cluster.stop_and_check_at_least_once(&expected);
+}
+
 /// A process that joins takes its share from the others inside their runs,
 /// and gives it back the same way when it leaves: each of the others hands
 /// partitions over or takes them on at a barrier and runs on, with no

@@ -291,9 +291,6 @@ impl ClusterLink for KafkaLink {
         else {
             return Err(self.error("a probe does not commit"));
         };
-        // A run whose second transaction failed lost that epoch's records:
-        // it starts over from its last commit.
-        second.check()?;
         let partitions = self.settings.repartition_partitions as u32;
         let mut changes = Batch {
             topic: Some(self.settings.changelog_topic()),
@@ -329,9 +326,19 @@ impl ClusterLink for KafkaLink {
             topic: None,
             messages: Vec::new(),
         };
-        transactions
-            .of(Tier::Sourced)
-            .commit(epoch, nothing, &sourced)?;
+        let sourced_transaction = transactions.of(Tier::Sourced);
+        // A run whose second transaction failed lost that epoch's records:
+        // it starts over from its last commit. Its first transaction is
+        // sound (it holds only what the run read of the source topics and
+        // wrote from it) and other processes read it before it commits:
+        // aborted, it would roll their runs back in turn, and theirs the
+        // next. So it commits, as the run's last.
+        if let Err(error) = second.check() {
+            tracing::warn!(epoch, %error, "the second transaction failed; the run commits its first and rolls back the rest");
+            sourced_transaction.commit_last(epoch, nothing, &sourced)?;
+            return Err(error);
+        }
+        sourced_transaction.commit(epoch, nothing, &sourced)?;
         let second_transaction = SecondTransaction {
             epoch,
             reads: reads(later.into_iter().map(|(_, o)| o))?,
@@ -343,7 +350,8 @@ impl ClusterLink for KafkaLink {
         second.hand_over(
             epoch,
             Box::new(move || second_transaction.commit(&transactions, &upstream, &verified)),
-        )
+        );
+        Ok(())
     }
 }
 

@@ -18,10 +18,13 @@
 //! others' next epochs, and each late epoch's second transaction would wait
 //! a batch for those.
 //!
-//! A second transaction that failed fails every later checkpoint of the run
-//! (its records are gone from the process's transaction: the run must start
-//! over from its last commit), and the run's end or handover waits for the
-//! last one ([`SecondTier::settle`]).
+//! A second transaction that failed fails the run's next checkpoint (its
+//! records are gone from the process's transaction: the run must start over
+//! from its last commit), and those handed over after it are dropped. That
+//! checkpoint still commits the first transaction (`KafkaLink::commit`): what
+//! the run read of the source topics and wrote from it stands on its own, and
+//! other processes may have read those records before it committed. The
+//! run's end or handover waits for the last one ([`SecondTier::settle`]).
 //!
 //! [`Pipeline`] decides what runs when and does no I/O; [`SecondTier`] runs
 //! the commits.
@@ -55,14 +58,13 @@ impl Pipeline {
         self.waiting.is_some() || self.committing
     }
 
-    /// Takes `commit` of `epoch`, once none waits.
-    fn hand_over(&mut self, epoch: Epoch, commit: Commit) -> Result<()> {
+    /// Takes `commit` of `epoch`, once none waits; drops it after a failed
+    /// one.
+    fn hand_over(&mut self, epoch: Epoch, commit: Commit) {
         debug_assert!(self.waiting.is_none());
-        if let Some(error) = &self.failed {
-            return Err(error.clone());
+        if self.failed.is_none() {
+            self.waiting = Some((epoch, commit));
         }
-        self.waiting = Some((epoch, commit));
-        Ok(())
     }
 
     /// The next commit for the thread to run, if any.
@@ -111,15 +113,15 @@ impl SecondTier {
     }
 
     /// Hands `commit`, epoch `epoch`'s second transaction, to the thread,
-    /// once no other waits there; fails if a commit before it failed.
-    pub(crate) fn hand_over(&self, epoch: Epoch, commit: Commit) -> Result<()> {
+    /// once no other waits there. After a commit that failed it is dropped:
+    /// the next [`check`](Self::check) fails.
+    pub(crate) fn hand_over(&self, epoch: Epoch, commit: Commit) {
         let (pipeline, changed) = &*self.shared;
-        let mut pipeline = changed
+        changed
             .wait_while(lock(pipeline), |p| p.waiting.is_some())
-            .unwrap_or_else(|p| p.into_inner());
-        pipeline.hand_over(epoch, commit)?;
+            .unwrap_or_else(|p| p.into_inner())
+            .hand_over(epoch, commit);
         changed.notify_all();
-        Ok(())
     }
 
     /// Fails if a commit handed over failed, without waiting.
@@ -192,7 +194,7 @@ mod tests {
         let tier = SecondTier::start().unwrap();
         let (log, ran) = mpsc::channel();
         for epoch in 1..=5 {
-            tier.hand_over(epoch, noted(epoch, &log, Ok(()))).unwrap();
+            tier.hand_over(epoch, noted(epoch, &log, Ok(())));
         }
         tier.settle().unwrap();
         assert_eq!(ran.try_iter().collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
@@ -211,37 +213,37 @@ mod tests {
                 held.send(1).unwrap();
                 Ok(())
             }),
-        )
-        .unwrap();
+        );
         // The thread takes epoch 1 before epoch 2 can wait behind it.
         std::thread::sleep(Duration::from_millis(50));
-        tier.hand_over(2, noted(2, &log, Ok(()))).unwrap();
+        tier.hand_over(2, noted(2, &log, Ok(())));
         std::thread::scope(|scope| {
             let third = scope.spawn(|| tier.hand_over(3, noted(3, &log, Ok(()))));
             std::thread::sleep(Duration::from_millis(50));
             assert!(!third.is_finished(), "epoch 2 waits behind epoch 1");
             release.send(()).unwrap();
-            third.join().unwrap().unwrap();
+            third.join().unwrap();
         });
         tier.settle().unwrap();
         assert_eq!(ran.try_iter().collect::<Vec<_>>(), [1, 2, 3]);
     }
 
     #[test]
-    fn a_failed_commit_fails_every_later_hand_over_and_settle() {
+    fn a_failed_commit_fails_every_later_check_and_settle_and_later_ones_are_dropped() {
         let tier = SecondTier::start().unwrap();
         let (log, ran) = mpsc::channel();
         let refused = RtflowError::Checkpoint("refused".into());
-        tier.hand_over(1, noted(1, &log, Err(refused.clone())))
-            .unwrap();
+        tier.hand_over(1, noted(1, &log, Err(refused.clone())));
         assert_eq!(tier.settle(), Err(refused.clone()));
         assert_eq!(tier.check(), Err(refused.clone()));
+        tier.hand_over(2, noted(2, &log, Ok(())));
+        assert_eq!(tier.settle(), Err(refused.clone()));
+        assert_eq!(tier.check(), Err(refused));
         assert_eq!(
-            tier.hand_over(2, noted(2, &log, Ok(()))),
-            Err(refused),
+            ran.try_iter().collect::<Vec<_>>(),
+            [1],
             "epoch 2 is not committed after a failed epoch 1"
         );
-        assert_eq!(ran.try_iter().collect::<Vec<_>>(), [1]);
     }
 
     #[test]
@@ -254,11 +256,10 @@ mod tests {
                 released.recv().unwrap();
                 Err(RtflowError::Checkpoint("refused".into()))
             }),
-        )
-        .unwrap();
+        );
         std::thread::sleep(Duration::from_millis(50));
         let (log, ran) = mpsc::channel();
-        tier.hand_over(2, noted(2, &log, Ok(()))).unwrap();
+        tier.hand_over(2, noted(2, &log, Ok(())));
         release.send(()).unwrap();
         assert!(tier.settle().is_err());
         assert_eq!(ran.try_iter().count(), 0, "epoch 2 did not commit");
@@ -268,7 +269,7 @@ mod tests {
     fn dropping_it_ends_the_commit_handed_over_first() {
         let (log, ran) = mpsc::channel();
         let tier = SecondTier::start().unwrap();
-        tier.hand_over(7, noted(7, &log, Ok(()))).unwrap();
+        tier.hand_over(7, noted(7, &log, Ok(())));
         drop(tier);
         assert_eq!(ran.try_iter().collect::<Vec<_>>(), [7]);
     }

@@ -331,11 +331,14 @@ impl Feed {
         }
     }
 
-    /// The commit of `epoch` for run `run` ended, `committed` or not.
-    fn committed(&mut self, run: u64, epoch: Epoch, committed: bool) {
+    /// The commit of `epoch` for run `run` ended. The run's next epoch goes
+    /// into the next transaction if `go_on`: the commit committed and was
+    /// not the run's last. Otherwise nothing of the run is produced any
+    /// more, and no transaction begins, until it is discarded.
+    fn committed(&mut self, run: u64, epoch: Epoch, go_on: bool) {
         self.committing = false;
         if run == self.run {
-            self.next = committed.then_some(epoch + 1);
+            self.next = go_on.then_some(epoch + 1);
         }
     }
 
@@ -442,7 +445,13 @@ impl Transactions {
     /// Drops every record not committed (a run that stopped without its
     /// final checkpoint) and aborts what of them was produced.
     pub(crate) fn discard(&self) {
-        lock(&self.inner.feed).discard();
+        let mut feed = lock(&self.inner.feed);
+        if feed.open {
+            // Whoever read its records before it ended rolls back too.
+            tracing::info!(transactions = %self.inner.name, "the open transaction aborts");
+        }
+        feed.discard();
+        drop(feed);
         self.inner.changed.notify_all();
     }
 
@@ -461,6 +470,29 @@ impl Transactions {
         epoch: Epoch,
         changes: Batch,
         positions: &BTreeMap<String, TopicPartitionList>,
+    ) -> Result<()> {
+        self.commit_then(epoch, changes, positions, true)
+    }
+
+    /// Commits as [`commit`](Self::commit) does, the run's last commit:
+    /// none of its later records is produced, so that a run about to roll
+    /// back leaves no transaction to abort that another process may have
+    /// read from.
+    pub(crate) fn commit_last(
+        &self,
+        epoch: Epoch,
+        changes: Batch,
+        positions: &BTreeMap<String, TopicPartitionList>,
+    ) -> Result<()> {
+        self.commit_then(epoch, changes, positions, false)
+    }
+
+    fn commit_then(
+        &self,
+        epoch: Epoch,
+        changes: Batch,
+        positions: &BTreeMap<String, TopicPartitionList>,
+        go_on: bool,
     ) -> Result<()> {
         let inner = &self.inner;
         let taken = {
@@ -489,12 +521,12 @@ impl Transactions {
         let run = taken.run;
         if taken.is_empty() && changes.messages.is_empty() && positions.is_empty() {
             // Nothing to commit: no transaction either.
-            lock(&inner.feed).committed(run, epoch, true);
+            lock(&inner.feed).committed(run, epoch, go_on);
             inner.changed.notify_all();
             return Ok(());
         }
         let result = inner.commit(epoch, taken, changes, positions);
-        lock(&inner.feed).committed(run, epoch, result.is_ok());
+        lock(&inner.feed).committed(run, epoch, go_on && result.is_ok());
         inner.changed.notify_all();
         result
     }
@@ -1035,6 +1067,24 @@ mod tests {
             matches!(feed.step(), Step::Wait),
             "after a failed commit, the next epoch is not known"
         );
+    }
+
+    #[test]
+    fn after_a_runs_last_commit_nothing_more_of_it_is_produced_until_it_is_discarded() {
+        let mut feed = Feed::default();
+        let run = feed.join(1);
+        feed.stage(run, 1, batch("a"));
+        feed_all(&mut feed);
+        let taken = feed.take_for_commit(1);
+        feed.committed(taken.run, 1, false);
+        assert!(!feed.stage(run, 2, batch("b")), "epoch 2 waits");
+        assert!(!feed.produce_now(run, 2), "no writer produces epoch 2");
+        assert!(feed_all(&mut feed).is_empty(), "no transaction begins");
+        feed.discard();
+        assert!(matches!(feed.step(), Step::Wait), "nothing open to abort");
+        let next = feed.join(2);
+        feed.stage(next, 2, batch("c"));
+        assert_eq!(feed_all(&mut feed), [("c".to_owned(), true)]);
     }
 
     #[test]
