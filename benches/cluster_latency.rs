@@ -24,7 +24,11 @@
 //! with an at-least-once and an exactly-once sink (`--deliveries alo,eo`),
 //! at each batch duration of `--batches` (default 100 ms, 1 s and 5 min) and
 //! each rate of `--rates` (default 1,000 and 10,000 records/s), for
-//! `--seconds` (default 20) each, the first 2 s not measured. Exactly-once
+//! `--seconds` (default 20) each, the first 2 s not measured. With
+//! `--rounds N` every mode runs N times in turn (each round in a rotated
+//! order) and the summary pools the rounds' latencies: a broker stall of a
+//! few hundred milliseconds, which on this kind of machine hits one run in
+//! a few and moves its p99 by as much, then weighs on one run in N. Exactly-once
 //! output shows when its epoch commits, so a batch longer than the run is
 //! measured at least once only. Each run prints one JSON line to stdout;
 //! the summary (p50 / p99 / p99.9 and each ratio to one process at the same
@@ -101,6 +105,10 @@ struct Args {
     seconds: u64,
     #[arg(long, default_value_t = 1_200)]
     record_bytes: u64,
+    /// Runs every mode this many times in turn, and summarises each mode's
+    /// rounds pooled.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    rounds: u64,
     /// Keeps each run's directory (the processes' logs; `RUST_LOG` sets
     /// what they write) and prints its path.
     #[arg(long)]
@@ -502,6 +510,7 @@ struct Run {
     delivery: Delivery,
     batch: Duration,
     rate: u64,
+    round: u64,
     produced: u64,
     received: u64,
     /// Sorted, microseconds; never empty.
@@ -516,6 +525,31 @@ impl Run {
     fn batch(&self) -> String {
         humantime::format_duration(self.batch).to_string()
     }
+
+    fn key(&self) -> (Mode, Delivery, Duration, u64) {
+        (self.mode, self.delivery, self.batch, self.rate)
+    }
+}
+
+/// Each mode's rounds as one run, their latencies pooled, in the order the
+/// modes first ran.
+fn pooled(runs: &[Run]) -> Vec<Run> {
+    let mut pooled: Vec<Run> = Vec::new();
+    for run in runs {
+        match pooled.iter_mut().find(|p| p.key() == run.key()) {
+            Some(p) => {
+                p.produced += run.produced;
+                p.received += run.received;
+                p.latencies.extend(&run.latencies);
+                p.latencies.sort_unstable();
+            }
+            None => pooled.push(Run {
+                latencies: run.latencies.clone(),
+                ..*run
+            }),
+        }
+    }
+    pooled
 }
 
 fn run(
@@ -524,6 +558,7 @@ fn run(
     delivery: Delivery,
     batch: Duration,
     rate: u64,
+    round: u64,
 ) -> BenchResult<Run> {
     let id = format!("{}-{}", std::process::id(), now_us());
     let spec = Spec {
@@ -598,6 +633,7 @@ fn run(
         delivery,
         batch,
         rate,
+        round,
         produced,
         received,
         latencies,
@@ -607,13 +643,14 @@ fn run(
 fn print_json(args: &Args, run: &Run) {
     println!(
         "{{\"bench\":\"cluster_latency\",\"mode\":\"{}\",\"delivery\":\"{:?}\",\"batch_ms\":{},\
-         \"rate\":{},\"partitions\":{},\"record_bytes\":{},\"seconds\":{},\"produced\":{},\
-         \"received\":{},\"measured\":{},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\"p999_ms\":{:.3},\
-         \"max_ms\":{:.3}}}",
+         \"rate\":{},\"round\":{},\"partitions\":{},\"record_bytes\":{},\"seconds\":{},\
+         \"produced\":{},\"received\":{},\"measured\":{},\"p50_ms\":{:.3},\"p99_ms\":{:.3},\
+         \"p999_ms\":{:.3},\"max_ms\":{:.3}}}",
         run.mode.name(),
         run.delivery,
         run.batch.as_millis(),
         run.rate,
+        run.round,
         args.partitions,
         args.record_bytes,
         args.seconds,
@@ -628,15 +665,18 @@ fn print_json(args: &Args, run: &Run) {
 }
 
 fn print_summary(args: &Args, runs: &[Run]) {
+    let runs = &pooled(runs);
     eprintln!(
-        "\nKafka({} partitions) -> drop_duplicates(key) -> Kafka; {} bytes per record for {} s, \
-         the first {} s not measured; latency from production to a read_committed reader, ms; \
+        "\nKafka({} partitions) -> drop_duplicates(key) -> Kafka; {} bytes per record for {} s \
+         in {} round(s), pooled, the first {} s of each not measured; latency from production \
+         to a read_committed reader, ms; \
          x one = the ratio to one process at the same delivery, batch and rate \
          (target for a clustered at-least-once query: <= 1.5 at p50 and p99); \
          x relay = a clustered at-least-once query's ratio to relay-shuffle at the same rate",
         args.partitions,
         args.record_bytes,
         args.seconds,
+        args.rounds,
         WARM_UP.as_secs()
     );
     eprintln!(
@@ -700,7 +740,7 @@ fn main() -> BenchResult<()> {
     let list = |items: Vec<String>| items.join(",");
     eprintln!(
         "command: cargo bench --bench cluster_latency -- --bootstrap {} --rates {} --batches {} \
-         --deliveries {} --modes {} --partitions {} --seconds {} --record-bytes {}",
+         --deliveries {} --modes {} --partitions {} --seconds {} --record-bytes {} --rounds {}",
         args.bootstrap,
         list(args.rates.iter().map(u64::to_string).collect()),
         list(args.batches.iter().map(ToString::to_string).collect()),
@@ -713,7 +753,8 @@ fn main() -> BenchResult<()> {
         list(args.modes.iter().map(|m| m.name().to_owned()).collect()),
         args.partitions,
         args.seconds,
-        args.record_bytes
+        args.record_bytes,
+        args.rounds
     );
     let mut runs = Vec::new();
     for &rate in &args.rates {
@@ -724,18 +765,27 @@ fn main() -> BenchResult<()> {
                     // Its output shows only when the run stops.
                     continue;
                 }
-                for &mode in &args.modes {
-                    // The relays have no batch: one run per rate.
-                    let relayed = |r: &Run| (r.mode, r.rate) == (Mode::RelayShuffle, rate);
-                    if (mode == Mode::Kstreams && args.kstreams.is_none())
-                        || (mode == Mode::RelayShuffle
-                            && (delivery == Delivery::Eo || runs.iter().any(relayed)))
-                    {
-                        continue;
+                for round in 0..args.rounds {
+                    // Rotated, so that no mode always runs right after
+                    // another.
+                    let mut modes = args.modes.clone();
+                    let first = round as usize % modes.len();
+                    modes.rotate_left(first);
+                    for mode in modes {
+                        // The relays have no batch: one run per rate and round.
+                        let relayed = |r: &Run| {
+                            (r.mode, r.rate, r.round) == (Mode::RelayShuffle, rate, round)
+                        };
+                        if (mode == Mode::Kstreams && args.kstreams.is_none())
+                            || (mode == Mode::RelayShuffle
+                                && (delivery == Delivery::Eo || runs.iter().any(relayed)))
+                        {
+                            continue;
+                        }
+                        let run = run(&args, mode, delivery, batch, rate, round)?;
+                        print_json(&args, &run);
+                        runs.push(run);
                     }
-                    let run = run(&args, mode, delivery, batch, rate)?;
-                    print_json(&args, &run);
-                    runs.push(run);
                 }
             }
         }
