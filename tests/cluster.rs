@@ -1448,9 +1448,14 @@ fn a_run_rolled_back_by_another_process_abort_aborts_nothing_of_its_own() {
     let (expected, _) = reference(total);
     cluster.await_counts_at_least_once(&expected, Duration::from_secs(120));
     assert_eq!(
-        (aborts(&cluster, "p0"), aborts(&cluster, "p1")),
-        (0, refusals(&cluster)),
-        "only the refused commits aborted:\n{}",
+        aborts(&cluster, "p0"),
+        0,
+        "p0 rolled back and aborted nothing of its own:\n{}",
+        cluster.logs()
+    );
+    assert!(
+        aborts(&cluster, "p1") <= refusals(&cluster),
+        "p1 aborted only what was refused:\n{}",
         cluster.logs()
     );
     cluster.outputs(0, expected.len(), Duration::from_secs(60));
