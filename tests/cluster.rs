@@ -940,6 +940,44 @@ impl Cluster {
         self.log(instance).contains("belong to one that aborted")
     }
 
+    /// How many of `instance`'s commits the `checkpoint-commit` failpoint
+    /// refused.
+    fn refusals(&self, instance: &str) -> usize {
+        (self.log(instance).lines())
+            .filter(|l| l.contains("stopping the query") && l.contains("failed: refused"))
+            .count()
+    }
+
+    /// Refuses `refused`'s next commit, again until one of `readers` rolled
+    /// back past its aborted transaction: an epoch can end before its writers
+    /// produced a frame for the others. Up to five refusals.
+    fn refuse_until_rolled_back(&self, refused: &str, readers: &[&str]) {
+        let rolled_back = || readers.iter().any(|r| self.rolled_back(r));
+        for refusal in 1..=5 {
+            self.set_failpoints(refused, "checkpoint-commit=1*return(refused)->off");
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while self.refusals(refused) < refusal {
+                assert!(
+                    Instant::now() < deadline,
+                    "{refused}'s commit was not refused:\n{}",
+                    self.logs()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !rolled_back() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if rolled_back() {
+                return;
+            }
+        }
+        panic!(
+            "no reader rolled back past {refused}'s aborted transactions:\n{}",
+            self.logs()
+        );
+    }
+
     fn logs(&self) -> String {
         let mut logs = String::new();
         for entry in std::fs::read_dir(&self.dir).unwrap().flatten() {
@@ -1260,40 +1298,8 @@ fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_
         // epoch, of its own input partitions, aborts. Ten keys over six
         // repartition partitions send some of it to the others' readers,
         // which roll back past it before p1 is killed (whose fencing rolls
-        // readers back too). An epoch can end before its writers produced a
-        // frame for the others: up to five refusals, until a reader rolls
-        // back.
-        let rolled_back =
-            |cluster: &Cluster| cluster.rolled_back("p0") || cluster.rolled_back("p1");
-        let refusals = |cluster: &Cluster| {
-            (cluster.log("p2").lines())
-                .filter(|l| l.contains("stopping the query") && l.contains("failed: refused"))
-                .count()
-        };
-        for refusal in 1..=5 {
-            cluster.set_failpoints("p2", "checkpoint-commit=1*return(refused)->off");
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while refusals(&cluster) < refusal {
-                assert!(
-                    Instant::now() < deadline,
-                    "p2's commit was not refused:\n{}",
-                    cluster.logs()
-                );
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while !rolled_back(&cluster) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            if rolled_back(&cluster) {
-                break;
-            }
-        }
-        assert!(
-            rolled_back(&cluster),
-            "no reader rolled back past p2's aborted transactions:\n{}",
-            cluster.logs()
-        );
+        // readers back too).
+        cluster.refuse_until_rolled_back("p2", &["p0", "p1"]);
         cluster.kill("p1");
         std::thread::sleep(Duration::from_secs(2));
         cluster.spawn("p1");
@@ -1404,11 +1410,6 @@ fn a_run_rolled_back_by_another_process_abort_aborts_nothing_of_its_own() {
             .filter(|l| l.contains("the open transaction aborts") && l.contains("(Sourced)"))
             .count()
     };
-    let refusals = |cluster: &Cluster| {
-        (cluster.log("p1").lines())
-            .filter(|l| l.contains("stopping the query") && l.contains("failed: refused"))
-            .count()
-    };
     let input = cluster.input.clone();
     std::thread::scope(|scope| {
         let (bootstrap, input) = (&bootstrap, &input);
@@ -1416,32 +1417,7 @@ fn a_run_rolled_back_by_another_process_abort_aborts_nothing_of_its_own() {
             produce_paced(bootstrap, input, 0..total, Duration::from_micros(2_500));
         });
         std::thread::sleep(Duration::from_secs(1));
-        // An epoch can end before p1's writers produced a frame for p0:
-        // refused again until p0 rolls back.
-        for refusal in 1..=5 {
-            cluster.set_failpoints("p1", "checkpoint-commit=1*return(refused)->off");
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while refusals(&cluster) < refusal {
-                assert!(
-                    Instant::now() < deadline,
-                    "p1's commit was not refused:\n{}",
-                    cluster.logs()
-                );
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while !cluster.rolled_back("p0") && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            if cluster.rolled_back("p0") {
-                break;
-            }
-        }
-        assert!(
-            cluster.rolled_back("p0"),
-            "p0 did not roll back past p1's aborted transaction:\n{}",
-            cluster.logs()
-        );
+        cluster.refuse_until_rolled_back("p1", &["p0"]);
         producing.join().unwrap();
     });
     produce(&bootstrap, &cluster.input, flush_records());
@@ -1454,7 +1430,7 @@ fn a_run_rolled_back_by_another_process_abort_aborts_nothing_of_its_own() {
         cluster.logs()
     );
     assert!(
-        aborts(&cluster, "p1") <= refusals(&cluster),
+        aborts(&cluster, "p1") <= cluster.refusals("p1"),
         "p1 aborted only what was refused:\n{}",
         cluster.logs()
     );
