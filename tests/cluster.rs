@@ -1438,6 +1438,49 @@ fn a_run_rolled_back_by_another_process_abort_aborts_nothing_of_its_own() {
     cluster.stop_and_check_at_least_once(&expected);
 }
 
+/// A process whose commit is refused rolls back; its readers had read what
+/// its writers produced into the aborted transaction. Its next run reads its
+/// repartition partitions `read_committed` up to where every transaction had
+/// ended, past those records, and does not roll back on them once more.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_run_restarted_after_its_commit_was_refused_reads_past_its_own_aborted_records() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::running(&bootstrap, "counts-at-least-once");
+    let total = 3_000;
+    cluster.spawn("p0");
+    cluster.wait_for_shares(Duration::from_secs(90));
+    let input = cluster.input.clone();
+    std::thread::scope(|scope| {
+        let (bootstrap, input) = (&bootstrap, &input);
+        let producing = scope.spawn(move || {
+            produce_paced(bootstrap, input, 0..total, Duration::from_micros(2_500));
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        cluster.set_failpoints("p0", "checkpoint-commit=1*return(refused)->off");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while cluster.refusals("p0") < 1 {
+            assert!(
+                Instant::now() < deadline,
+                "p0's commit was not refused:\n{}",
+                cluster.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        producing.join().unwrap();
+    });
+    produce(&bootstrap, &cluster.input, flush_records());
+    let (expected, _) = reference(total);
+    cluster.await_counts_at_least_once(&expected, Duration::from_secs(120));
+    assert!(
+        !cluster.rolled_back("p0"),
+        "p0 rolled back on its own aborted records:\n{}",
+        cluster.logs()
+    );
+    cluster.outputs(0, expected.len(), Duration::from_secs(60));
+    cluster.stop_and_check_at_least_once(&expected);
+}
+
 /// A process that joins takes its share from the others inside their runs,
 /// and gives it back the same way when it leaves: each of the others hands
 /// partitions over or takes them on at a barrier and runs on, with no

@@ -14,27 +14,34 @@
 //! written: its writers hand each frame to their transaction as soon as
 //! their input pauses, and its readers read `read_uncommitted` and tell how
 //! many messages they passed on, which the process's commit checks against
-//! what committed (`upstream`). A repartition of records that crossed one
-//! before is read `read_committed`, when its writers' epoch commits.
+//! what committed (`upstream`). A partition taken on below its last stable
+//! offset (every run's start, a run's adoption) is read `read_committed` up
+//! to it first ([`CatchUp`]): what aborted there, the rolled-back run's own
+//! transaction among it, is passed over rather than read and rolled back on
+//! once more. A repartition of records that crossed one before is read
+//! `read_committed`, when its writers' epoch commits.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{Message, Offset, TopicPartitionList};
+use rdkafka::error::KafkaError;
+use rdkafka::message::BorrowedMessage;
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use rtflow_runtime::cluster::{
     late_across, CommitOrder, EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks,
     WriterInput, WritersProgress,
 };
 use rtflow_runtime::connector::Offsets;
 use rtflow_runtime::key_groups::key_group;
-use rtflow_runtime::ReaderHandover;
 use rtflow_runtime::{
-    Epoch, EventTime, Nanos, Record, Result, RtflowError, Sink, SinkContext, SinkWriter, Source,
-    SourceContext, SourceOutput, SourceReader, SourceStatus,
+    Epoch, EventTime, Nanos, ReaderHandover, Record, Result, RtflowError, Sink, SinkContext,
+    SinkWriter, Source, SourceContext, SourceOutput, SourceReader, SourceStatus, SourceWaker,
 };
 use serde::{Deserialize, Serialize};
 
+use super::link::TopicPartition;
 use super::transactions::{Staging, Tier, Tiers};
 use super::upstream::{new_lineage, Skip, Upstream, READ_MARK};
 use super::{lock, ClusterSettings, WATERMARK_MARK};
@@ -451,6 +458,16 @@ impl Source<Exchanged> for ExchangeSource {
         if uncommitted {
             config.set("isolation.level", "read_uncommitted");
         }
+        // Taken on below its last stable offset, a partition is read up to
+        // it by a `read_committed` reader of the same group.
+        let catch_up = uncommitted.then(|| {
+            let mut config = config.clone();
+            config
+                .set("isolation.level", "read_committed")
+                .set("enable.partition.eof", "true")
+                .set("fetch.wait.max.ms", "1");
+            config
+        });
         let mut consumer: BaseConsumer = config
             .set("enable.auto.offset.store", "false")
             .set("fetch.wait.max.ms", "5")
@@ -458,36 +475,32 @@ impl Source<Exchanged> for ExchangeSource {
             .map_err(|e| error(&e))?;
         let waker = ctx.waker.clone();
         consumer.set_nonempty_callback(move || waker.wake());
-        let mut assignment = TopicPartitionList::new();
-        let mut readers = Vec::new();
-        for number in &ctx.partitions {
-            let partition = Partition::resumed(
-                &self.topic,
-                *number,
-                &ctx.start_offsets,
-                self.upstream.as_deref(),
-            );
-            assignment
-                .add_partition_offset(
-                    &self.topic,
-                    partition.partition,
-                    Offset::Offset(partition.position),
-                )
-                .map_err(|e| error(&e))?;
-            readers.push(partition);
-        }
-        consumer.assign(&assignment).map_err(|e| error(&e))?;
-        Ok(Box::new(ExchangeReader {
+        let mut reader = ExchangeReader {
             consumer: ClosingConsumer::new(consumer),
             topic: self.topic.clone(),
             source: self.description(),
             uncommitted,
             upstream: self.upstream.clone(),
-            partitions: readers,
+            partitions: Vec::new(),
+            catch_up_config: catch_up,
+            catching_up: None,
+            waker: ctx.waker.clone(),
             emitted: None,
             restored: true,
             idle: false,
-        }))
+        };
+        let partitions = (ctx.partitions.iter())
+            .map(|number| {
+                Partition::resumed(
+                    &self.topic,
+                    *number,
+                    &ctx.start_offsets,
+                    self.upstream.as_deref(),
+                )
+            })
+            .collect();
+        reader.take_on(partitions)?;
+        Ok(Box::new(reader))
     }
 }
 
@@ -543,6 +556,17 @@ impl Partition {
     }
 }
 
+/// The partitions a reader took on below their last stable offset, read
+/// `read_committed` up to it. Had they been read `read_uncommitted` from
+/// where they resume, the records of a transaction that aborted there would
+/// pass again, and the run roll back on them again: a run restarted after
+/// its own commit was refused would roll back once more on its own records.
+struct CatchUp {
+    consumer: ClosingConsumer,
+    /// Each partition's last stable offset when it was taken on.
+    until: BTreeMap<i32, i64>,
+}
+
 struct ExchangeReader {
     consumer: ClosingConsumer,
     topic: String,
@@ -551,6 +575,11 @@ struct ExchangeReader {
     uncommitted: bool,
     upstream: Option<Arc<Upstream>>,
     partitions: Vec<Partition>,
+    /// The configuration of the `read_committed` reader that catches up,
+    /// when the reader reads before the writers commit.
+    catch_up_config: Option<ClientConfig>,
+    catching_up: Option<CatchUp>,
+    waker: SourceWaker,
     emitted: Option<EventTime>,
     /// Whether the restored watermark is still to be passed on.
     restored: bool,
@@ -560,6 +589,112 @@ struct ExchangeReader {
 }
 
 impl ExchangeReader {
+    fn error(&self, message: impl std::fmt::Display) -> RtflowError {
+        RtflowError::source(
+            &self.source,
+            format!("could not change partitions: {message}"),
+        )
+    }
+
+    /// Takes `added` on where each resumes: those below their last stable
+    /// offset through the catch-up reader, the others at once.
+    fn take_on(&mut self, added: Vec<Partition>) -> Result<()> {
+        if added.is_empty() {
+            return Ok(());
+        }
+        let stable = match (&self.catch_up_config, &self.upstream) {
+            (Some(_), Some(upstream)) => {
+                let partitions: Vec<TopicPartition> = (added.iter())
+                    .map(|p| (self.topic.clone(), p.partition))
+                    .collect();
+                upstream.stable_offsets(&partitions).unwrap_or_else(|error| {
+                    // Read as before: an abort there rolls the run back once more.
+                    tracing::warn!(source = %self.source, %error, "partitions taken on are read uncommitted from where they resume");
+                    Vec::new()
+                })
+            }
+            _ => Vec::new(),
+        };
+        let (mut now, mut later) = (TopicPartitionList::new(), TopicPartitionList::new());
+        let mut until = BTreeMap::new();
+        for (i, partition) in added.iter().enumerate() {
+            let at = Offset::Offset(partition.position);
+            match stable.get(i) {
+                Some(&stable) if stable > partition.position => {
+                    later
+                        .add_partition_offset(&self.topic, partition.partition, at)
+                        .map_err(|e| self.error(e))?;
+                    until.insert(partition.partition, stable);
+                }
+                _ => now
+                    .add_partition_offset(&self.topic, partition.partition, at)
+                    .map_err(|e| self.error(e))?,
+            }
+        }
+        self.partitions.extend(added);
+        if now.count() > 0 {
+            self.consumer
+                .incremental_assign(&now)
+                .map_err(|e| self.error(e))?;
+        }
+        if until.is_empty() {
+            return Ok(());
+        }
+        if self.catching_up.is_none() {
+            let config = self.catch_up_config.as_ref().expect("asked only with one");
+            let mut consumer: BaseConsumer = config.create().map_err(|e| self.error(e))?;
+            let waker = self.waker.clone();
+            consumer.set_nonempty_callback(move || waker.wake());
+            self.catching_up = Some(CatchUp {
+                consumer: ClosingConsumer::new(consumer),
+                until: BTreeMap::new(),
+            });
+        }
+        let catching_up = self.catching_up.as_mut().expect("made above");
+        catching_up.until.extend(until);
+        catching_up
+            .consumer
+            .incremental_assign(&later)
+            .map_err(|e| RtflowError::source(&self.source, format!("could not catch up: {e}")))
+    }
+
+    /// Ends the catch-up of `partition`: every message below its last
+    /// stable offset was read, and the reader reads on from there.
+    fn caught_up(&mut self, partition: i32) -> Result<()> {
+        let Some(catching_up) = self.catching_up.as_mut() else {
+            return Ok(());
+        };
+        let Some(until) = catching_up.until.remove(&partition) else {
+            return Ok(());
+        };
+        let mut list = TopicPartitionList::new();
+        list.add_partition(&self.topic, partition);
+        let failed = |e: KafkaError| {
+            RtflowError::source(&self.source, format!("could not end a catch-up: {e}"))
+        };
+        catching_up
+            .consumer
+            .incremental_unassign(&list)
+            .map_err(failed)?;
+        if catching_up.until.is_empty() {
+            self.catching_up = None;
+        }
+        // What lies between the last message read and the stable offset
+        // aborted, or marks a transaction's end.
+        if let Some(p) = self
+            .partitions
+            .iter_mut()
+            .find(|p| p.partition == partition)
+        {
+            p.position = p.position.max(until);
+            let mut list = TopicPartitionList::new();
+            list.add_partition_offset(&self.topic, partition, Offset::Offset(p.position))
+                .map_err(failed)?;
+            self.consumer.incremental_assign(&list).map_err(failed)?;
+        }
+        Ok(())
+    }
+
     /// Passes on the event time across the reader's partitions, if it moved.
     ///
     /// When every source partition went idle, the lane stays at the last
@@ -612,41 +747,48 @@ impl SourceReader<Exchanged> for ExchangeReader {
         // does: replacing the whole assignment just before the consumer
         // closes (a handover that fails) can abort the process in librdkafka
         // (confluentinc/librdkafka#5573).
-        let mut gone = TopicPartitionList::new();
+        let (mut gone, mut gone_catching_up) =
+            (TopicPartitionList::new(), TopicPartitionList::new());
         for partition in (self.partitions.iter()).filter(|p| !change.partitions.contains(&p.number))
         {
-            gone.add_partition(&self.topic, partition.partition);
+            let caught_up = (self.catching_up.as_mut())
+                .is_none_or(|c| c.until.remove(&partition.partition).is_none());
+            let list = if caught_up {
+                &mut gone
+            } else {
+                &mut gone_catching_up
+            };
+            list.add_partition(&self.topic, partition.partition);
         }
         self.partitions
             .retain(|p| change.partitions.contains(&p.number));
-        let mut added = TopicPartitionList::new();
-        for number in change.partitions {
-            if !self.partitions.iter().any(|p| p.number == *number) {
-                let adopted = Partition::resumed(
+        if gone.count() > 0 {
+            self.consumer
+                .incremental_unassign(&gone)
+                .map_err(|e| self.error(e))?;
+        }
+        if let Some(catching_up) = &self.catching_up {
+            if gone_catching_up.count() > 0 {
+                (catching_up.consumer)
+                    .incremental_unassign(&gone_catching_up)
+                    .map_err(|e| self.error(e))?;
+            }
+            if catching_up.until.is_empty() {
+                self.catching_up = None;
+            }
+        }
+        let added = (change.partitions.iter())
+            .filter(|number| !self.partitions.iter().any(|p| p.number == **number))
+            .map(|number| {
+                Partition::resumed(
                     &self.topic,
                     *number,
                     change.start_offsets,
                     self.upstream.as_deref(),
-                );
-                added
-                    .add_partition_offset(
-                        &self.topic,
-                        adopted.partition,
-                        Offset::Offset(adopted.position),
-                    )
-                    .map_err(|e| RtflowError::source(&self.source, e.to_string()))?;
-                self.partitions.push(adopted);
-            }
-        }
-        let changed = |e: rdkafka::error::KafkaError| {
-            RtflowError::source(&self.source, format!("could not change partitions: {e}"))
-        };
-        if gone.count() > 0 {
-            self.consumer.incremental_unassign(&gone).map_err(changed)?;
-        }
-        if added.count() > 0 {
-            self.consumer.incremental_assign(&added).map_err(changed)?;
-        }
+                )
+            })
+            .collect();
+        self.take_on(added)?;
         if change.starts_over {
             // Told again, idleness too: the operators after it wait for
             // every reader's word anew.
@@ -677,74 +819,25 @@ impl SourceReader<Exchanged> for ExchangeReader {
         }
         let mut waited = max_wait.is_zero();
         while out.remaining() > 0 {
+            if let Some(catching_up) = &self.catching_up {
+                match catching_up.next(&mut self.partitions, &self.source, out)? {
+                    Step::Reached(partition) => {
+                        self.caught_up(partition)?;
+                        continue;
+                    }
+                    Step::Passed { told: true } => {
+                        self.tell(out);
+                        break;
+                    }
+                    Step::Passed { told: false } => continue,
+                    Step::Nothing => {}
+                }
+            }
             match self.consumer.poll(Duration::ZERO) {
                 None if waited => break,
                 None => std::thread::park_timeout(max_wait),
                 Some(Ok(message)) => {
-                    let Some(index) = self
-                        .partitions
-                        .iter()
-                        .position(|p| p.partition == message.partition())
-                    else {
-                        continue;
-                    };
-                    let partition = &mut self.partitions[index];
-                    partition.position = message.offset() + 1;
-                    if let Some(skip) = &partition.skip {
-                        let skipped = skip.skips(message.offset());
-                        if skip.is_behind(partition.position) {
-                            partition.skip = None;
-                        }
-                        if skipped {
-                            continue;
-                        }
-                    }
-                    partition.read += 1;
-                    let mut told = false;
-                    // A frame passes on whole: the checkpoint's offset is the
-                    // next frame's.
-                    for wire in decode_frame(message.payload().unwrap_or_default()) {
-                        let wire = wire.map_err(|e| {
-                            RtflowError::source(
-                                &self.source,
-                                format!(
-                                    "record {} of partition {} is no repartition record: {e}",
-                                    message.offset(),
-                                    message.partition()
-                                ),
-                            )
-                        })?;
-                        let partition = &mut self.partitions[index];
-                        match wire {
-                            Wire::Record {
-                                event_time,
-                                source_time,
-                                behind,
-                                partition: source_partition,
-                                payload,
-                            } => {
-                                out.set_partition(partition.number);
-                                let record = Exchanged {
-                                    key_hash: 0,
-                                    payload,
-                                };
-                                let behind = behind
-                                    || partition.watermarks.is_behind(source_partition, event_time);
-                                let tables = self.partitions.iter().map(|p| &p.watermarks);
-                                let late = behind && late_across(tables, event_time);
-                                out.push_behind_at(record, source_time, event_time, behind, late);
-                            }
-                            Wire::Progress(progress) => {
-                                partition.watermarks.update(&progress);
-                                told = true;
-                            }
-                            Wire::Passed(passed) => {
-                                partition.watermarks.passed(&passed);
-                                told = true;
-                            }
-                        }
-                    }
-                    if told {
+                    if pass(&mut self.partitions, &self.source, &message, out)? {
                         // The poll ends here: what it tells travels after its
                         // records, and must precede the records of the epochs
                         // after it, as in one process.
@@ -761,6 +854,117 @@ impl SourceReader<Exchanged> for ExchangeReader {
         }
         Ok(SourceStatus::Active)
     }
+}
+
+/// What the catch-up reader read next.
+enum Step {
+    /// A message, passed on; whether it told of event time.
+    Passed {
+        told: bool,
+    },
+    /// A partition's last stable offset when it was taken on.
+    Reached(i32),
+    Nothing,
+}
+
+impl CatchUp {
+    fn next(
+        &self,
+        partitions: &mut [Partition],
+        source: &str,
+        out: &mut SourceOutput<Exchanged>,
+    ) -> Result<Step> {
+        match self.consumer.poll(Duration::ZERO) {
+            Some(Ok(message)) => {
+                let partition = message.partition();
+                match self.until.get(&partition) {
+                    Some(until) if message.offset() < *until => Ok(Step::Passed {
+                        told: pass(partitions, source, &message, out)?,
+                    }),
+                    _ => Ok(Step::Reached(partition)),
+                }
+            }
+            // Every message below the partition's last stable offset now, and
+            // so below the one it was taken on at, was read.
+            Some(Err(KafkaError::PartitionEOF(partition))) => Ok(Step::Reached(partition)),
+            Some(Err(error)) => {
+                tracing::warn!(source, %error, "kafka consumer error while catching up; retrying");
+                Ok(Step::Nothing)
+            }
+            None => Ok(Step::Nothing),
+        }
+    }
+}
+
+/// Passes `message`, a frame of one of `partitions`, on whole; whether it
+/// told of event time.
+fn pass(
+    partitions: &mut [Partition],
+    source: &str,
+    message: &BorrowedMessage<'_>,
+    out: &mut SourceOutput<Exchanged>,
+) -> Result<bool> {
+    let Some(index) = partitions
+        .iter()
+        .position(|p| p.partition == message.partition())
+    else {
+        return Ok(false);
+    };
+    let partition = &mut partitions[index];
+    partition.position = message.offset() + 1;
+    if let Some(skip) = &partition.skip {
+        let skipped = skip.skips(message.offset());
+        if skip.is_behind(partition.position) {
+            partition.skip = None;
+        }
+        if skipped {
+            return Ok(false);
+        }
+    }
+    partition.read += 1;
+    let mut told = false;
+    // A frame passes on whole: the checkpoint's offset is the next frame's.
+    for wire in decode_frame(message.payload().unwrap_or_default()) {
+        let wire = wire.map_err(|e| {
+            RtflowError::source(
+                source,
+                format!(
+                    "record {} of partition {} is no repartition record: {e}",
+                    message.offset(),
+                    message.partition()
+                ),
+            )
+        })?;
+        let partition = &mut partitions[index];
+        match wire {
+            Wire::Record {
+                event_time,
+                source_time,
+                behind,
+                partition: source_partition,
+                payload,
+            } => {
+                out.set_partition(partition.number);
+                let record = Exchanged {
+                    key_hash: 0,
+                    payload,
+                };
+                let behind = behind || partition.watermarks.is_behind(source_partition, event_time);
+                let tables = partitions.iter().map(|p| &p.watermarks);
+                let late = behind && late_across(tables, event_time);
+                out.push_behind_at(record, source_time, event_time, behind, late);
+            }
+            Wire::Progress(progress) => {
+                partition.watermarks.update(&progress);
+                told = true;
+            }
+            Wire::Passed(passed) => {
+                partition.watermarks.passed(&passed);
+                told = true;
+            }
+        }
+    }
+    Ok(told)
 }
 
 #[cfg(test)]

@@ -120,10 +120,16 @@ impl Tiers {
         }
     }
 
-    /// Drops every record not committed ([`Transactions::discard`]).
+    /// Drops every record not committed ([`Transactions::discard`]), and
+    /// waits until what was produced of them is aborted: the next run's
+    /// readers then read past it `read_committed` (`exchange`'s catch-up)
+    /// rather than roll back on it once more.
     pub(crate) fn discard(&self) {
         for transactions in self.both() {
             transactions.discard();
+        }
+        for transactions in self.both() {
+            transactions.await_aborted();
         }
     }
 }
@@ -453,6 +459,18 @@ impl Transactions {
         feed.discard();
         drop(feed);
         self.inner.changed.notify_all();
+    }
+
+    /// Waits, for up to the operation timeout, until the transaction a
+    /// discard left open is aborted (the producer renewed). A feeder held
+    /// back begins nothing, and so has nothing to abort.
+    fn await_aborted(&self) {
+        let inner = &self.inner;
+        let _ = inner
+            .changed
+            .wait_timeout_while(lock(&inner.feed), inner.timeout, |feed| {
+                (feed.stale || feed.in_use()) && !feed.held && !feed.closed
+            });
     }
 
     /// Commits the records staged for epochs up to `epoch`, the changelog's

@@ -13,7 +13,9 @@
 //! stable offset passes what was read, reads the same range `read_committed`,
 //! and compares counts. A shortfall fails the commit: the run rolls back to its
 //! last commit, as a restart does, and its readers skip the aborted messages
-//! the check found ([`Skip`]), as a `read_committed` reader would.
+//! the check found ([`Skip`]), as a `read_committed` reader would; below the
+//! last stable offset when they start ([`Upstream::stable_offsets`]) they
+//! read `read_committed` (`exchange`).
 //!
 //! [`Verified`] and [`Skip`] decide what to check and skip and do no I/O;
 //! [`Upstream`] does the reading.
@@ -236,6 +238,46 @@ impl Upstream {
              the run starts over from its last commit without them",
             short.join("; ")
         )))
+    }
+
+    /// The last stable offset of each of `partitions`, as of now: a reader
+    /// that takes one on below it reads up to it `read_committed`, past any
+    /// transaction that aborted there (a rolled-back run's own, or one no
+    /// check of the process found), instead of rolling back on it again.
+    pub(crate) fn stable_offsets(&self, partitions: &[TopicPartition]) -> Result<Vec<i64>> {
+        let mut asking = lock(&self.stable);
+        let asker = match asking.take() {
+            Some(asker) => asker,
+            None => checker(&self.settings).map_err(|e| self.error(e))?,
+        };
+        let mut asked = TopicPartitionList::new();
+        for (topic, partition) in partitions {
+            asked
+                .add_partition_offset(topic, *partition, Offset::End)
+                .map_err(|e| self.error(e))?;
+        }
+        let failed = |e: &dyn std::fmt::Display| {
+            self.error(format!(
+                "could not read a partition's last stable offset: {e}"
+            ))
+        };
+        let told = asker
+            .offsets_for_times(asked, self.settings.operation_timeout)
+            .map_err(|e| failed(&e))?;
+        let stable = (partitions.iter())
+            .map(|(topic, partition)| {
+                let told = told
+                    .find_partition(topic, *partition)
+                    .ok_or_else(|| failed(&"not told"))?;
+                told.error().map_err(|e| failed(&e))?;
+                match told.offset() {
+                    Offset::Offset(offset) => Ok(offset),
+                    other => Err(failed(&format!("told {other:?}"))),
+                }
+            })
+            .collect();
+        *asking = Some(asker);
+        stable
     }
 
     /// Makes the next count's consumer on a thread of its own, connected to
