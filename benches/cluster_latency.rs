@@ -541,13 +541,15 @@ fn pooled(runs: &[Run]) -> Vec<Run> {
                 p.produced += run.produced;
                 p.received += run.received;
                 p.latencies.extend(&run.latencies);
-                p.latencies.sort_unstable();
             }
             None => pooled.push(Run {
                 latencies: run.latencies.clone(),
                 ..*run
             }),
         }
+    }
+    for run in &mut pooled {
+        run.latencies.sort_unstable();
     }
     pooled
 }

@@ -661,24 +661,12 @@ impl ExchangeReader {
     /// Ends the catch-up of `partition`: every message below its last
     /// stable offset was read, and the reader reads on from there.
     fn caught_up(&mut self, partition: i32) -> Result<()> {
-        let Some(catching_up) = self.catching_up.as_mut() else {
+        let Some(until) = self.stop_catching_up(partition)? else {
             return Ok(());
         };
-        let Some(until) = catching_up.until.remove(&partition) else {
-            return Ok(());
-        };
-        let mut list = TopicPartitionList::new();
-        list.add_partition(&self.topic, partition);
         let failed = |e: KafkaError| {
             RtflowError::source(&self.source, format!("could not end a catch-up: {e}"))
         };
-        catching_up
-            .consumer
-            .incremental_unassign(&list)
-            .map_err(failed)?;
-        if catching_up.until.is_empty() {
-            self.catching_up = None;
-        }
         // What lies between the last message read and the stable offset
         // aborted, or marks a transaction's end.
         if let Some(p) = self
@@ -693,6 +681,30 @@ impl ExchangeReader {
             self.consumer.incremental_assign(&list).map_err(failed)?;
         }
         Ok(())
+    }
+
+    /// Takes `partition` off the catch-up reader, if it has it: the last
+    /// stable offset it was to read it up to. The catch-up reader ends with
+    /// its last partition.
+    fn stop_catching_up(&mut self, partition: i32) -> Result<Option<i64>> {
+        let Some(catching_up) = self.catching_up.as_mut() else {
+            return Ok(None);
+        };
+        let Some(until) = catching_up.until.remove(&partition) else {
+            return Ok(None);
+        };
+        let mut list = TopicPartitionList::new();
+        list.add_partition(&self.topic, partition);
+        catching_up
+            .consumer
+            .incremental_unassign(&list)
+            .map_err(|e| {
+                RtflowError::source(&self.source, format!("could not end a catch-up: {e}"))
+            })?;
+        if catching_up.until.is_empty() {
+            self.catching_up = None;
+        }
+        Ok(Some(until))
     }
 
     /// Passes on the event time across the reader's partitions, if it moved.
@@ -747,18 +759,15 @@ impl SourceReader<Exchanged> for ExchangeReader {
         // does: replacing the whole assignment just before the consumer
         // closes (a handover that fails) can abort the process in librdkafka
         // (confluentinc/librdkafka#5573).
-        let (mut gone, mut gone_catching_up) =
-            (TopicPartitionList::new(), TopicPartitionList::new());
-        for partition in (self.partitions.iter()).filter(|p| !change.partitions.contains(&p.number))
-        {
-            let caught_up = (self.catching_up.as_mut())
-                .is_none_or(|c| c.until.remove(&partition.partition).is_none());
-            let list = if caught_up {
-                &mut gone
-            } else {
-                &mut gone_catching_up
-            };
-            list.add_partition(&self.topic, partition.partition);
+        let leaving: Vec<i32> = (self.partitions.iter())
+            .filter(|p| !change.partitions.contains(&p.number))
+            .map(|p| p.partition)
+            .collect();
+        let mut gone = TopicPartitionList::new();
+        for partition in leaving {
+            if self.stop_catching_up(partition)?.is_none() {
+                gone.add_partition(&self.topic, partition);
+            }
         }
         self.partitions
             .retain(|p| change.partitions.contains(&p.number));
@@ -766,16 +775,6 @@ impl SourceReader<Exchanged> for ExchangeReader {
             self.consumer
                 .incremental_unassign(&gone)
                 .map_err(|e| self.error(e))?;
-        }
-        if let Some(catching_up) = &self.catching_up {
-            if gone_catching_up.count() > 0 {
-                (catching_up.consumer)
-                    .incremental_unassign(&gone_catching_up)
-                    .map_err(|e| self.error(e))?;
-            }
-            if catching_up.until.is_empty() {
-                self.catching_up = None;
-            }
         }
         let added = (change.partitions.iter())
             .filter(|number| !self.partitions.iter().any(|p| p.number == **number))

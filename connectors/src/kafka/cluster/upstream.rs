@@ -177,18 +177,9 @@ impl Upstream {
             return Ok(());
         }
         let started = Instant::now();
-        let stable = {
-            let mut asking = lock(&self.stable);
-            let asker = match asking.take() {
-                Some(asker) => asker,
-                None => checker(&self.settings).map_err(|e| self.error(e))?,
-            };
-            let stable =
-                self.await_stable(&asker, checks, started + self.settings.upstream_timeout())?;
-            // One that failed is not kept: the next commit asks a new one.
-            *asking = Some(asker);
-            stable
-        };
+        let stable = self.with_stable_asker(|asker| {
+            self.await_stable(asker, checks, started + self.settings.upstream_timeout())
+        })?;
         let stable_after = started.elapsed();
         // A consumer of its own for each count: a partition's end of file
         // then comes after every committed message below the stable offsets
@@ -245,39 +236,69 @@ impl Upstream {
     /// transaction that aborted there (a rolled-back run's own, or one no
     /// check of the process found), instead of rolling back on it again.
     pub(crate) fn stable_offsets(&self, partitions: &[TopicPartition]) -> Result<Vec<i64>> {
+        let told = self.with_stable_asker(|asker| self.ask_stable(asker, partitions.iter()))?;
+        (partitions.iter().zip(told))
+            .map(|((topic, partition), told)| {
+                told.ok_or_else(|| {
+                    self.stable_failed(&format!("none told for {topic}-{partition}"))
+                })
+            })
+            .collect()
+    }
+
+    /// Runs `ask` with the client kept to ask last stable offsets, made if
+    /// there is none. One whose asking failed is not kept: the next asks a
+    /// new one.
+    fn with_stable_asker<T>(
+        &self,
+        ask: impl FnOnce(&BaseConsumer<EndsExpected>) -> Result<T>,
+    ) -> Result<T> {
         let mut asking = lock(&self.stable);
         let asker = match asking.take() {
             Some(asker) => asker,
             None => checker(&self.settings).map_err(|e| self.error(e))?,
         };
+        let answer = ask(&asker)?;
+        *asking = Some(asker);
+        Ok(answer)
+    }
+
+    /// The last stable offset of each of `partitions`, if told. The latest
+    /// offset a `read_committed` client is told is the last stable one;
+    /// asked as a time (the latest), every partition of a broker is asked
+    /// in one request.
+    fn ask_stable<'a>(
+        &self,
+        asker: &BaseConsumer<EndsExpected>,
+        partitions: impl Iterator<Item = &'a TopicPartition> + Clone,
+    ) -> Result<Vec<Option<i64>>> {
         let mut asked = TopicPartitionList::new();
-        for (topic, partition) in partitions {
+        for (topic, partition) in partitions.clone() {
             asked
                 .add_partition_offset(topic, *partition, Offset::End)
                 .map_err(|e| self.error(e))?;
         }
-        let failed = |e: &dyn std::fmt::Display| {
-            self.error(format!(
-                "could not read a partition's last stable offset: {e}"
-            ))
-        };
         let told = asker
             .offsets_for_times(asked, self.settings.operation_timeout)
-            .map_err(|e| failed(&e))?;
-        let stable = (partitions.iter())
+            .map_err(|e| self.stable_failed(&e))?;
+        partitions
             .map(|(topic, partition)| {
-                let told = told
-                    .find_partition(topic, *partition)
-                    .ok_or_else(|| failed(&"not told"))?;
-                told.error().map_err(|e| failed(&e))?;
-                match told.offset() {
-                    Offset::Offset(offset) => Ok(offset),
-                    other => Err(failed(&format!("told {other:?}"))),
-                }
+                let Some(told) = told.find_partition(topic, *partition) else {
+                    return Ok(None);
+                };
+                told.error().map_err(|e| self.stable_failed(&e))?;
+                Ok(match told.offset() {
+                    Offset::Offset(offset) => Some(offset),
+                    _ => None,
+                })
             })
-            .collect();
-        *asking = Some(asker);
-        stable
+            .collect()
+    }
+
+    fn stable_failed(&self, error: &dyn std::fmt::Display) -> RtflowError {
+        self.error(format!(
+            "could not read a partition's last stable offset: {error}"
+        ))
     }
 
     /// Makes the next count's consumer on a thread of its own, connected to
@@ -315,32 +336,13 @@ impl Upstream {
         let mut stable = vec![i64::MIN; checks.len()];
         let mut pause = Duration::from_millis(1);
         loop {
-            // The latest offset a `read_committed` client is told is the last
-            // stable one; asked as a time (the latest), every partition of a
-            // broker is asked in one request.
-            let mut asked = TopicPartitionList::new();
-            for ((partition, check), stable) in checks.iter().zip(&stable) {
-                if *stable < check.end {
-                    asked
-                        .add_partition_offset(&partition.0, partition.1, Offset::End)
-                        .map_err(|e| self.error(e))?;
-                }
-            }
-            let failed = |e: &dyn std::fmt::Display| {
-                self.error(format!(
-                    "could not read a partition's last stable offset: {e}"
-                ))
-            };
-            let told = consumer
-                .offsets_for_times(asked, self.settings.operation_timeout)
-                .map_err(|e| failed(&e))?;
-            for ((partition, _), stable) in checks.iter().zip(&mut stable) {
-                let Some(told) = told.find_partition(&partition.0, partition.1) else {
-                    continue;
-                };
-                told.error().map_err(|e| failed(&e))?;
-                if let Offset::Offset(offset) = told.offset() {
-                    *stable = offset;
+            let asked: Vec<usize> = (0..checks.len())
+                .filter(|i| stable[*i] < checks[*i].1.end)
+                .collect();
+            let told = self.ask_stable(consumer, asked.iter().map(|i| &checks[*i].0))?;
+            for (i, told) in asked.into_iter().zip(told) {
+                if let Some(offset) = told {
+                    stable[i] = offset;
                 }
             }
             let open: Vec<String> = (checks.iter().zip(&stable))
