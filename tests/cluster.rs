@@ -23,6 +23,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::kafka::{bootstrap, consume, produce, producer, send, topic};
@@ -82,8 +83,26 @@ fn record(i: usize) -> (i32, String, Vec<u8>) {
 /// Writes records `range` with one producer, pausing `pause` after each, and
 /// waits until all are acknowledged.
 fn produce_paced(bootstrap: &str, topic: &str, range: Range<usize>, pause: Duration) {
+    let (_, flowing) = mpsc::channel();
+    produce_paced_while(bootstrap, topic, range, pause, flowing);
+}
+
+/// Writes records from `range`'s start as [`produce_paced`] does, and past
+/// its end until the sender of `flowing` is dropped; returns the end it
+/// reached. A test that waits for something to happen while records flow
+/// cannot know how long that takes on a loaded machine; one that panics
+/// drops the sender as it unwinds.
+fn produce_paced_while(
+    bootstrap: &str,
+    topic: &str,
+    range: Range<usize>,
+    pause: Duration,
+    flowing: mpsc::Receiver<()>,
+) -> usize {
     let producer = producer(bootstrap);
-    for (partition, key, value) in range.map(record) {
+    let mut next = range.start;
+    while next < range.end || flowing.try_recv() == Err(mpsc::TryRecvError::Empty) {
+        let (partition, key, value) = record(next);
         let record = BaseRecord::to(topic)
             .partition(partition)
             .key(key.as_str())
@@ -91,8 +110,10 @@ fn produce_paced(bootstrap: &str, topic: &str, range: Range<usize>, pause: Durat
         send(&producer, record);
         producer.poll(Duration::ZERO);
         std::thread::sleep(pause);
+        next += 1;
     }
     producer.flush(Duration::from_secs(30)).unwrap();
+    next
 }
 
 /// One record per partition far ahead in event time: every window closes.
@@ -887,6 +908,14 @@ impl Cluster {
         std::fs::read_to_string(self.dir.join(format!("{instance}.log"))).unwrap_or_default()
     }
 
+    /// The last lines of `instance`'s log: what a failure message ends with,
+    /// so that it still shows when a long one is cut in the middle.
+    fn log_tail(&self, instance: &str) -> String {
+        let log = self.log(instance);
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
     /// Tells `instance` to stop and waits for it; how it exited.
     fn stop_child(&mut self, instance: &str) -> std::process::ExitStatus {
         std::fs::write(self.dir.join(format!("{instance}.stop")), b"").unwrap();
@@ -973,7 +1002,8 @@ impl Cluster {
             }
         }
         panic!(
-            "no reader rolled back past {refused}'s aborted transactions:\n{}",
+            "{}\nnone of {readers:?} rolled back past {refused}'s aborted transactions \
+             in five refusals",
             self.logs()
         );
     }
@@ -1105,13 +1135,22 @@ impl Cluster {
             loop {
                 match child.try_wait().unwrap() {
                     Some(status) => {
-                        assert!(status.success(), "{instance} failed:\n{}", self.logs());
+                        assert!(
+                            status.success(),
+                            "{}{instance} failed ({status}); its log ends:\n{}",
+                            self.logs(),
+                            self.log_tail(&instance)
+                        );
                         break;
                     }
                     None if Instant::now() > deadline => {
                         let stacks = thread_stacks(child.id());
                         child.kill().unwrap();
-                        panic!("{instance} did not stop:\n{}\n{stacks}", self.logs());
+                        panic!(
+                            "{}\n{stacks}\n{instance} did not stop; its log ends:\n{}",
+                            self.logs(),
+                            self.log_tail(&instance)
+                        );
                     }
                     None => std::thread::sleep(Duration::from_millis(50)),
                 }
@@ -1276,8 +1315,7 @@ fn a_clustered_at_least_once_sink_writes_a_record_before_its_epoch_commits() {
 fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_mid_epoch() {
     let Some(bootstrap) = bootstrap() else { return };
     let mut cluster = Cluster::running(&bootstrap, "counts-at-least-once");
-    let total = 6_000;
-    let third = total / 3;
+    let third = 2_000;
     produce(&bootstrap, &cluster.input, (0..third).map(record));
     for instance in ["p0", "p1", "p2"] {
         cluster.spawn(instance);
@@ -1286,12 +1324,14 @@ fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_
     // Records flow all along, so that every epoch of every process holds
     // some that the others read before it commits.
     let input = cluster.input.clone();
-    std::thread::scope(|scope| {
+    let total = std::thread::scope(|scope| {
         let (bootstrap, input) = (&bootstrap, &input);
-        scope.spawn(move || {
+        let (keep_flowing, flowing) = mpsc::channel();
+        let producing = scope.spawn(move || {
             // One producer all along: a new one per batch takes long enough
             // to leave an epoch without records.
-            produce_paced(bootstrap, input, third..total, Duration::from_micros(2_500));
+            let (range, pause) = (third..3 * third, Duration::from_micros(2_500));
+            produce_paced_while(bootstrap, input, range, pause, flowing)
         });
         std::thread::sleep(Duration::from_secs(1));
         // p2's next commit is refused: what its writers produced in that
@@ -1303,6 +1343,8 @@ fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_
         cluster.kill("p1");
         std::thread::sleep(Duration::from_secs(2));
         cluster.spawn("p1");
+        drop(keep_flowing);
+        producing.join().unwrap()
     });
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected, _) = reference(total);
@@ -1400,7 +1442,6 @@ fn a_second_transaction_that_fails_rolls_the_run_back_and_every_count_stays_exac
 fn a_run_rolled_back_by_another_process_abort_aborts_nothing_of_its_own() {
     let Some(bootstrap) = bootstrap() else { return };
     let mut cluster = Cluster::running(&bootstrap, "counts-at-least-once");
-    let total = 6_000;
     for instance in ["p0", "p1"] {
         cluster.spawn(instance);
     }
@@ -1411,14 +1452,17 @@ fn a_run_rolled_back_by_another_process_abort_aborts_nothing_of_its_own() {
             .count()
     };
     let input = cluster.input.clone();
-    std::thread::scope(|scope| {
+    let total = std::thread::scope(|scope| {
         let (bootstrap, input) = (&bootstrap, &input);
+        let (keep_flowing, flowing) = mpsc::channel();
         let producing = scope.spawn(move || {
-            produce_paced(bootstrap, input, 0..total, Duration::from_micros(2_500));
+            let pause = Duration::from_micros(2_500);
+            produce_paced_while(bootstrap, input, 0..6_000, pause, flowing)
         });
         std::thread::sleep(Duration::from_secs(1));
         cluster.refuse_until_rolled_back("p1", &["p0"]);
-        producing.join().unwrap();
+        drop(keep_flowing);
+        producing.join().unwrap()
     });
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected, _) = reference(total);
@@ -1447,14 +1491,15 @@ fn a_run_rolled_back_by_another_process_abort_aborts_nothing_of_its_own() {
 fn a_run_restarted_after_its_commit_was_refused_reads_past_its_own_aborted_records() {
     let Some(bootstrap) = bootstrap() else { return };
     let mut cluster = Cluster::running(&bootstrap, "counts-at-least-once");
-    let total = 3_000;
     cluster.spawn("p0");
     cluster.wait_for_shares(Duration::from_secs(90));
     let input = cluster.input.clone();
-    std::thread::scope(|scope| {
+    let total = std::thread::scope(|scope| {
         let (bootstrap, input) = (&bootstrap, &input);
+        let (keep_flowing, flowing) = mpsc::channel();
         let producing = scope.spawn(move || {
-            produce_paced(bootstrap, input, 0..total, Duration::from_micros(2_500));
+            let pause = Duration::from_micros(2_500);
+            produce_paced_while(bootstrap, input, 0..3_000, pause, flowing)
         });
         std::thread::sleep(Duration::from_secs(1));
         cluster.set_failpoints("p0", "checkpoint-commit=1*return(refused)->off");
@@ -1467,7 +1512,10 @@ fn a_run_restarted_after_its_commit_was_refused_reads_past_its_own_aborted_recor
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        producing.join().unwrap();
+        // The restarted run reads records on top of the aborted ones.
+        std::thread::sleep(Duration::from_secs(2));
+        drop(keep_flowing);
+        producing.join().unwrap()
     });
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected, _) = reference(total);
