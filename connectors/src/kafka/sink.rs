@@ -174,13 +174,16 @@ impl<T: Data> KafkaSink<T> {
                 ("bootstrap.servers", &self.bootstrap_servers),
                 ("client.id", "rtflow-sink"),
                 ("linger.ms", linger),
-                // Not idempotent (a transactional.id still turns it on): that
-                // producer stops sending once 5 messages, not requests, are in
-                // flight and polls its socket without a timeout until the broker
-                // answers, a core per producer at 10k records/s. One request in
-                // flight keeps the order on retries and batches what arrives
-                // meanwhile (benches/kafka_latency.rs).
+                // One request in flight batches what arrives meanwhile: with
+                // librdkafka's 5 the idempotent producer polled its socket
+                // without a timeout until the broker answered, a core per
+                // producer at 10k records/s (benches/kafka_latency.rs).
                 ("max.in.flight.requests.per.connection", "1"),
+                // Idempotent (as Kafka's Java producer is by default): without
+                // it a partition's records could reorder or repeat on retries
+                // across a broker restart (librdkafka moves a partition's queue
+                // between connections). A transactional.id turns it on anyway.
+                ("enable.idempotence", "true"),
                 // Only failures need a report (`Deliveries`); a flush waits for
                 // the rest. A report per record cost the producers' polling
                 // thread three points of a core at 10,000-50,000 records/s
