@@ -2081,6 +2081,16 @@ fn a_process_frozen_past_its_session_abandons_what_it_lost_and_rejoins() {
     );
     let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);
+    // The others fenced p1's producers while it was frozen: it starts both
+    // afresh once it learns its session expired, rather than fail its next
+    // run's first transaction on one (and its stop, had it come then).
+    let log = cluster.log("p1");
+    let after_loss = &log[log.rfind("partitions lost").unwrap()..];
+    assert!(
+        !after_loss.contains("fenced by a newer instance"),
+        "p1 ran on a fenced producer after it rejoined:\n{}",
+        cluster.logs()
+    );
 }
 
 /// A process that hangs (its first commit never ends) leaves the event time

@@ -191,7 +191,7 @@ impl Shared {
             // What it drops is what its second transaction did not commit.
             let _ = run.link.settle();
         }
-        self.transactions.discard();
+        self.transactions.discard_fenced();
         Ok(())
     }
 

@@ -125,8 +125,21 @@ impl Tiers {
     /// readers then read past it `read_committed` (`exchange`'s catch-up)
     /// rather than roll back on it once more.
     pub(crate) fn discard(&self) {
+        self.discard_then(false);
+    }
+
+    /// Discards as [`discard`](Self::discard) does, after the group dropped
+    /// the process (its session expired): whoever took its partitions over
+    /// fenced its transactional ids meanwhile, so both producers start
+    /// afresh, even one with no transaction open. Kept, that one would fail
+    /// the next run's first transaction, and with it the run.
+    pub(crate) fn discard_fenced(&self) {
+        self.discard_then(true);
+    }
+
+    fn discard_then(&self, fenced: bool) {
         for transactions in self.both() {
-            transactions.discard();
+            transactions.discard(fenced);
         }
         for transactions in self.both() {
             transactions.await_aborted();
@@ -359,6 +372,14 @@ impl Feed {
             self.produced.clear();
         }
     }
+
+    /// Discards as [`Feed::discard`] does, for a process another fenced:
+    /// its producer is renewed before anything else, even with no
+    /// transaction open (the next would fail on the fenced one).
+    fn discard_fenced(&mut self) {
+        self.discard();
+        self.stale = true;
+    }
 }
 
 /// How one attempt at a transaction failed.
@@ -449,14 +470,19 @@ impl Transactions {
     }
 
     /// Drops every record not committed (a run that stopped without its
-    /// final checkpoint) and aborts what of them was produced.
-    pub(crate) fn discard(&self) {
+    /// final checkpoint) and aborts what of them was produced; with a fresh
+    /// producer in any case if `fenced`.
+    pub(crate) fn discard(&self, fenced: bool) {
         let mut feed = lock(&self.inner.feed);
         if feed.open {
             // Whoever read its records before it ended rolls back too.
             tracing::info!(transactions = %self.inner.name, "the open transaction aborts");
         }
-        feed.discard();
+        if fenced {
+            feed.discard_fenced();
+        } else {
+            feed.discard();
+        }
         drop(feed);
         self.inner.changed.notify_all();
     }
@@ -992,6 +1018,18 @@ mod tests {
         let produced: Vec<String> = taken.produced.iter().map(|b| value(b)).collect();
         assert_eq!(produced, ["a", "b", "c"], "kept until the commit");
         assert!(!feed.produce_now(run, 1), "a commit holds the producer");
+    }
+
+    #[test]
+    fn a_fenced_discard_renews_the_producer_with_no_transaction_open() {
+        let mut feed = Feed::default();
+        feed.join(1);
+        feed.discard();
+        assert!(matches!(feed.step(), Step::Wait), "nothing to abort");
+        feed.discard_fenced();
+        assert!(matches!(feed.step(), Step::Renew));
+        feed.renewed(Ok(()));
+        assert!(matches!(feed.step(), Step::Wait));
     }
 
     #[test]
