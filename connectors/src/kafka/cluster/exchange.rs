@@ -23,7 +23,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
@@ -565,6 +565,9 @@ struct CatchUp {
     consumer: ClosingConsumer,
     /// Each partition's last stable offset when it was taken on.
     until: BTreeMap<i32, i64>,
+    /// When it began: records it reads wait for their transactions, so a
+    /// long catch-up shows as latency.
+    since: Instant,
 }
 
 struct ExchangeReader {
@@ -648,6 +651,7 @@ impl ExchangeReader {
             self.catching_up = Some(CatchUp {
                 consumer: ClosingConsumer::new(consumer),
                 until: BTreeMap::new(),
+                since: Instant::now(),
             });
         }
         let catching_up = self.catching_up.as_mut().expect("made above");
@@ -702,6 +706,8 @@ impl ExchangeReader {
                 RtflowError::source(&self.source, format!("could not end a catch-up: {e}"))
             })?;
         if catching_up.until.is_empty() {
+            let took = catching_up.since.elapsed();
+            tracing::info!(source = %self.source, ?took, "the partitions taken on were read up to their last stable offsets");
             self.catching_up = None;
         }
         Ok(Some(until))
