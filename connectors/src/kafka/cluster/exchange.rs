@@ -668,9 +668,7 @@ impl ExchangeReader {
         let Some(until) = self.stop_catching_up(partition)? else {
             return Ok(());
         };
-        let failed = |e: KafkaError| {
-            RtflowError::source(&self.source, format!("could not end a catch-up: {e}"))
-        };
+        let failed = |e| catch_up_not_ended(&self.source, e);
         // What lies between the last message read and the stable offset
         // aborted, or marks a transaction's end.
         if let Some(p) = self
@@ -702,9 +700,7 @@ impl ExchangeReader {
         catching_up
             .consumer
             .incremental_unassign(&list)
-            .map_err(|e| {
-                RtflowError::source(&self.source, format!("could not end a catch-up: {e}"))
-            })?;
+            .map_err(|e| catch_up_not_ended(&self.source, e))?;
         if catching_up.until.is_empty() {
             let took = catching_up.since.elapsed();
             tracing::info!(source = %self.source, ?took, "the partitions taken on were read up to their last stable offsets");
@@ -899,6 +895,12 @@ impl CatchUp {
             None => Ok(Step::Nothing),
         }
     }
+}
+
+/// A catch-up that librdkafka would not let end (an unassign of the catch-up
+/// reader, or the assign of the main one that follows it).
+fn catch_up_not_ended(source: &str, error: KafkaError) -> RtflowError {
+    RtflowError::source(source, format!("could not end a catch-up: {error}"))
 }
 
 /// Passes `message`, a frame of one of `partitions`, on whole; whether it
