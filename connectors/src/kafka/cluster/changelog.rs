@@ -21,6 +21,8 @@ pub(crate) struct ChangeKey {
     pub(crate) operator: String,
     pub(crate) state: String,
     pub(crate) group: u32,
+    /// As one run of bytes, not a byte at a time (the same encoding).
+    #[serde(with = "serde_bytes")]
     pub(crate) key: Vec<u8>,
 }
 
@@ -29,6 +31,8 @@ pub(crate) struct ChangeKey {
 pub(crate) struct ChangeValue {
     pub(crate) kind: String,
     pub(crate) signature: String,
+    /// As one run of bytes, not a byte at a time (the same encoding).
+    #[serde(with = "serde_bytes")]
     pub(crate) value: Vec<u8>,
 }
 
@@ -137,6 +141,34 @@ mod tests {
             kind: "count".into(),
             signature: "(u64, u64)".into(),
         }
+    }
+
+    #[test]
+    fn keys_and_values_encode_as_processes_before_serde_bytes_wrote_them() {
+        /// `ChangeKey` and `ChangeValue` as they were, their bytes plain
+        /// sequences of `u8`s.
+        #[derive(Serialize)]
+        struct KeyBefore(String, String, u32, Vec<u8>);
+        #[derive(Serialize)]
+        struct ValueBefore(String, String, Vec<u8>);
+        let bytes: Vec<u8> = (0..=255).chain(0..300).map(|b| b as u8).collect();
+        let key = ChangeKey {
+            operator: "count-0".into(),
+            state: "counts".into(),
+            group: 300,
+            key: bytes.clone(),
+        };
+        let before = KeyBefore("count-0".into(), "counts".into(), 300, bytes.clone());
+        assert_eq!(encode(&key), encode(&before));
+        assert_eq!(decode::<ChangeKey>(&encode(&before)).unwrap(), key);
+        let value = ChangeValue {
+            kind: "count".into(),
+            signature: "u64".into(),
+            value: bytes.clone(),
+        };
+        let before = ValueBefore("count".into(), "u64".into(), bytes);
+        assert_eq!(encode(&value), encode(&before));
+        assert_eq!(decode::<ChangeValue>(&encode(&before)).unwrap(), value);
     }
 
     #[test]

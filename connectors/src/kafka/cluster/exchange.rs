@@ -63,6 +63,10 @@ enum Wire {
         /// progress numbers them: readers judge it by what earlier runs told
         /// of that partition too ([`UpstreamWatermarks::is_behind`]).
         partition: u32,
+        /// As one run of bytes: serde's default, a sequence of `u8`s, wrote
+        /// and read it a byte at a time (the same encoding, 5-10% of a
+        /// clustered process's CPU at 10,000 records/s of 1.2 KB).
+        #[serde(with = "serde_bytes")]
         payload: Vec<u8>,
     },
     Progress(UpstreamProgress),
@@ -998,6 +1002,41 @@ mod tests {
         let wires: Vec<Wire> = decode_frame(&bytes).map(Result::unwrap).collect();
         assert_eq!(wires, (0..10).map(record).collect::<Vec<_>>());
         assert!(frame.take(4).is_none(), "emptied");
+    }
+
+    #[test]
+    fn a_payload_encodes_as_processes_before_serde_bytes_wrote_it() {
+        /// `Wire` as it was, its payload a plain sequence of `u8`s.
+        #[derive(Serialize)]
+        #[allow(dead_code)]
+        enum Before {
+            Record {
+                event_time: EventTime,
+                source_time: Nanos,
+                behind: bool,
+                partition: u32,
+                payload: Vec<u8>,
+            },
+        }
+        let payload: Vec<u8> = (0..=255).chain(0..1_000).map(|b| b as u8).collect();
+        let before = Before::Record {
+            event_time: -5,
+            source_time: 7,
+            behind: true,
+            partition: 3,
+            payload: payload.clone(),
+        };
+        let now = Wire::Record {
+            event_time: -5,
+            source_time: 7,
+            behind: true,
+            partition: 3,
+            payload,
+        };
+        let old = bincode::serde::encode_to_vec(&before, bincode::config::standard()).unwrap();
+        assert_eq!(encode(&now), old);
+        let decoded: Vec<Wire> = decode_frame(&old).map(Result::unwrap).collect();
+        assert_eq!(decoded, [now]);
     }
 
     #[test]
