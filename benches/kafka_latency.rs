@@ -682,7 +682,14 @@ fn run(args: &Args, profile: Profile, rate: u64, pipeline: Pipeline) -> BenchRes
         };
         let produced = load.produce(rate, &input, until);
         expected.store(*produced.as_ref().unwrap_or(&0), Ordering::Release);
-        let consumed = consumer.join().expect("the consumer thread does not panic");
+        let consumed = (consumer.join().expect("the consumer thread does not panic")).map(
+            |(received, samples)| {
+                (
+                    received,
+                    samples.iter().map(|s| s.latency_us).collect::<Vec<u64>>(),
+                )
+            },
+        );
         stop_relay.store(true, Ordering::Release);
         let relay_queuing = match relay {
             Some(relay) => relay.join().expect("the relay thread does not panic")?,

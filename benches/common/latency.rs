@@ -117,10 +117,18 @@ impl Load<'_> {
     }
 }
 
+/// A record read back: when it was produced (microseconds since the Unix
+/// epoch) and how long it took to come out (microseconds).
+#[derive(Debug, Clone, Copy)]
+pub struct Sample {
+    pub produced_us: u64,
+    pub latency_us: u64,
+}
+
 /// Reads `partitions` partitions of `topic` from the start, `read_committed`,
 /// until `expected` records arrived (set once the producer is done) or
-/// `deadline`; returns how many arrived and the latencies in microseconds of
-/// those produced at or after `measure_from_us`, in the order they arrived.
+/// `deadline`; returns how many arrived and a sample of each produced at or
+/// after `measure_from_us`, in the order they arrived.
 pub fn consume(
     bootstrap: &str,
     partitions: u64,
@@ -129,7 +137,7 @@ pub fn consume(
     expected: &AtomicU64,
     deadline: Instant,
     measure_from_us: u64,
-) -> Result<(u64, Vec<u64>), Error> {
+) -> Result<(u64, Vec<Sample>), Error> {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", bootstrap)
@@ -148,7 +156,7 @@ pub fn consume(
     }
     consumer.assign(&assignment)?;
     let mut received = 0;
-    let mut latencies = Vec::new();
+    let mut samples = Vec::new();
     while received < expected.load(Ordering::Acquire) && Instant::now() < deadline {
         let Some(message) = consumer.poll(Duration::from_millis(100)) else {
             continue;
@@ -162,10 +170,13 @@ pub fn consume(
             .and_then(|h| std::str::from_utf8(h.value?).ok()?.parse::<u64>().ok())
             .ok_or("an output record has no produced-us header")?;
         if produced_us >= measure_from_us {
-            latencies.push(read_us.saturating_sub(produced_us));
+            samples.push(Sample {
+                produced_us,
+                latency_us: read_us.saturating_sub(produced_us),
+            });
         }
     }
-    Ok((received, latencies))
+    Ok((received, samples))
 }
 
 /// The `q` quantile (nearest rank) of `sorted` (µs, not empty) in milliseconds.
