@@ -64,8 +64,8 @@ enum Wire {
         /// of that partition too ([`UpstreamWatermarks::is_behind`]).
         partition: u32,
         /// As one run of bytes: serde's default, a sequence of `u8`s, wrote
-        /// and read it a byte at a time (the same encoding, 5-10% of a
-        /// clustered process's CPU at 10,000 records/s of 1.2 KB).
+        /// and read it a byte at a time (the same encoding; a tenth of a
+        /// clustered process's CPU samples at 10,000 records/s of 1.2 KB).
         #[serde(with = "serde_bytes")]
         payload: Vec<u8>,
     },
