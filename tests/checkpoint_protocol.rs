@@ -6,7 +6,9 @@
 //! Besides agreeing with the model step by step, every run must keep the
 //! protocol's promises: epochs complete in increasing order, an epoch carries
 //! exactly one report of each actor for that epoch, and a finished actor's last
-//! report is committed exactly once.
+//! report is committed exactly once. The even actors are a first tier: an
+//! epoch's first part completes at most once, before the epoch does, with a
+//! report of each of them for that epoch.
 
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
@@ -244,6 +246,8 @@ struct Tracker {
     actors: usize,
     committed: Vec<(Epoch, Vec<Report>)>,
     last_said: Option<Epoch>,
+    /// The first parts completed, as `first_tier_complete` reported them.
+    first_parts: Vec<(Epoch, Vec<(usize, Report)>)>,
 }
 
 impl Tracker {
@@ -265,11 +269,14 @@ impl StateMachineTest for Tracker {
     type Reference = ProtocolModel;
 
     fn init_test(model: &Model) -> Self {
+        let mut tracker = CheckpointTracker::new(model.actors, model.last_completed);
+        tracker.set_first_tier(first_tier(model.actors));
         Self {
-            tracker: CheckpointTracker::new(model.actors, model.last_completed),
+            tracker,
             actors: model.actors,
             committed: Vec::new(),
             last_said: model.last_completed,
+            first_parts: Vec::new(),
         }
     }
 
@@ -280,6 +287,19 @@ impl StateMachineTest for Tracker {
                 let acked = sut.tracker.ack(actor, epoch, Report::Ack(actor, epoch));
                 if let Ok(completed) = &acked {
                     sut.record(completed);
+                }
+                let first_part = sut.tracker.first_tier_complete();
+                if let Some((epoch, _)) = &first_part {
+                    assert_eq!(
+                        sut.tracker.in_flight(),
+                        Some(*epoch),
+                        "the first part of the epoch in flight"
+                    );
+                    assert!(
+                        sut.first_parts.iter().all(|(done, _)| done < epoch),
+                        "the first part of epoch {epoch} completed twice or out of order"
+                    );
+                    sut.first_parts.extend(first_part);
                 }
                 Outcome::Acked(acked)
             }
@@ -328,6 +348,20 @@ impl StateMachineTest for Tracker {
             last_words.iter().all(|n| *n <= 1),
             "a last word committed twice: {last_words:?}"
         );
+        for (epoch, reports) in &sut.first_parts {
+            let actors: Vec<usize> = reports.iter().map(|(actor, _)| *actor).collect();
+            assert_eq!(
+                actors,
+                first_tier(sut.actors),
+                "one report per first-tier actor"
+            );
+            for (actor, report) in reports {
+                assert_eq!(report.actor(), *actor);
+                if let Report::Ack(_, acked) = report {
+                    assert_eq!(acked, epoch, "an ack of its epoch");
+                }
+            }
+        }
         // Once everything ended and was committed, every last word was, once.
         let settled = sut.tracker.all_finished()
             && sut.tracker.in_flight().is_none()
@@ -339,6 +373,11 @@ impl StateMachineTest for Tracker {
             );
         }
     }
+}
+
+/// The actors whose acknowledgements complete an epoch's first part.
+fn first_tier(actors: usize) -> Vec<usize> {
+    (0..actors).step_by(2).collect()
 }
 
 prop_state_machine! {

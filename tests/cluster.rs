@@ -26,7 +26,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::kafka::{bootstrap, consume, produce, producer, send, topic};
+use common::kafka::{bootstrap, consume, consume_to_end, produce, producer, send, topic};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{ClientConfig, TopicPartitionList};
@@ -61,8 +61,6 @@ const STEP_MS: i64 = 10;
 const WINDOW: Duration = Duration::from_secs(1);
 /// The event time of the records that close every window at the end.
 const FLUSH_TIME: i64 = 1 << 40;
-/// How many records past the expected a check reads before it stops.
-const EXTRA_READ: usize = 20;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Event {
@@ -1027,37 +1025,38 @@ impl Cluster {
         expected_counts: &BTreeMap<String, usize>,
         expected_windows: &BTreeMap<String, usize>,
     ) {
-        let (counts, windows) = self.outputs(
+        self.outputs(
             expected_counts.len(),
             expected_windows.len(),
             Duration::from_secs(120),
         );
-        self.stop_and_check(&counts, &windows, expected_counts, expected_windows);
+        self.stop_and_check(expected_counts, expected_windows);
     }
 
-    /// Stops every process, then checks that both outputs, `counts` and
-    /// `windows` as read so far plus whatever the last commits added, equal
-    /// the references exactly once.
+    /// Stops every process, then checks that both outputs, read to their
+    /// ends, equal the references exactly once: a run that wrote records
+    /// it should not have shows them, and the last commits are read however
+    /// slow the broker is.
     fn stop_and_check(
         &mut self,
-        counts: &[String],
-        windows: &[String],
         expected_counts: &BTreeMap<String, usize>,
         expected_windows: &BTreeMap<String, usize>,
     ) {
         self.stop_all();
-        // Read past what was read and what is expected: a run that wrote
-        // records it should not have reached the count early, and the
-        // records still to come would show as missing too.
-        let past = |read: usize, expected: usize| read.max(expected) + EXTRA_READ;
-        let (counts, windows) = self.outputs(
-            past(counts.len(), expected_counts.len()),
-            past(windows.len(), expected_windows.len()),
-            Duration::from_secs(3),
-        );
+        let counts = self.read_to_end(&self.counts);
+        let windows = self.read_to_end(&self.windows);
         let logs = self.logs();
         check("count per key", &counts, expected_counts, &logs);
         check("window count per key", &windows, expected_windows, &logs);
+    }
+
+    /// The values committed in one-partition `topic`, read up to its end
+    /// once no process writes it any more.
+    fn read_to_end(&self, topic: &str) -> Vec<String> {
+        consume_to_end(&self.bootstrap, topic, Duration::from_secs(60))
+            .into_iter()
+            .map(|r| String::from_utf8(r.value).unwrap())
+            .collect()
     }
 
     /// Stops every process, then checks the counts of
@@ -1069,11 +1068,7 @@ impl Cluster {
     fn stop_and_check_at_least_once(&mut self, expected: &BTreeMap<String, usize>) {
         self.stop_all();
         let logs = self.logs();
-        let committed = self.read(
-            &self.windows,
-            expected.len() + EXTRA_READ,
-            Duration::from_secs(3),
-        );
+        let committed = self.read_to_end(&self.windows);
         check("committed count per key", &committed, expected, &logs);
         let counts = tally(&self.read(&self.counts, usize::MAX, Duration::from_secs(5)));
         let missing: Vec<_> = (expected.keys())
@@ -1137,19 +1132,27 @@ impl Cluster {
                     Some(status) => {
                         assert!(
                             status.success(),
-                            "{}{instance} failed ({status}); its log ends:\n{}",
-                            self.logs(),
-                            self.log_tail(&instance)
+                            "{}",
+                            summed_up(
+                                &format!(
+                                    "{instance} failed ({status}); its log ends:\n{}",
+                                    self.log_tail(&instance)
+                                ),
+                                &self.logs()
+                            )
                         );
                         break;
                     }
                     None if Instant::now() > deadline => {
                         let stacks = thread_stacks(child.id());
                         child.kill().unwrap();
-                        panic!(
-                            "{}\n{stacks}\n{instance} did not stop; its log ends:\n{}",
-                            self.logs(),
+                        let summary = format!(
+                            "{instance} did not stop; its log ends:\n{}",
                             self.log_tail(&instance)
+                        );
+                        panic!(
+                            "{}",
+                            summed_up(&summary, &format!("{}\n{stacks}", self.logs()))
                         );
                     }
                     None => std::thread::sleep(Duration::from_millis(50)),
@@ -1808,7 +1811,7 @@ fn a_process_restarted_under_its_name_takes_its_partitions_back_without_a_rebala
     cluster.spawn("p1");
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected_counts, expected_windows) = reference(total);
-    let (counts, windows) = cluster.outputs(
+    let (counts, _) = cluster.outputs(
         expected_counts.len(),
         expected_windows.len(),
         Duration::from_secs(120),
@@ -1832,7 +1835,7 @@ fn a_process_restarted_under_its_name_takes_its_partitions_back_without_a_rebala
         "p1 did not take back what it had:\n{}",
         cluster.logs()
     );
-    cluster.stop_and_check(&counts, &windows, &expected_counts, &expected_windows);
+    cluster.stop_and_check(&expected_counts, &expected_windows);
 }
 
 /// A static member whose instance id another member takes (as librdkafka's
@@ -2400,6 +2403,13 @@ fn three_processes_on_a_replicated_kafka_count_each_record_once_through_a_broker
     cluster.stop_and_check_at_least_once(&expected);
 }
 
+/// A failure's message: `summary`, the processes' `logs`, and `summary`
+/// again, so that a report that keeps only a long message's first and last
+/// lines still says what failed.
+fn summed_up(summary: &str, logs: &str) -> String {
+    format!("{summary}\n{logs}\n=== {summary}")
+}
+
 /// `output` holds every record of `expected` exactly once, and nothing else.
 fn check(what: &str, output: &[String], expected: &BTreeMap<String, usize>, logs: &str) {
     let output = tally(output);
@@ -2413,11 +2423,15 @@ fn check(what: &str, output: &[String], expected: &BTreeMap<String, usize>, logs
         .filter(|record| !output.contains_key(*record))
         .take(10)
         .collect();
-    assert!(
-        wrong.is_empty() && missing.is_empty(),
-        "{what}: {} records, {} expected; unexpected or repeated {wrong:?}, missing {missing:?}\n{logs}",
+    let summary = format!(
+        "{what}: {} records, {} expected; unexpected or repeated {wrong:?}, missing {missing:?}",
         output.values().sum::<usize>(),
         expected.len()
+    );
+    assert!(
+        wrong.is_empty() && missing.is_empty(),
+        "{}",
+        summed_up(&summary, logs)
     );
 }
 

@@ -4,6 +4,12 @@
 //! One checkpoint is in flight at a time (as Flink's default): a trigger while the
 //! previous epoch still waits for acknowledgements is skipped, so barriers never
 //! pile up behind a slow actor.
+//!
+//! A clustered query commits an epoch in two parts: what its processes read
+//! from source topics and wrote of those records first, the rest once every
+//! actor acknowledged. The actors of the first part (its [first
+//! tier](CheckpointTracker::set_first_tier)) complete it on their own, so that
+//! it commits without waiting for the slowest actor of the rest.
 
 use crate::Epoch;
 
@@ -32,6 +38,8 @@ struct InFlight<A> {
     epoch: Epoch,
     acks: Vec<Option<A>>,
     missing: usize,
+    /// Whether [`CheckpointTracker::first_tier_complete`] reported it.
+    first_tier_reported: bool,
 }
 
 /// Tracks checkpoints from trigger to completion; `A` is what an actor reports
@@ -48,6 +56,8 @@ pub struct CheckpointTracker<A> {
     /// Per finished actor, its last report while no epoch has taken it yet (its
     /// final state changes must be committed exactly once).
     last_words: Vec<Option<A>>,
+    /// The actors whose acknowledgements complete an epoch's first part.
+    first_tier: Vec<ActorId>,
 }
 
 impl<A: Clone> CheckpointTracker<A> {
@@ -61,7 +71,15 @@ impl<A: Clone> CheckpointTracker<A> {
             last_completed: last_committed,
             retired: (0..actors).map(|_| None).collect(),
             last_words: (0..actors).map(|_| None).collect(),
+            first_tier: Vec::new(),
         }
+    }
+
+    /// Names the actors whose acknowledgements alone complete the first part of
+    /// an epoch ([`first_tier_complete`](Self::first_tier_complete)). None by
+    /// default: an epoch then completes only as a whole.
+    pub fn set_first_tier(&mut self, actors: impl IntoIterator<Item = ActorId>) {
+        self.first_tier = actors.into_iter().filter(|a| *a < self.actors).collect();
     }
 
     /// The number the next epoch triggered will have.
@@ -100,6 +118,7 @@ impl<A: Clone> CheckpointTracker<A> {
             epoch,
             acks,
             missing,
+            first_tier_reported: false,
         });
         Some(epoch)
     }
@@ -192,6 +211,22 @@ impl<A: Clone> CheckpointTracker<A> {
         Ok(Some((done.epoch, reports)))
     }
 
+    /// The epoch in flight with the reports of its first tier, in actor order,
+    /// once every actor of the first tier acknowledged it while others still
+    /// owe theirs; once per epoch. An epoch whose last acknowledgement came
+    /// from its first tier completes as a whole instead ([`ack`](Self::ack)).
+    pub fn first_tier_complete(&mut self) -> Option<(Epoch, Vec<(ActorId, A)>)> {
+        let in_flight = self.in_flight.as_mut()?;
+        if in_flight.first_tier_reported || self.first_tier.is_empty() {
+            return None;
+        }
+        let reports = (self.first_tier.iter())
+            .map(|&actor| Some((actor, in_flight.acks[actor].clone()?)))
+            .collect::<Option<Vec<_>>>()?;
+        in_flight.first_tier_reported = true;
+        Some((in_flight.epoch, reports))
+    }
+
     /// Drops the epoch in flight (an actor failed): it will never complete.
     pub fn abort(&mut self) -> Option<Epoch> {
         self.in_flight.take().map(|f| f.epoch)
@@ -222,6 +257,45 @@ mod tests {
         assert_eq!(tracker.last_completed(), Some(1));
         assert_eq!(tracker.in_flight(), None);
         assert_eq!(tracker.trigger(), Some(2));
+    }
+
+    #[test]
+    fn the_first_tier_completes_its_part_once_before_the_rest() {
+        let mut tracker = CheckpointTracker::new(3, None);
+        tracker.set_first_tier([0, 2]);
+        assert_eq!(tracker.first_tier_complete(), None, "nothing in flight");
+        assert_eq!(tracker.trigger(), Some(1));
+        assert_eq!(tracker.ack(0, 1, "a"), Ok(None));
+        assert_eq!(tracker.first_tier_complete(), None, "actor 2 owes its ack");
+        assert_eq!(tracker.ack(2, 1, "c"), Ok(None));
+        assert_eq!(
+            tracker.first_tier_complete(),
+            Some((1, vec![(0, "a"), (2, "c")]))
+        );
+        assert_eq!(tracker.first_tier_complete(), None, "reported once");
+        assert_eq!(tracker.ack(1, 1, "b"), Ok(Some((1, vec!["a", "b", "c"]))));
+        assert_eq!(tracker.trigger(), Some(2));
+        assert_eq!(tracker.ack(1, 2, "b"), Ok(None));
+        assert_eq!(tracker.ack(0, 2, "a"), Ok(None));
+        assert_eq!(
+            tracker.ack(2, 2, "c"),
+            Ok(Some((2, vec!["a", "b", "c"]))),
+            "the first tier's last ack completed the whole epoch"
+        );
+        assert_eq!(tracker.first_tier_complete(), None);
+    }
+
+    #[test]
+    fn a_retired_first_tier_actor_stands_in_for_its_part() {
+        let mut tracker = CheckpointTracker::new(2, None);
+        tracker.set_first_tier([0]);
+        assert_eq!(tracker.retire(0, "a-last", "a"), None);
+        assert_eq!(tracker.trigger(), Some(1));
+        assert_eq!(
+            tracker.first_tier_complete(),
+            Some((1, vec![(0, "a-last")]))
+        );
+        assert_eq!(tracker.ack(1, 1, "b"), Ok(Some((1, vec!["a-last", "b"]))));
     }
 
     #[test]

@@ -214,6 +214,9 @@ pub(crate) struct ActorSpec {
     pub(crate) source: Option<(String, Sender<Epoch>)>,
     /// For an actor ending in a sink: where to send the epochs committed.
     pub(crate) commits: Option<Sender<Epoch>>,
+    /// In a clustered query, whether the actor's part of each epoch commits
+    /// second ([`CommitOrder`]); a chain's nodes all commit in one tier.
+    pub(crate) commits_second: bool,
 }
 
 /// Where a starting query resumes: the last committed checkpoint's source offsets
@@ -761,6 +764,7 @@ impl Plan {
                     main,
                     source,
                     commits,
+                    commits_second: self.commits_second[head],
                 });
             }
         }

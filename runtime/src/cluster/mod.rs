@@ -472,9 +472,19 @@ pub trait ClusterLink: Membership {
     /// the keyed state of the key groups they carry.
     fn recover(&self) -> Result<ClusterRecovery>;
 
-    /// Commits checkpoint `epoch` into the cluster, atomically: the output its
-    /// sinks staged for it, its keyed state `deltas`, and the source `offsets`
-    /// it ends at (by source uid, as the readers labelled them).
+    /// Commits the first part of checkpoint `epoch` ([`CommitOrder`]) as soon
+    /// as the actors that commit first acknowledged it, not the slowest of the
+    /// rest: the `offsets` of the sources that commit first and the output
+    /// written of their records. The next epoch's records of those writers
+    /// then go out without waiting for the whole checkpoint.
+    /// [`commit`](Self::commit) of the same epoch commits the rest.
+    fn commit_first(&self, epoch: Epoch, offsets: &BTreeMap<String, Offsets>) -> Result<()>;
+
+    /// Commits checkpoint `epoch` into the cluster: the output its sinks
+    /// staged for it, its keyed state `deltas`, and the source `offsets` it
+    /// ends at (by source uid, as the readers labelled them); what
+    /// [`commit_first`](Self::commit_first) committed of it already, it
+    /// leaves out.
     fn commit(
         &self,
         epoch: Epoch,

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use actix::{Actor, ActorContext, AsyncContext, Context, Handler, Message, System};
 use crossbeam_channel::Sender;
+use rtflow_checkpoint::protocol::ActorId;
 use rtflow_checkpoint::{CheckpointStore, CheckpointTracker, CommitStats, Manifest, Recovery};
 
 use self::epochs::{assemble, Ack, Assembled, Requests};
@@ -299,6 +300,10 @@ impl Coordinator {
             first_epoch: tracker.next_epoch(),
         };
         let mut actors = plan.wire(&config, &self.shared.metrics, &self.env, &resume_from)?;
+        if matches!(location, Location::Cluster(_)) {
+            let first = actors.iter().enumerate().filter(|(_, a)| !a.commits_second);
+            tracker.set_first_tier(first.map(|(actor, _)| actor));
+        }
         if let Some((id, meta)) = restored.unclaimed() {
             return Err(RtflowError::IncompatibleCheckpoint {
                 difference: format!(
@@ -505,6 +510,31 @@ impl Coordinator {
         Ok(())
     }
 
+    /// The actors that commit first acknowledged `epoch` (a clustered query):
+    /// commit their part of it now.
+    fn commit_first(&mut self, epoch: Epoch, acks: Vec<(ActorId, Ack)>) -> Result<()> {
+        let checkpoints = self.checkpoints.as_ref().expect("checkpoints run");
+        let Store::Cluster(link) = &checkpoints.store else {
+            return Ok(());
+        };
+        let _span = tracing::info_span!("checkpoint", epoch).entered();
+        let mut offsets = SourceOffsets::new();
+        for (actor, ack) in acks {
+            if let Some((uid, _)) = &checkpoints.sources[actor] {
+                offsets.entry(uid.clone()).or_default().extend(ack.offsets);
+            }
+        }
+        let written = || -> Result<()> {
+            fail::fail_point!("checkpoint-commit", |message| Err(RtflowError::Checkpoint(
+                message.unwrap_or_default()
+            )));
+            link.commit_first(epoch, &offsets)
+        };
+        written().inspect_err(|_| self.shared.metrics.checkpoint_failed())?;
+        tracing::debug!(epoch, took = ?checkpoints.triggered_at.elapsed(), "first tier committed");
+        Ok(())
+    }
+
     fn on_report(&mut self, report: Report) -> Result<()> {
         let Some(checkpoints) = &mut self.checkpoints else {
             return Ok(());
@@ -548,6 +578,8 @@ impl Coordinator {
         };
         if let Some((epoch, acks)) = complete {
             self.commit(epoch, acks)?;
+        } else if let Some((epoch, acks)) = checkpoints.tracker.first_tier_complete() {
+            self.commit_first(epoch, acks)?;
         }
         let checkpoints = self.checkpoints.as_mut().expect("checkpoints run");
         if checkpoints.tracker.all_finished() && checkpoints.tracker.in_flight().is_none() {

@@ -66,6 +66,9 @@ pub(crate) enum Mode {
         verified: Arc<Mutex<Verified>>,
         /// Commits each epoch's second transaction beside the next epoch.
         second: SecondTier,
+        /// The epoch whose first transaction `commit_first` committed, until
+        /// `commit` of that epoch commits the rest.
+        first_committed: Mutex<Option<Epoch>>,
         /// Where the run tells what it restored.
         last_restore: Arc<Mutex<Option<RestoreStats>>>,
     },
@@ -275,6 +278,18 @@ impl ClusterLink for KafkaLink {
         Ok(recovery)
     }
 
+    fn commit_first(&self, epoch: Epoch, offsets: &BTreeMap<String, Offsets>) -> Result<()> {
+        let Mode::Live {
+            first_committed, ..
+        } = &self.mode
+        else {
+            return Err(self.error("a probe does not commit"));
+        };
+        self.commit_sourced(epoch, offsets)?;
+        *lock(first_committed) = Some(epoch);
+        Ok(())
+    }
+
     fn commit(
         &self,
         epoch: Epoch,
@@ -286,11 +301,15 @@ impl ClusterLink for KafkaLink {
             upstream,
             verified,
             second,
+            first_committed,
             ..
         } = &self.mode
         else {
             return Err(self.error("a probe does not commit"));
         };
+        if lock(first_committed).take() != Some(epoch) {
+            self.commit_sourced(epoch, offsets)?;
+        }
         let partitions = self.settings.repartition_partitions as u32;
         let mut changes = Batch {
             topic: Some(self.settings.changelog_topic()),
@@ -308,45 +327,31 @@ impl ClusterLink for KafkaLink {
                 });
             }
         }
-        let (later, first): (Vec<_>, Vec<_>) = {
+        let later: Vec<&Offsets> = {
             let order = lock(&self.order);
-            (offsets.iter()).partition(|(uid, _)| order.second.contains(*uid))
+            (offsets.iter())
+                .filter(|(uid, _)| order.second.contains(*uid))
+                .map(|(_, o)| o)
+                .collect()
         };
-        let group_of = |topic: &str| self.settings.group_of(topic);
-        let sourced = positions(first.into_iter().map(|(_, o)| o), group_of)?;
-        let repartitioned = positions(later.iter().map(|(_, o)| *o), group_of)?;
+        let repartitioned =
+            positions(later.iter().copied(), |topic| self.settings.group_of(topic))?;
         tracing::debug!(
             epoch,
             changes = changes.messages.len(),
-            ?sourced,
             ?repartitioned,
-            "committing"
+            "committing the second transaction"
         );
-        let nothing = Batch {
-            topic: None,
-            messages: Vec::new(),
-        };
-        let sourced_transaction = transactions.of(Tier::Sourced);
-        // A run whose second transaction failed lost that epoch's records:
-        // it starts over from its last commit. Its first transaction is
-        // sound (it holds only what the run read of the source topics and
-        // wrote from it) and other processes read it before it commits:
-        // aborted, it would roll their runs back in turn, and theirs the
-        // next. So it commits, as the run's last.
-        if let Err(error) = second.check() {
-            tracing::warn!(epoch, %error, "the second transaction failed; the run commits its first and rolls back the rest");
-            sourced_transaction.commit_last(epoch, nothing, &sourced)?;
-            return Err(error);
-        }
-        sourced_transaction.commit(epoch, nothing, &sourced)?;
         let second_transaction = SecondTransaction {
             epoch,
-            reads: reads(later.into_iter().map(|(_, o)| o))?,
+            reads: reads(later.into_iter())?,
             changes,
             positions: repartitioned,
         };
         let (transactions, upstream, verified) =
             (transactions.clone(), upstream.clone(), verified.clone());
+        // After a second transaction that failed it is dropped, and the next
+        // epoch's first commit fails the run.
         second.hand_over(
             epoch,
             Box::new(move || second_transaction.commit(&transactions, &upstream, &verified)),
@@ -391,6 +396,45 @@ impl SecondTransaction {
 }
 
 impl KafkaLink {
+    /// Commits epoch `epoch`'s first transaction: the offsets of the sources
+    /// that commit first, among `offsets`, with the records written of them.
+    fn commit_sourced(&self, epoch: Epoch, offsets: &BTreeMap<String, Offsets>) -> Result<()> {
+        let Mode::Live {
+            transactions,
+            second,
+            ..
+        } = &self.mode
+        else {
+            return Err(self.error("a probe does not commit"));
+        };
+        let first: Vec<&Offsets> = {
+            let order = lock(&self.order);
+            (offsets.iter())
+                .filter(|(uid, _)| !order.second.contains(*uid))
+                .map(|(_, o)| o)
+                .collect()
+        };
+        let sourced = positions(first.into_iter(), |topic| self.settings.group_of(topic))?;
+        tracing::debug!(epoch, ?sourced, "committing the first transaction");
+        let nothing = Batch {
+            topic: None,
+            messages: Vec::new(),
+        };
+        let sourced_transaction = transactions.of(Tier::Sourced);
+        // A run whose second transaction failed lost that epoch's records:
+        // it starts over from its last commit. Its first transaction is
+        // sound (it holds only what the run read of the source topics and
+        // wrote from it) and other processes read it before it commits:
+        // aborted, it would roll their runs back in turn, and theirs the
+        // next. So it commits, as the run's last.
+        if let Err(error) = second.check() {
+            tracing::warn!(epoch, %error, "the second transaction failed; the run commits its first and rolls back the rest");
+            sourced_transaction.commit_last(epoch, nothing, &sourced)?;
+            return Err(error);
+        }
+        sourced_transaction.commit(epoch, nothing, &sourced)
+    }
+
     /// Where `owned`, partitions of this process, resume: their committed
     /// offsets, and the keyed state of the key groups they carry, with what
     /// reading them took. For a run's start, and for partitions a run adopts

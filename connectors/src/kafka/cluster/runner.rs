@@ -419,9 +419,10 @@ impl ClusteredQuery {
     }
 
     /// Stops the current run with a final checkpoint and leaves the group;
-    /// the other processes take its partitions over. A run that failed, or
-    /// whose final checkpoint failed, returns its error: its partitions
-    /// resume from its last commit.
+    /// the other processes take its partitions over. A run that failed as
+    /// the process stopped starts over once from its last commit, to stop
+    /// with a final checkpoint of its own. If that fails too, `stop` returns
+    /// the error: the process's partitions resume from its last commit.
     pub fn stop(&self) -> Result<()> {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.join()
@@ -873,10 +874,24 @@ where
     let mut retries = Retries::new(shared.settings.retry_timeout);
     // After a failed run, the next one waits until then.
     let mut not_before = Instant::now();
+    let mut started_over_to_stop = false;
     loop {
         std::thread::sleep(Duration::from_millis(25));
         if shared.stop.load(Ordering::SeqCst) {
-            return shared.stop_run();
+            match shared.stop_run() {
+                // A run that failed as the process stopped (another
+                // process's transaction it read aborted, say) dropped what
+                // it did since its last commit. One more run starts over
+                // from there and stops with a final checkpoint, so that a
+                // stop that returns fine ended on a commit of its own.
+                Err(error) if !started_over_to_stop => {
+                    tracing::warn!(%error, "the run failed as the process stopped; it starts over from its last commit to stop");
+                    started_over_to_stop = true;
+                    start_run(shared, config, build)??;
+                    continue;
+                }
+                stopped => return stopped,
+            }
         }
         if let Some(error) = lock(&shared.member_failed).take() {
             return Err(error);
@@ -1009,6 +1024,7 @@ where
             upstream: shared.upstream.clone(),
             verified: Arc::default(),
             second,
+            first_committed: Mutex::default(),
             last_restore: shared.last_restore.clone(),
         },
     });
