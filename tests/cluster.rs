@@ -1435,6 +1435,76 @@ fn a_second_transaction_that_fails_rolls_the_run_back_and_every_count_stays_exac
     cluster.stop_and_check_at_least_once(&expected);
 }
 
+/// A process commits an epoch's first transaction, its input's offsets and
+/// the repartition records written of them, once its sources and their
+/// writers passed the barrier: a repartition reader held at the barrier
+/// holds back only the second transaction, the keyed state and its output.
+/// Once the reader goes on, every count comes out once.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_reader_held_at_its_barrier_holds_back_only_the_second_transaction() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::new(&bootstrap);
+    let before = 500;
+    cluster.start(&["p0"], 0..before, Duration::from_secs(90));
+    let input = cluster.input.clone();
+    let total = std::thread::scope(|scope| {
+        let (bootstrap, input) = (&bootstrap, &input);
+        let (keep_flowing, flowing) = mpsc::channel();
+        // Records keep coming while the readers stop at their next barrier,
+        // so that the epoch they stop in has records of its own.
+        let producing = scope.spawn(move || {
+            let pause = Duration::from_micros(2_500);
+            produce_paced_while(bootstrap, input, before..before + 400, pause, flowing)
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        cluster.set_failpoints("p0", "repartition-reader-offsets=pause");
+        // Past a few batches after p0 took the failpoint: its readers
+        // stopped at a barrier while records flowed.
+        let failpoints = cluster.dir.join("p0.failpoints");
+        while failpoints.exists() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        drop(keep_flowing);
+        producing.join().unwrap()
+    });
+    // Wait until both commits stand still: the first at the epoch the readers
+    // stopped in, the second at the one before.
+    let mut committed = (cluster.committed_input(), 0);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        std::thread::sleep(Duration::from_secs(3));
+        let counted = cluster.read_to_end(&cluster.counts).len();
+        let now = (cluster.committed_input(), counted);
+        if now == committed {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "p0 kept committing with its readers held:\n{}",
+            cluster.logs()
+        );
+        committed = now;
+    }
+    let (input_committed, counted) = committed;
+    assert!(
+        input_committed > counted as i64 && (counted as i64) < total as i64,
+        "{}",
+        summed_up(
+            &format!(
+                "with its readers held at a barrier, p0 committed offsets of {input_committed} \
+                 input records and the counts of {counted}: its first transaction waited for them"
+            ),
+            &cluster.logs()
+        )
+    );
+    cluster.set_failpoints("p0", "repartition-reader-offsets=off");
+    produce(&bootstrap, &cluster.input, flush_records());
+    let (expected_counts, expected_windows) = reference(total);
+    cluster.await_and_check(&expected_counts, &expected_windows);
+}
+
 /// A run that rolls back because a transaction it read from aborted still
 /// commits its own first transaction: the others read it before it
 /// committed, and its abort would roll them back in turn, and theirs the
