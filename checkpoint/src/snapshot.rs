@@ -51,7 +51,12 @@ pub struct StateMeta {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Entry {
     pub group: u32,
+    /// As one run of bytes, not a byte at a time (the same encoding, so
+    /// checkpoints written before still read).
+    #[serde(with = "serde_bytes")]
     pub key: Vec<u8>,
+    /// As one run of bytes, like `key`.
+    #[serde(with = "serde_bytes")]
     pub value: Option<Vec<u8>>,
 }
 
@@ -115,7 +120,11 @@ pub struct CorruptBlob {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct EntryRef<'a> {
     pub group: u32,
+    /// As one run of bytes, as [`Entry::key`] is.
+    #[serde(with = "serde_bytes")]
     pub key: &'a [u8],
+    /// As one run of bytes, as [`Entry::value`] is.
+    #[serde(with = "serde_bytes")]
     pub value: Option<&'a [u8]>,
 }
 
@@ -615,6 +624,52 @@ mod tests {
         assert_eq!(owned(decoded.iter()), entries);
         let borrowed: Vec<EntryRef<'_>> = decoded.iter().collect();
         assert_eq!(encode_blob(&borrowed), encode_blob(&entries));
+    }
+
+    #[test]
+    fn entries_encode_as_checkpoints_before_serde_bytes_wrote_them() {
+        /// `Entry` as it was, its key and value plain sequences of `u8`s.
+        #[derive(Serialize)]
+        struct Before {
+            group: u32,
+            key: Vec<u8>,
+            value: Option<Vec<u8>>,
+        }
+        let config = bincode::config::standard();
+        let bytes: Vec<u8> = (0..=255).chain(0..1_000).map(|b| b as u8).collect();
+        for value in [Some(bytes[..300].to_vec()), Some(Vec::new()), None] {
+            let before = Before {
+                group: 70_000,
+                key: bytes.clone(),
+                value: value.clone(),
+            };
+            let now = Entry {
+                group: 70_000,
+                key: bytes.clone(),
+                value,
+            };
+            let old = bincode::serde::encode_to_vec(&before, config).unwrap();
+            assert_eq!(bincode::serde::encode_to_vec(&now, config).unwrap(), old);
+            let borrowed = EntryRef {
+                group: now.group,
+                key: &now.key,
+                value: now.value.as_deref(),
+            };
+            assert_eq!(
+                bincode::serde::encode_to_vec(borrowed, config).unwrap(),
+                old
+            );
+            let (decoded, read): (Entry, usize) =
+                bincode::serde::decode_from_slice(&old, config).unwrap();
+            assert_eq!((decoded, read), (now.clone(), old.len()));
+            // A blob of old entries: the same bytes, read back as the entry.
+            let blob = encode_blob(&[before]);
+            assert_eq!(blob, encode_blob(std::slice::from_ref(&now)));
+            let reference = blob_ref(1, 0, 0, &blob);
+            let state = StateId::new("count-0", "counts");
+            let read = decode_blob(&state, reference, blob).unwrap();
+            assert_eq!(owned(read.iter()), [now]);
+        }
     }
 
     #[test]
