@@ -1437,12 +1437,12 @@ fn a_second_transaction_that_fails_rolls_the_run_back_and_every_count_stays_exac
 
 /// A process commits an epoch's first transaction, its input's offsets and
 /// the repartition records written of them, once its sources and their
-/// writers passed the barrier: a repartition reader held at the barrier
-/// holds back only the second transaction, the keyed state and its output.
-/// Once the reader goes on, every count comes out once.
+/// writers passed the barrier: an exactly-once sink behind the repartition
+/// held at the barrier holds back only the second transaction, the keyed
+/// state and its output. Once the sink goes on, every count comes out once.
 #[cfg(feature = "failpoints")]
 #[test]
-fn a_reader_held_at_its_barrier_holds_back_only_the_second_transaction() {
+fn a_sink_held_at_its_barrier_holds_back_only_the_second_transaction() {
     let Some(bootstrap) = bootstrap() else { return };
     let mut cluster = Cluster::new(&bootstrap);
     let before = 500;
@@ -1451,15 +1451,15 @@ fn a_reader_held_at_its_barrier_holds_back_only_the_second_transaction() {
     let total = std::thread::scope(|scope| {
         let (bootstrap, input) = (&bootstrap, &input);
         let (keep_flowing, flowing) = mpsc::channel();
-        // Records keep coming while the readers stop at their next barrier,
+        // Records keep coming while the sinks stop at their next barrier,
         // so that the epoch they stop in has records of its own.
         let producing = scope.spawn(move || {
             let pause = Duration::from_micros(2_500);
             produce_paced_while(bootstrap, input, before..before + 400, pause, flowing)
         });
         std::thread::sleep(Duration::from_secs(1));
-        cluster.set_failpoints("p0", "repartition-reader-offsets=pause");
-        // Past a few batches after p0 took the failpoint: its readers
+        cluster.set_failpoints("p0", "cluster-sink-barrier=pause");
+        // Past a few batches after p0 took the failpoint: its sinks
         // stopped at a barrier while records flowed.
         let failpoints = cluster.dir.join("p0.failpoints");
         while failpoints.exists() {
@@ -1469,7 +1469,7 @@ fn a_reader_held_at_its_barrier_holds_back_only_the_second_transaction() {
         drop(keep_flowing);
         producing.join().unwrap()
     });
-    // Wait until both commits stand still: the first at the epoch the readers
+    // Wait until both commits stand still: the first at the epoch the sinks
     // stopped in, the second at the one before.
     let mut committed = (cluster.committed_input(), 0);
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -1482,7 +1482,7 @@ fn a_reader_held_at_its_barrier_holds_back_only_the_second_transaction() {
         }
         assert!(
             Instant::now() < deadline,
-            "p0 kept committing with its readers held:\n{}",
+            "p0 kept committing with its sinks held:\n{}",
             cluster.logs()
         );
         committed = now;
@@ -1493,13 +1493,13 @@ fn a_reader_held_at_its_barrier_holds_back_only_the_second_transaction() {
         "{}",
         summed_up(
             &format!(
-                "with its readers held at a barrier, p0 committed offsets of {input_committed} \
+                "with its sinks held at a barrier, p0 committed offsets of {input_committed} \
                  input records and the counts of {counted}: its first transaction waited for them"
             ),
             &cluster.logs()
         )
     );
-    cluster.set_failpoints("p0", "repartition-reader-offsets=off");
+    cluster.set_failpoints("p0", "cluster-sink-barrier=off");
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected_counts, expected_windows) = reference(total);
     cluster.await_and_check(&expected_counts, &expected_windows);

@@ -351,6 +351,9 @@ impl<T: Data> SinkWriter<T> for ClusterWriter<T> {
     }
 
     fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {
+        // Holds the sink at its barrier: behind a repartition, its epoch's
+        // second transaction waits, the first does not (tests/cluster.rs).
+        fail::fail_point!("cluster-sink-barrier");
         self.staging.end_epoch(epoch);
         Ok(())
     }

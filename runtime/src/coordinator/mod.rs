@@ -301,7 +301,13 @@ impl Coordinator {
         };
         let mut actors = plan.wire(&config, &self.shared.metrics, &self.env, &resume_from)?;
         if matches!(location, Location::Cluster(_)) {
-            let first = actors.iter().enumerate().filter(|(_, a)| !a.commits_second);
+            // Every source too, the repartitions' readers among them: once
+            // they passed the barrier, none reads records of the next epoch
+            // that the first transaction's commit lets this process's
+            // writers produce. Read in this epoch, those would hold its
+            // second transaction until the next commit.
+            let first = (actors.iter().enumerate())
+                .filter(|(_, a)| !a.commits_second || a.source.is_some());
             tracker.set_first_tier(first.map(|(actor, _)| actor));
         }
         if let Some((id, meta)) = restored.unclaimed() {

@@ -736,9 +736,6 @@ impl ExchangeReader {
 
 impl SourceReader<Exchanged> for ExchangeReader {
     fn offsets(&self) -> Offsets {
-        // Holds a reader at its barrier: its epoch's second transaction
-        // waits, the first does not (tests/cluster.rs).
-        fail::fail_point!("repartition-reader-offsets");
         let mut offsets = Offsets::new();
         for partition in &self.partitions {
             let label = format!("{}-{}", self.topic, partition.partition);
