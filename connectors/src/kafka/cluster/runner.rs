@@ -270,6 +270,18 @@ impl Shared {
         }
     }
 
+    /// The partitions of `topics` the process holds, as the groups'
+    /// assignments added them.
+    fn assigned_in(&self, topics: &[String]) -> TopicPartitionList {
+        let mut held = TopicPartitionList::new();
+        for (topic, partition) in lock(&self.assignment).iter() {
+            if topics.contains(topic) {
+                held.add_partition(topic, *partition);
+            }
+        }
+        held
+    }
+
     fn changed(&self, group: &str) {
         lock(&self.settling).heard(group, Instant::now());
         self.generation.fetch_add(1, Ordering::SeqCst);
@@ -791,9 +803,11 @@ fn hold_membership(shared: &Arc<Shared>, mut membership: Membership) -> Result<(
     while !shared.leave.load(Ordering::SeqCst) {
         poll_member(&membership.member);
         if let Some((code, reason)) = membership.member.client().fatal_error() {
-            if let Ok(assigned) = membership.member.assignment() {
-                shared.let_go(&assigned, true)?;
-            }
+            // What the process holds of the group's topics, as it recorded
+            // the assignments: a member failed for good may report none of
+            // them, and a run over one it no longer holds would commit
+            // next to its new owner, with the new member's generation.
+            shared.let_go(&shared.assigned_in(&membership.topics), true)?;
             if taken(shared, &membership) {
                 return Err(RtflowError::ClusterInstanceTaken {
                     instance: shared.settings.instance.clone(),
