@@ -114,6 +114,29 @@ fn produce_paced_while(
     next
 }
 
+/// Produces records from `range`'s start, one producer 2.5 ms apart, for a
+/// second and then while `meanwhile` runs (at least through `range`);
+/// returns the end it reached. One producer all along: a new one per batch
+/// takes long enough to leave an epoch without records.
+fn produce_during(
+    bootstrap: &str,
+    topic: &str,
+    range: Range<usize>,
+    meanwhile: impl FnOnce(),
+) -> usize {
+    std::thread::scope(|scope| {
+        let (keep_flowing, flowing) = mpsc::channel();
+        let producing = scope.spawn(move || {
+            let pause = Duration::from_micros(2_500);
+            produce_paced_while(bootstrap, topic, range, pause, flowing)
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        meanwhile();
+        drop(keep_flowing);
+        producing.join().unwrap()
+    })
+}
+
 /// One record per partition far ahead in event time: every window closes.
 fn flush_records() -> Vec<(i32, String, Vec<u8>)> {
     (0..PARTITIONS)
@@ -1327,16 +1350,7 @@ fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_
     // Records flow all along, so that every epoch of every process holds
     // some that the others read before it commits.
     let input = cluster.input.clone();
-    let total = std::thread::scope(|scope| {
-        let (bootstrap, input) = (&bootstrap, &input);
-        let (keep_flowing, flowing) = mpsc::channel();
-        let producing = scope.spawn(move || {
-            // One producer all along: a new one per batch takes long enough
-            // to leave an epoch without records.
-            let (range, pause) = (third..3 * third, Duration::from_micros(2_500));
-            produce_paced_while(bootstrap, input, range, pause, flowing)
-        });
-        std::thread::sleep(Duration::from_secs(1));
+    let total = produce_during(&bootstrap, &input, third..3 * third, || {
         // p2's next commit is refused: what its writers produced in that
         // epoch, of its own input partitions, aborts. Ten keys over six
         // repartition partitions send some of it to the others' readers,
@@ -1346,8 +1360,6 @@ fn a_clustered_count_counts_each_record_once_when_a_writer_is_killed_or_refused_
         cluster.kill("p1");
         std::thread::sleep(Duration::from_secs(2));
         cluster.spawn("p1");
-        drop(keep_flowing);
-        producing.join().unwrap()
     });
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected, _) = reference(total);
@@ -1447,17 +1459,10 @@ fn a_sink_held_at_its_barrier_holds_back_only_the_second_transaction() {
     let mut cluster = Cluster::new(&bootstrap);
     let before = 500;
     cluster.start(&["p0"], 0..before, Duration::from_secs(90));
+    // Records keep coming while the sinks stop at their next barrier, so
+    // that the epoch they stop in has records of its own.
     let input = cluster.input.clone();
-    let total = std::thread::scope(|scope| {
-        let (bootstrap, input) = (&bootstrap, &input);
-        let (keep_flowing, flowing) = mpsc::channel();
-        // Records keep coming while the sinks stop at their next barrier,
-        // so that the epoch they stop in has records of its own.
-        let producing = scope.spawn(move || {
-            let pause = Duration::from_micros(2_500);
-            produce_paced_while(bootstrap, input, before..before + 400, pause, flowing)
-        });
-        std::thread::sleep(Duration::from_secs(1));
+    let total = produce_during(&bootstrap, &input, before..before + 400, || {
         cluster.set_failpoints("p0", "cluster-sink-barrier=pause");
         // Past a few batches after p0 took the failpoint: its sinks
         // stopped at a barrier while records flowed.
@@ -1466,8 +1471,6 @@ fn a_sink_held_at_its_barrier_holds_back_only_the_second_transaction() {
             std::thread::sleep(Duration::from_millis(20));
         }
         std::thread::sleep(Duration::from_secs(2));
-        drop(keep_flowing);
-        producing.join().unwrap()
     });
     // Wait until both commits stand still: the first at the epoch the sinks
     // stopped in, the second at the one before.
@@ -1525,17 +1528,8 @@ fn a_run_rolled_back_by_another_process_abort_aborts_nothing_of_its_own() {
             .count()
     };
     let input = cluster.input.clone();
-    let total = std::thread::scope(|scope| {
-        let (bootstrap, input) = (&bootstrap, &input);
-        let (keep_flowing, flowing) = mpsc::channel();
-        let producing = scope.spawn(move || {
-            let pause = Duration::from_micros(2_500);
-            produce_paced_while(bootstrap, input, 0..6_000, pause, flowing)
-        });
-        std::thread::sleep(Duration::from_secs(1));
+    let total = produce_during(&bootstrap, &input, 0..6_000, || {
         cluster.refuse_until_rolled_back("p1", &["p0"]);
-        drop(keep_flowing);
-        producing.join().unwrap()
     });
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected, _) = reference(total);
@@ -1567,14 +1561,7 @@ fn a_run_restarted_after_its_commit_was_refused_reads_past_its_own_aborted_recor
     cluster.spawn("p0");
     cluster.wait_for_shares(Duration::from_secs(90));
     let input = cluster.input.clone();
-    let total = std::thread::scope(|scope| {
-        let (bootstrap, input) = (&bootstrap, &input);
-        let (keep_flowing, flowing) = mpsc::channel();
-        let producing = scope.spawn(move || {
-            let pause = Duration::from_micros(2_500);
-            produce_paced_while(bootstrap, input, 0..3_000, pause, flowing)
-        });
-        std::thread::sleep(Duration::from_secs(1));
+    let total = produce_during(&bootstrap, &input, 0..3_000, || {
         cluster.set_failpoints("p0", "checkpoint-commit=1*return(refused)->off");
         let deadline = Instant::now() + Duration::from_secs(60);
         while cluster.refusals("p0") < 1 {
@@ -1587,8 +1574,6 @@ fn a_run_restarted_after_its_commit_was_refused_reads_past_its_own_aborted_recor
         }
         // The restarted run reads records on top of the aborted ones.
         std::thread::sleep(Duration::from_secs(2));
-        drop(keep_flowing);
-        producing.join().unwrap()
     });
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected, _) = reference(total);
