@@ -21,10 +21,11 @@
 //! A second transaction that failed fails the run's next checkpoint (its
 //! records are gone from the process's transaction: the run must start over
 //! from its last commit), and those handed over after it are dropped. That
-//! checkpoint still commits the first transaction (`KafkaLink::commit`): what
-//! the run read of the source topics and wrote from it stands on its own, and
-//! other processes may have read those records before it committed. The
-//! run's end or handover waits for the last one ([`SecondTier::settle`]).
+//! checkpoint still commits the first transaction
+//! (`KafkaLink::commit_sourced`): what the run read of the source topics and
+//! wrote from it stands on its own, and other processes may have read those
+//! records before it committed. The run's end or handover waits for the
+//! last one ([`SecondTier::settle`]).
 //!
 //! [`Pipeline`] decides what runs when and does no I/O; [`SecondTier`] runs
 //! the commits.
