@@ -473,12 +473,16 @@ pub trait ClusterLink: Membership {
     fn recover(&self) -> Result<ClusterRecovery>;
 
     /// Commits the first part of checkpoint `epoch` ([`CommitOrder`]) as soon
-    /// as the actors that commit first acknowledged it, not the slowest of the
-    /// rest: the `offsets` of the sources that commit first and the output
-    /// written of their records. The next epoch's records of those writers
-    /// then go out without waiting for the whole checkpoint.
-    /// [`commit`](Self::commit) of the same epoch commits the rest.
-    fn commit_first(&self, epoch: Epoch, offsets: &BTreeMap<String, Offsets>) -> Result<()>;
+    /// as every source and the actors that commit first acknowledged it, not
+    /// the slowest of the rest: among `offsets` (by source uid), those of the
+    /// sources that commit first, and the output written of their records.
+    /// The next epoch's records of those writers then go out without waiting
+    /// for the whole checkpoint. [`commit`](Self::commit) of the same epoch
+    /// commits the rest. By default nothing commits early: a link that
+    /// commits each epoch as a whole leaves it all to `commit`.
+    fn commit_first(&self, _epoch: Epoch, _offsets: &BTreeMap<String, Offsets>) -> Result<()> {
+        Ok(())
+    }
 
     /// Commits checkpoint `epoch` into the cluster: the output its sinks
     /// staged for it, its keyed state `deltas`, and the source `offsets` it
