@@ -536,7 +536,9 @@ impl Coordinator {
             )));
             link.commit_first(epoch, &offsets)
         };
-        written().inspect_err(|_| self.shared.metrics.checkpoint_failed())?;
+        // A failure fails the query, whose abort of the epoch in flight
+        // counts the failed checkpoint.
+        written()?;
         tracing::debug!(epoch, took = ?checkpoints.triggered_at.elapsed(), "first tier committed");
         Ok(())
     }
