@@ -7,8 +7,10 @@
 //! protocol's promises: epochs complete in increasing order, an epoch carries
 //! exactly one report of each actor for that epoch, and a finished actor's last
 //! report is committed exactly once. The even actors are a first tier: an
-//! epoch's first part completes at most once, before the epoch does, with a
-//! report of each of them for that epoch.
+//! epoch's first part is reported once they all acknowledged it while it is
+//! still in flight, once, with a report of each of them for that epoch.
+
+use std::collections::BTreeSet;
 
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
@@ -248,6 +250,9 @@ struct Tracker {
     last_said: Option<Epoch>,
     /// The first parts completed, as `first_tier_complete` reported them.
     first_parts: Vec<(Epoch, Vec<(usize, Report)>)>,
+    /// The actors that acknowledged the epoch in flight, and those retired.
+    acked: BTreeSet<usize>,
+    retired: BTreeSet<usize>,
 }
 
 impl Tracker {
@@ -277,18 +282,39 @@ impl StateMachineTest for Tracker {
             committed: Vec::new(),
             last_said: model.last_completed,
             first_parts: Vec::new(),
+            acked: BTreeSet::new(),
+            retired: BTreeSet::new(),
         }
     }
 
     fn apply(mut sut: Self, model: &Model, transition: Transition) -> Self {
         let outcome = match transition {
-            Transition::Trigger => Outcome::Triggered(sut.tracker.trigger()),
+            Transition::Trigger => {
+                let triggered = sut.tracker.trigger();
+                if triggered.is_some() {
+                    sut.acked.clear();
+                }
+                Outcome::Triggered(triggered)
+            }
             Transition::Ack { actor, epoch } => {
                 let acked = sut.tracker.ack(actor, epoch, Report::Ack(actor, epoch));
                 if let Ok(completed) = &acked {
                     sut.record(completed);
+                    sut.acked.insert(actor);
                 }
+                // Due once the first tier acknowledged (or stands in, retired)
+                // an epoch still in flight whose first part was not reported.
+                let in_flight = sut.tracker.in_flight();
+                let due = in_flight.is_some_and(|epoch| {
+                    sut.first_parts.last().is_none_or(|(done, _)| *done < epoch)
+                }) && (first_tier(sut.actors).iter())
+                    .all(|a| sut.acked.contains(a) || sut.retired.contains(a));
                 let first_part = sut.tracker.first_tier_complete();
+                assert_eq!(
+                    first_part.is_some(),
+                    due,
+                    "the first part reported when due, only then"
+                );
                 if let Some((epoch, _)) = &first_part {
                     assert_eq!(
                         sut.tracker.in_flight(),
@@ -304,6 +330,7 @@ impl StateMachineTest for Tracker {
                 Outcome::Acked(acked)
             }
             Transition::Retire(actor) => {
+                sut.retired.insert(actor);
                 let completed =
                     sut.tracker
                         .retire(actor, Report::Last(actor), Report::Standing(actor));
