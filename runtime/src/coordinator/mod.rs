@@ -100,6 +100,15 @@ pub(crate) struct Startup {
     pub(crate) claim: Arc<StartClaim>,
 }
 
+/// The `checkpoint-commit` failpoint: a commit the brokers or the store
+/// refused, for tests. Both parts of a clustered epoch's commit take it.
+fn refused_by_failpoint() -> Result<()> {
+    fail::fail_point!("checkpoint-commit", |message| Err(RtflowError::Checkpoint(
+        message.unwrap_or_default()
+    )));
+    Ok(())
+}
+
 /// Who settles a start: the coordinator, by running the actors once they are
 /// wired, or `start()`, by giving up waiting for them; whichever claims it
 /// first. The other follows: an abandoned start never runs, and a start
@@ -458,9 +467,7 @@ impl Coordinator {
         };
         let writing = Instant::now();
         let written = || -> Result<_> {
-            fail::fail_point!("checkpoint-commit", |message| Err(RtflowError::Checkpoint(
-                message.unwrap_or_default()
-            )));
+            refused_by_failpoint()?;
             match &mut checkpoints.store {
                 Store::Local(store) => Ok(store.commit(manifest, deltas)?),
                 Store::Cluster(link) => {
@@ -524,21 +531,14 @@ impl Coordinator {
             return Ok(());
         };
         let _span = tracing::info_span!("checkpoint", epoch).entered();
-        let mut offsets = SourceOffsets::new();
-        for (actor, ack) in acks {
-            if let Some((uid, _)) = &checkpoints.sources[actor] {
-                offsets.entry(uid.clone()).or_default().extend(ack.offsets);
-            }
-        }
-        let written = || -> Result<()> {
-            fail::fail_point!("checkpoint-commit", |message| Err(RtflowError::Checkpoint(
-                message.unwrap_or_default()
-            )));
-            link.commit_first(epoch, &offsets)
-        };
+        let (actors, acks): (Vec<_>, Vec<_>) = acks.into_iter().unzip();
+        let uids = (actors.iter())
+            .map(|&actor| (checkpoints.sources[actor].as_ref()).map(|(uid, _)| uid.as_str()));
+        let offsets = assemble(uids, acks).sources;
         // A failure fails the query, whose abort of the epoch in flight
         // counts the failed checkpoint.
-        written()?;
+        refused_by_failpoint()?;
+        link.commit_first(epoch, &offsets)?;
         tracing::debug!(epoch, took = ?checkpoints.triggered_at.elapsed(), "first tier committed");
         Ok(())
     }

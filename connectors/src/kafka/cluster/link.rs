@@ -327,13 +327,7 @@ impl ClusterLink for KafkaLink {
                 });
             }
         }
-        let later: Vec<&Offsets> = {
-            let order = lock(&self.order);
-            (offsets.iter())
-                .filter(|(uid, _)| order.second.contains(*uid))
-                .map(|(_, o)| o)
-                .collect()
-        };
+        let later = self.offsets_committing(offsets, true);
         let repartitioned =
             positions(later.iter().copied(), |topic| self.settings.group_of(topic))?;
         tracing::debug!(
@@ -396,6 +390,20 @@ impl SecondTransaction {
 }
 
 impl KafkaLink {
+    /// Of `offsets` (by source uid), those of the sources whose offsets
+    /// commit second ([`CommitOrder::second`]), or first.
+    fn offsets_committing<'a>(
+        &self,
+        offsets: &'a BTreeMap<String, Offsets>,
+        second: bool,
+    ) -> Vec<&'a Offsets> {
+        let order = lock(&self.order);
+        (offsets.iter())
+            .filter(|(uid, _)| order.second.contains(*uid) == second)
+            .map(|(_, o)| o)
+            .collect()
+    }
+
     /// Commits epoch `epoch`'s first transaction: the offsets of the sources
     /// that commit first, among `offsets`, with the records written of them.
     fn commit_sourced(&self, epoch: Epoch, offsets: &BTreeMap<String, Offsets>) -> Result<()> {
@@ -407,13 +415,7 @@ impl KafkaLink {
         else {
             return Err(self.error("a probe does not commit"));
         };
-        let first: Vec<&Offsets> = {
-            let order = lock(&self.order);
-            (offsets.iter())
-                .filter(|(uid, _)| !order.second.contains(*uid))
-                .map(|(_, o)| o)
-                .collect()
-        };
+        let first = self.offsets_committing(offsets, false);
         let sourced = positions(first.into_iter(), |topic| self.settings.group_of(topic))?;
         tracing::debug!(epoch, ?sourced, "committing the first transaction");
         let nothing = Batch {
