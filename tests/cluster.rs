@@ -2732,7 +2732,7 @@ fn a_process_of_an_earlier_protocol_in_the_group_turns_a_newer_one_away() {
     let message = error.to_string();
     assert!(message.contains("process 'earlier'"), "{message}");
     assert!(
-        message.contains("here cluster protocol: 2, there cluster protocol: 1"),
+        message.contains("here cluster protocol: 3, there cluster protocol: 1"),
         "the protocols are named: {message}"
     );
 }

@@ -268,7 +268,7 @@ impl<T: Data> Sink<T> for KafkaSink<T> {
             let transactions = cluster::transactions_of(ctx, &settings.name())?;
             return Ok(Box::new(ClusterWriter {
                 sink: settings.name(),
-                staging: cluster::Staging::new(transactions, settings.topic, ctx.first_epoch),
+                staging: cluster::Staging::new(&transactions, settings.topic, ctx.first_epoch),
                 serialize: settings.serialize,
             }));
         }

@@ -199,16 +199,12 @@ impl Sink<Exchanged> for ExchangeSink {
         lock(&self.told)
             .get_or_insert_with(|| Told {
                 progress: WritersProgress::new(ctx.parallelism, ctx.upstream_partitions),
-                staging: Staging::new(
-                    transactions.clone(),
-                    Some(self.topic.clone()),
-                    ctx.first_epoch,
-                ),
+                staging: Staging::new(&transactions, Some(self.topic.clone()), ctx.first_epoch),
             })
             .progress
             .join(&ctx.source_partitions);
         Ok(Box::new(ExchangeWriter {
-            staging: Staging::new(transactions, Some(self.topic.clone()), ctx.first_epoch),
+            staging: Staging::new(&transactions, Some(self.topic.clone()), ctx.first_epoch),
             frames: std::iter::repeat_with(Frame::default)
                 .take(self.settings.repartition_partitions)
                 .collect(),

@@ -24,7 +24,7 @@ use super::changelog::{self, Fold};
 use super::exchange::{ExchangeSink, ExchangeSource};
 use super::local::{self, Image};
 use super::second_tier::SecondTier;
-use super::transactions::{Batch, Tier, Tiers, Transactions};
+use super::transactions::{Batch, Lanes, Tier, Tiers};
 use super::upstream::{Reads, Upstream, Verified, READ_MARK};
 use super::{lock, while_coordinator_moves, ClusterSettings, WATERMARK_MARK};
 use crate::kafka::admin::KafkaAdmin;
@@ -185,7 +185,7 @@ impl Membership for Owned {
 
 /// The transaction of the process `ctx` runs in that a writer stages its
 /// records in: the one of its tier.
-pub(crate) fn transactions_of(ctx: &SinkContext, sink: &str) -> Result<Arc<Transactions>> {
+pub(crate) fn transactions_of(ctx: &SinkContext, sink: &str) -> Result<Lanes> {
     ctx.cluster
         .as_ref()
         .and_then(|link| link.as_any().downcast_ref::<KafkaLink>())
@@ -378,9 +378,12 @@ impl SecondTransaction {
                 .collect()
         };
         upstream.verify(&checks)?;
-        tiers
-            .of(Tier::Repartitioned)
-            .commit(self.epoch, self.changes, &self.positions)?;
+        tiers.commit(
+            Tier::Repartitioned,
+            self.epoch,
+            self.changes,
+            &self.positions,
+        )?;
         let mut verified = lock(verified);
         for (partition, reads) in self.reads {
             verified.passed(partition, reads);
@@ -422,7 +425,6 @@ impl KafkaLink {
             topic: None,
             messages: Vec::new(),
         };
-        let sourced_transaction = transactions.of(Tier::Sourced);
         // A run whose second transaction failed lost that epoch's records:
         // it starts over from its last commit. Its first transaction is
         // sound (it holds only what the run read of the source topics and
@@ -431,10 +433,10 @@ impl KafkaLink {
         // next. So it commits, as the run's last.
         if let Err(error) = second.check() {
             tracing::warn!(epoch, %error, "the second transaction failed; the run commits its first and rolls back the rest");
-            sourced_transaction.commit_last(epoch, nothing, &sourced)?;
+            transactions.commit_last(Tier::Sourced, epoch, nothing, &sourced)?;
             return Err(error);
         }
-        sourced_transaction.commit(epoch, nothing, &sourced)
+        transactions.commit(Tier::Sourced, epoch, nothing, &sourced)
     }
 
     /// Where `owned`, partitions of this process, resume: their committed

@@ -519,12 +519,14 @@ impl ClusterSettings {
         format!("rtflow-{}-instances", self.query)
     }
 
-    /// The transactional id of the process named `instance`, for `tier`.
-    pub(crate) fn transactional_id_of(&self, instance: &str, tier: Tier) -> String {
-        match tier {
-            Tier::Sourced => format!("rtflow-{}-{instance}", self.query),
-            // '#' keeps it apart from any other instance's sourced id.
-            Tier::Repartitioned => format!("rtflow-{}-{instance}#repartitioned", self.query),
+    /// The transactional id of the process named `instance`, for `lane` of
+    /// `tier`.
+    pub(crate) fn transactional_id_of(&self, instance: &str, tier: Tier, lane: usize) -> String {
+        // '#' keeps them apart from any other instance's first id.
+        match (tier, lane) {
+            (Tier::Sourced, 0) => format!("rtflow-{}-{instance}", self.query),
+            (Tier::Sourced, lane) => format!("rtflow-{}-{instance}#sourced-{lane}", self.query),
+            (Tier::Repartitioned, _) => format!("rtflow-{}-{instance}#repartitioned", self.query),
         }
     }
 

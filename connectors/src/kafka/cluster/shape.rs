@@ -26,12 +26,15 @@ use super::{compacted, while_coordinator_moves, ClusterSettings};
 
 /// The version of what a query's processes exchange through Kafka: the
 /// repartition words (`exchange::Wire`), the watermarks in the offsets'
-/// metadata and the changelog's records. Raised with every change to one of
-/// them that a process of the version before could not read.
+/// metadata and the changelog's records, and the transactional ids a
+/// process fences. Raised with every change to one of them that a process
+/// of the version before could not read or would not fence.
 ///
 /// 1 had no line of its own in the shape; 2 added the `Passed` word
-/// (2026-12-04).
-const CLUSTER_PROTOCOL: u32 = 2;
+/// (2026-12-04); 3 the second lane of first transactions
+/// (`#sourced-1`, 2026-12-07), which a process of 2 would not fence when
+/// it takes over from one that left.
+const CLUSTER_PROTOCOL: u32 = 3;
 
 /// How the shape's first line names the protocol.
 const PROTOCOL_LINE: &str = "cluster protocol: ";

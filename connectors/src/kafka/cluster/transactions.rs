@@ -11,12 +11,15 @@
 //! changelog and the offsets, and commits. Had the commit produced every
 //! record, the epoch's output would become visible that much later (at
 //! 10,000 records/s of 1.2 KB, p99 400 ms against 337), and an epoch that
-//! took long to commit would gather more records for the next. Batches of a
-//! later epoch wait for the commit before theirs: a producer has one
-//! transaction at a time. Every batch is kept until its epoch commits, so
-//! that a transaction the brokers refused can be made again. Batches of
-//! small records are large: handed over every 256 records, a million waiting
-//! records went through 12% slower (docs/performance.md).
+//! took long to commit would gather more records for the next. A producer
+//! has one transaction at a time, so the first tier's epochs alternate
+//! between two ([`Lanes`]): the next epoch's batches wait only until every
+//! record of the last one is on the brokers and its offsets are accepted,
+//! not for its commit. Every
+//! batch is kept until its epoch commits, so that a transaction the brokers
+//! refused can be made again. Batches of small records are large: handed
+//! over every 256 records, a million waiting records went through 12%
+//! slower (docs/performance.md).
 //!
 //! A process has two transactions per epoch ([`Tiers`]): one for what it
 //! read from the source topics (their offsets, and what it wrote of those
@@ -76,46 +79,63 @@ impl Tier {
             Tier::Sourced
         }
     }
+
+    /// How many producers take its epochs in turn ([`Lanes`]). The second
+    /// tier's output is read when it commits, so its next epoch gains
+    /// nothing from not waiting.
+    pub(crate) fn lanes(self) -> usize {
+        match self {
+            Tier::Sourced => 2,
+            Tier::Repartitioned => 1,
+        }
+    }
 }
 
-/// The process's two transactional producers, one per [`Tier`].
+/// The process's transactional producers: two lanes for [`Tier::Sourced`],
+/// one for [`Tier::Repartitioned`].
 pub(crate) struct Tiers {
-    sourced: Arc<Transactions>,
-    repartitioned: Arc<Transactions>,
+    sourced: Lanes,
+    repartitioned: Lanes,
 }
 
 impl Tiers {
-    /// Both producers of the process, initialised: what an earlier
+    /// Every producer of the process, initialised: what an earlier
     /// incarnation left open is aborted.
     pub(crate) fn open(settings: &ClusterSettings) -> Result<Self> {
-        let open = |tier| Transactions::open(settings, tier).map(Arc::new);
+        let lanes = |tier: Tier| -> Result<Lanes> {
+            let count = tier.lanes();
+            (0..count)
+                .map(|lane| Transactions::open(settings, tier, lane, count).map(Arc::new))
+                .collect::<Result<_>>()
+                .map(Lanes)
+        };
         Ok(Self {
-            sourced: open(Tier::Sourced)?,
-            repartitioned: open(Tier::Repartitioned)?,
+            sourced: lanes(Tier::Sourced)?,
+            repartitioned: lanes(Tier::Repartitioned)?,
         })
     }
 
-    pub(crate) fn of(&self, tier: Tier) -> &Arc<Transactions> {
+    pub(crate) fn of(&self, tier: Tier) -> &Lanes {
         match tier {
             Tier::Sourced => &self.sourced,
             Tier::Repartitioned => &self.repartitioned,
         }
     }
 
-    fn both(&self) -> [&Arc<Transactions>; 2] {
-        [&self.sourced, &self.repartitioned]
+    fn all(&self) -> impl Iterator<Item = &Arc<Transactions>> {
+        self.sourced.0.iter().chain(&self.repartitioned.0)
     }
 
     pub(crate) fn set_group(&self, group: &str, metadata: Option<ConsumerGroupMetadata>) {
         let metadata = metadata.map(Arc::new);
-        for transactions in self.both() {
+        for transactions in self.all() {
             transactions.set_group(group, metadata.clone());
         }
     }
 
     /// Lets transactions begin ([`Transactions::release`]).
     pub(crate) fn release(&self) {
-        for transactions in self.both() {
+        for transactions in self.all() {
             transactions.release();
         }
     }
@@ -138,12 +158,64 @@ impl Tiers {
     }
 
     fn discard_then(&self, fenced: bool) {
-        for transactions in self.both() {
+        for transactions in self.all() {
             transactions.discard(fenced);
         }
-        for transactions in self.both() {
+        for transactions in self.all() {
             transactions.await_aborted();
         }
+    }
+
+    /// Commits `tier`'s transaction of `epoch` ([`Transactions::commit`]).
+    pub(crate) fn commit(
+        &self,
+        tier: Tier,
+        epoch: Epoch,
+        changes: Batch,
+        positions: &BTreeMap<String, TopicPartitionList>,
+    ) -> Result<()> {
+        let lanes = self.of(tier);
+        let next = (lanes.0.len() > 1).then(|| &*lanes.of(epoch + 1).inner);
+        lanes
+            .of(epoch)
+            .commit(epoch, changes, positions, true, next)
+    }
+
+    /// Commits as [`commit`](Self::commit) does, the run's last commit:
+    /// none of its later records is produced, so that a run about to roll
+    /// back leaves no transaction to abort that another process may have
+    /// read from.
+    pub(crate) fn commit_last(
+        &self,
+        tier: Tier,
+        epoch: Epoch,
+        changes: Batch,
+        positions: &BTreeMap<String, TopicPartitionList>,
+    ) -> Result<()> {
+        (self.of(tier).of(epoch)).commit(epoch, changes, positions, false, None)
+    }
+}
+
+/// The producers a tier's epochs commit with, in turn: epoch `x` in lane
+/// `x % lanes`.
+///
+/// A producer has one transaction at a time. With one, the records of epoch
+/// `x + 1` waited while `x` committed, then while the brokers finished that
+/// transaction: the next one's first partitions are refused
+/// (`CONCURRENT_TRANSACTIONS`) until the commit's markers are written, and
+/// librdkafka asks again 20 ms later. At a 1 s batch those 30-60 ms were
+/// most of a clustered query's p99 across a repartition. With two lanes the
+/// records of `x + 1` go out as soon as every record of `x` is on the
+/// brokers and `x`'s offsets are accepted (its lane is *sealed*,
+/// [`Feed::open_gate`]): a key's records stay in order within a partition,
+/// and a commit refused for a group generation that ended is made again
+/// before anything of `x + 1` went out.
+#[derive(Clone)]
+pub(crate) struct Lanes(Vec<Arc<Transactions>>);
+
+impl Lanes {
+    fn of(&self, epoch: Epoch) -> &Arc<Transactions> {
+        &self.0[(epoch % self.0.len() as u64) as usize]
     }
 }
 
@@ -187,6 +259,18 @@ struct Feed {
     /// among the query's instances (`departures`), and one that died with a
     /// transaction open would be in no newcomer's list to fence.
     held: bool,
+    /// Which of its tier's [`Lanes`] this is, if it has more than one.
+    lane: Option<Lane>,
+}
+
+/// A lane among its tier's lanes.
+#[derive(Debug, Clone, Copy)]
+struct Lane {
+    index: u64,
+    count: u64,
+    /// The latest epoch whose records may be produced: the one after the
+    /// latest whose lane sealed, or the run's first.
+    gate: Epoch,
 }
 
 /// What the feeder does next.
@@ -224,13 +308,46 @@ impl ForCommit {
 }
 
 impl Feed {
+    /// Lane `index` of `count`; one lane if `count` is 1.
+    fn new(index: usize, count: usize) -> Self {
+        Self {
+            held: true,
+            lane: (count > 1).then_some(Lane {
+                index: index as u64,
+                count: count as u64,
+                gate: 0,
+            }),
+            ..Self::default()
+        }
+    }
+
     /// A run's writer whose first epoch is `first` opens: the run's number,
     /// which its batches carry.
     fn join(&mut self, first: Epoch) -> u64 {
         if !self.open {
-            self.next = Some(first);
+            self.next = Some(match self.lane {
+                Some(lane) => first + (lane.index + lane.count - first % lane.count) % lane.count,
+                None => first,
+            });
+        }
+        if let Some(lane) = &mut self.lane {
+            lane.gate = lane.gate.max(first);
         }
         self.run
+    }
+
+    /// Whether records of `epoch` may be produced: every record of the
+    /// epochs before it went out already.
+    fn opened(&self, epoch: Epoch) -> bool {
+        self.lane.is_none_or(|lane| epoch <= lane.gate)
+    }
+
+    /// Every record of the epoch before `epoch` is on the brokers: `epoch`'s
+    /// may follow.
+    fn open_gate(&mut self, epoch: Epoch) {
+        if let Some(lane) = &mut self.lane {
+            lane.gate = lane.gate.max(epoch);
+        }
     }
 
     /// Takes `batch` of `epoch` from run `run`; whether the feeder may
@@ -243,7 +360,7 @@ impl Feed {
             .entry(epoch)
             .or_default()
             .push_back(Arc::new(batch));
-        self.next == Some(epoch)
+        self.next == Some(epoch) && self.opened(epoch)
     }
 
     /// Whether a writer of run `run` may produce its batch of `epoch`
@@ -255,6 +372,7 @@ impl Feed {
         let now = run == self.run
             && self.open
             && self.next == Some(epoch)
+            && self.opened(epoch)
             && !(self.committing || self.busy || self.held || self.stale || self.closed)
             && self.failed.is_none()
             && !self.waiting.contains_key(&epoch);
@@ -278,7 +396,7 @@ impl Feed {
         if self.failed.is_some() {
             return Step::Wait;
         }
-        let Some(epoch) = self.next else {
+        let Some(epoch) = self.next.filter(|epoch| self.opened(*epoch)) else {
             return Step::Wait;
         };
         let Some(queue) = self.waiting.get_mut(&epoch) else {
@@ -357,7 +475,8 @@ impl Feed {
     fn committed(&mut self, run: u64, epoch: Epoch, go_on: bool) {
         self.committing = false;
         if run == self.run {
-            self.next = go_on.then_some(epoch + 1);
+            let stride = self.lane.map_or(1, |lane| lane.count);
+            self.next = go_on.then_some(epoch + stride);
         }
     }
 
@@ -367,6 +486,10 @@ impl Feed {
         self.waiting.clear();
         self.next = None;
         self.failed = None;
+        if let Some(lane) = &mut self.lane {
+            // The next run's first epoch may come before this run's last.
+            lane.gate = 0;
+        }
         if self.open {
             (self.stale, self.open) = (true, false);
             self.produced.clear();
@@ -416,9 +539,17 @@ impl Transactions {
     /// The producer of the process's transactional id, initialised (an
     /// earlier incarnation's open transaction is aborted, and it can no
     /// longer commit), and its feeder.
-    pub(crate) fn open(settings: &ClusterSettings, tier: Tier) -> Result<Self> {
-        let name = format!("kafka cluster {} ({tier:?})", settings.bootstrap_servers);
-        let id = settings.transactional_id_of(&settings.instance, tier);
+    pub(crate) fn open(
+        settings: &ClusterSettings,
+        tier: Tier,
+        lane: usize,
+        lanes: usize,
+    ) -> Result<Self> {
+        let name = format!(
+            "kafka cluster {} ({tier:?} {lane})",
+            settings.bootstrap_servers
+        );
+        let id = settings.transactional_id_of(&settings.instance, tier, lane);
         let mut config = producer_config(settings, &id);
         if tier == Tier::Sourced {
             // Its records are read before it commits: they go out at once.
@@ -430,10 +561,7 @@ impl Transactions {
         let producer = initialised(&config, settings.operation_timeout, &name)?;
         let inner = Arc::new(Inner {
             producer: Mutex::new(Arc::new(producer)),
-            feed: Mutex::new(Feed {
-                held: true,
-                ..Feed::default()
-            }),
+            feed: Mutex::new(Feed::new(lane, lanes)),
             changed: Condvar::new(),
             groups: Mutex::default(),
             config,
@@ -509,34 +637,18 @@ impl Transactions {
     /// commits, before it takes effect). A member the group removed
     /// (`UNKNOWN_MEMBER_ID`: its session expired) owns nothing any more: its
     /// partitions may already run elsewhere, so that commit fails for good.
-    pub(crate) fn commit(
-        &self,
-        epoch: Epoch,
-        changes: Batch,
-        positions: &BTreeMap<String, TopicPartitionList>,
-    ) -> Result<()> {
-        self.commit_then(epoch, changes, positions, true)
-    }
-
-    /// Commits as [`commit`](Self::commit) does, the run's last commit:
-    /// none of its later records is produced, so that a run about to roll
-    /// back leaves no transaction to abort that another process may have
-    /// read from.
-    pub(crate) fn commit_last(
-        &self,
-        epoch: Epoch,
-        changes: Batch,
-        positions: &BTreeMap<String, TopicPartitionList>,
-    ) -> Result<()> {
-        self.commit_then(epoch, changes, positions, false)
-    }
-
-    fn commit_then(
+    ///
+    /// The run goes on after it if `go_on` (else nothing more of the run is
+    /// produced until it is discarded), and `next`, the lane of the next
+    /// epoch, may then produce that epoch's records once every record of
+    /// this one is on the brokers and its offsets are accepted.
+    fn commit(
         &self,
         epoch: Epoch,
         changes: Batch,
         positions: &BTreeMap<String, TopicPartitionList>,
         go_on: bool,
+        next: Option<&Inner>,
     ) -> Result<()> {
         let inner = &self.inner;
         let taken = {
@@ -567,9 +679,12 @@ impl Transactions {
             // Nothing to commit: no transaction either.
             lock(&inner.feed).committed(run, epoch, go_on);
             inner.changed.notify_all();
+            if let Some(next) = next {
+                next.open_gate(epoch + 1);
+            }
             return Ok(());
         }
-        let result = inner.commit(epoch, taken, changes, positions);
+        let result = inner.commit(epoch, taken, changes, positions, next);
         lock(&inner.feed).committed(run, epoch, go_on && result.is_ok());
         inner.changed.notify_all();
         result
@@ -643,6 +758,7 @@ impl Inner {
         taken: ForCommit,
         changes: Batch,
         positions: &BTreeMap<String, TopicPartitionList>,
+        next: Option<&Inner>,
     ) -> Result<()> {
         if let Some(error) = taken.failed {
             let _ = self.renew();
@@ -659,7 +775,7 @@ impl Inner {
         batches.push(Arc::new(changes));
         let deadline = std::time::Instant::now() + self.timeout;
         loop {
-            let failed = match self.attempt(epoch, &batches, open, sent, positions) {
+            let failed = match self.attempt(epoch, &batches, (open, sent), positions, next) {
                 Ok(()) => return Ok(()),
                 Err(failed) => failed,
             };
@@ -683,14 +799,18 @@ impl Inner {
     }
 
     /// One attempt at epoch `epoch`'s transaction: the first `sent` of
-    /// `batches` are in the transaction already, begun if `open`.
+    /// `batches` are in the transaction already, begun if `open`. Once
+    /// every record of it is on the brokers and its offsets are accepted,
+    /// the lane `next` may produce the next epoch's records: a generation
+    /// that ended refuses the offsets, and the transaction made again then
+    /// puts this epoch's records nowhere after the next one's.
     fn attempt(
         &self,
         epoch: Epoch,
         batches: &[Arc<Batch>],
-        open: bool,
-        sent: usize,
+        (open, sent): (bool, usize),
         positions: &BTreeMap<String, TopicPartitionList>,
+        next: Option<&Inner>,
     ) -> Result<(), Failed> {
         let failed = |what: &str, e: &dyn std::fmt::Display| Failed {
             error: RtflowError::Checkpoint(format!(
@@ -736,11 +856,18 @@ impl Inner {
                 })?;
         }
         let offsets_added = started.elapsed();
-        for batch in &batches[sent..] {
+        let rest = &batches[sent..];
+        for batch in rest {
             self.produce(&producer, batch).map_err(|error| Failed {
                 error,
                 generation: false,
             })?;
+        }
+        if let Some(next) = next {
+            if rest.iter().any(|batch| !batch.messages.is_empty()) {
+                flush(&producer, self.timeout).map_err(|e| failed("produce the records of", &e))?;
+            }
+            next.open_gate(epoch + 1);
         }
         commit_transaction(&producer, self.timeout).map_err(|e| failed("commit", &e))?;
         tracing::debug!(
@@ -758,6 +885,12 @@ impl Inner {
                 error,
                 generation: false,
             })
+    }
+
+    /// Records of `epoch` may go out ([`Feed::open_gate`]).
+    fn open_gate(&self, epoch: Epoch) {
+        lock(&self.feed).open_gate(epoch);
+        self.changed.notify_all();
     }
 
     /// Aborts what the transaction holds and starts a fresh producer.
@@ -804,10 +937,10 @@ impl Inner {
 /// (and at the end, for the final epoch), with the topic of those that name
 /// none: no record carries a copy of it.
 pub(crate) struct Staging {
-    transactions: Arc<Transactions>,
+    /// Each lane of the writer's tier, and the run the writer belongs to
+    /// there (`Feed::join`).
+    lanes: Vec<(Arc<Transactions>, u64)>,
     topic: Option<String>,
-    /// The run the writer belongs to (`Feed::join`).
-    run: u64,
     epoch: Epoch,
     buffer: Vec<KafkaMessage>,
     /// Bytes of the values in `buffer`.
@@ -815,16 +948,16 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
-    pub(crate) fn new(
-        transactions: Arc<Transactions>,
-        topic: Option<String>,
-        first_epoch: Epoch,
-    ) -> Self {
-        let run = lock(&transactions.inner.feed).join(first_epoch);
+    pub(crate) fn new(lanes: &Lanes, topic: Option<String>, first_epoch: Epoch) -> Self {
+        let lanes = (lanes.0.iter())
+            .map(|lane| {
+                let run = lock(&lane.inner.feed).join(first_epoch);
+                (lane.clone(), run)
+            })
+            .collect();
         Self {
-            transactions,
+            lanes,
             topic,
-            run,
             epoch: first_epoch,
             buffer: Vec::new(),
             bytes: 0,
@@ -871,16 +1004,17 @@ impl Staging {
             messages: std::mem::take(&mut self.buffer),
         };
         self.bytes = 0;
-        let inner = &self.transactions.inner;
+        let (transactions, run) = &self.lanes[(epoch % self.lanes.len() as u64) as usize];
+        let (inner, run) = (&transactions.inner, *run);
         let mut feed = lock(&inner.feed);
-        if feed.produce_now(self.run, epoch) {
+        if feed.produce_now(run, epoch) {
             drop(feed);
             let batch = Arc::new(batch);
             let producer = lock(&inner.producer).clone();
             let result = inner.produce(&producer, &batch);
-            lock(&inner.feed).produced_by_writer(self.run, batch, result);
+            lock(&inner.feed).produced_by_writer(run, batch, result);
             inner.changed.notify_all();
-        } else if feed.stage(self.run, epoch, batch) {
+        } else if feed.stage(run, epoch, batch) {
             drop(feed);
             inner.changed.notify_all();
         }
@@ -898,8 +1032,15 @@ pub(crate) fn fence(settings: &ClusterSettings, instance: &str) -> Result<()> {
         settings.bootstrap_servers
     );
     for tier in [Tier::Sourced, Tier::Repartitioned] {
-        let config = producer_config(settings, &settings.transactional_id_of(instance, tier));
-        initialised(&config, settings.operation_timeout, &name).map(drop)?;
+        for lane in 0..tier.lanes() {
+            let id = settings.transactional_id_of(instance, tier, lane);
+            initialised(
+                &producer_config(settings, &id),
+                settings.operation_timeout,
+                &name,
+            )
+            .map(drop)?;
+        }
     }
     Ok(())
 }
@@ -1141,6 +1282,46 @@ mod tests {
         let next = feed.join(2);
         feed.stage(next, 2, batch("c"));
         assert_eq!(feed_all(&mut feed), [("c".to_owned(), true)]);
+    }
+
+    #[test]
+    fn a_lane_takes_every_other_epoch_each_once_the_lane_before_sealed() {
+        let mut odd = Feed {
+            held: false,
+            ..Feed::new(1, 2)
+        };
+        let run = odd.join(4);
+        assert!(!odd.stage(run, 5, batch("a")), "epoch 4 is not sealed");
+        assert!(!odd.produce_now(run, 5));
+        assert!(feed_all(&mut odd).is_empty());
+        odd.open_gate(5);
+        assert_eq!(feed_all(&mut odd), [("a".to_owned(), true)]);
+        assert!(odd.produce_now(run, 5), "the gate stays open");
+        odd.produced_by_writer(run, Arc::new(batch("b")), Ok(()));
+        let taken = odd.take_for_commit(5);
+        odd.committed(taken.run, 5, true);
+        assert!(!odd.stage(run, 7, batch("c")), "epoch 6 is not sealed");
+        odd.open_gate(7);
+        assert_eq!(feed_all(&mut odd), [("c".to_owned(), true)]);
+    }
+
+    #[test]
+    fn a_run_begins_in_the_lane_of_its_first_epoch() {
+        let mut even = Feed::new(0, 2);
+        let mut odd = Feed::new(1, 2);
+        let (first, second) = (even.join(6), odd.join(6));
+        assert!(even.opened(6) && !odd.opened(7));
+        assert_eq!((even.next, odd.next), (Some(6), Some(7)));
+        even.discard();
+        odd.discard();
+        let (first_again, second_again) = (even.join(3), odd.join(3));
+        assert!((first_again, second_again) != (first, second));
+        assert_eq!((even.next, odd.next), (Some(4), Some(3)));
+        assert!(
+            odd.opened(3) && !even.opened(4),
+            "the gate of a run discarded is gone"
+        );
+        assert!(Feed::default().opened(9), "a tier of one lane has no gate");
     }
 
     #[test]
