@@ -255,6 +255,45 @@ where
     );
 }
 
+/// An event-time timer per record at its event time, behind the
+/// repartition, written at least once into `counts` as `key@time` when it
+/// fires.
+fn timers(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str, _: &str) {
+    side(flow, bootstrap, input)
+        .repartition_by(|e: &Event| e.key.clone())
+        .process(|| Alarms)
+        .sink(KafkaSink::new(bootstrap, counts, |fired: &String| {
+            KafkaMessage::new(fired.clone())
+        }));
+}
+
+/// Sets a timer at each record's event time and tells when it fires.
+struct Alarms;
+
+impl KeyedProcessor<String, Event, String> for Alarms {
+    fn handle_input(
+        &mut self,
+        _key: &String,
+        event: Event,
+        ctx: &mut ProcessContext<'_, '_, String, String>,
+    ) -> rtflow::prelude::Result<()> {
+        ctx.register_timer(Timer::EventTime(event.time));
+        Ok(())
+    }
+
+    fn on_timer(
+        &mut self,
+        key: &String,
+        timer: Timer,
+        ctx: &mut ProcessContext<'_, '_, String, String>,
+    ) -> rtflow::prelude::Result<()> {
+        match timer {
+            Timer::EventTime(time) => ctx.emit(format!("{key}@{time}")),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// A count per key only, through the repartition.
 fn count_per_key(flow: &Dataflow, bootstrap: &str, input: &str, counts: &str) {
     flow.source(
@@ -645,6 +684,7 @@ fn dataflow_named(name: &str) -> Build {
         "joins" => Box::new(joins),
         "dedup" => Box::new(dedup),
         "in-order" => Box::new(in_order),
+        "timers" => Box::new(timers),
         other => panic!("no dataflow '{other}'"),
     }
 }
@@ -1328,6 +1368,55 @@ fn a_clustered_at_least_once_sink_writes_a_record_before_its_epoch_commits() {
     let (expected, _) = reference(total);
     cluster.await_counts_at_least_once(&expected, Duration::from_secs(60));
     cluster.stop_and_check_at_least_once(&expected);
+}
+
+/// Event time crosses a repartition between barriers, as in one process:
+/// with a batch of five minutes, timers behind the repartition fire as the
+/// watermark passes them, long before an epoch commits.
+#[test]
+fn timers_behind_a_repartition_fire_between_barriers() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::running(&bootstrap, "timers");
+    cluster.batch = Some(Duration::from_secs(300));
+    for instance in ["p0", "p1"] {
+        cluster.spawn(instance);
+    }
+    cluster.wait_for_shares(Duration::from_secs(90));
+    // The start-up rebalances committed at their handovers; nothing commits
+    // again for five minutes.
+    std::thread::sleep(Duration::from_secs(2));
+    let committed = cluster.committed_input();
+    let total = 600;
+    produce(&bootstrap, &cluster.input, (0..total).map(record));
+    // Every source partition's watermark passed the event time of the
+    // records up to the last full round over the partitions.
+    let passed = total - PARTITIONS as usize;
+    let expected: BTreeMap<String, usize> = (0..=passed)
+        .map(|i| (format!("{}@{}", record(i).1, i as i64 * STEP_MS), 1))
+        .collect();
+    cluster.await_counts_at_least_once(&expected, Duration::from_secs(60));
+    let fired = tally(&cluster.read(&cluster.counts, usize::MAX, Duration::from_secs(2)));
+    let missing: Vec<_> = (expected.keys())
+        .filter(|timer| !fired.contains_key(*timer))
+        .take(10)
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{}",
+        summed_up(
+            &format!(
+                "timers that did not fire before their epoch committed: {missing:?} ({} fired)",
+                fired.len()
+            ),
+            &cluster.logs()
+        )
+    );
+    assert_eq!(
+        cluster.committed_input(),
+        committed,
+        "no epoch committed meanwhile"
+    );
+    cluster.stop_all();
 }
 
 /// Records read before their transaction ends are counted once in the

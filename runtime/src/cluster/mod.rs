@@ -19,7 +19,8 @@
 //! at that barrier ([`StreamingQuery::hand_over`](crate::StreamingQuery::hand_over)).
 //!
 //! Watermarks cross a repartition in band: the writers of the repartition in
-//! each process tell every partition, together ([`WritersProgress`]), the
+//! each process tell every partition, together ([`WritersProgress`]), at each
+//! barrier and between barriers as it moves ([`WritersProgress::within`]), the
 //! watermark of the source partitions their process reads (Kafka partitions,
 //! or the previous stage's repartition partitions), and each reader takes,
 //! per partition it reads, the minimum over all source partitions of the
@@ -159,7 +160,8 @@ impl WriterInput {
 }
 
 /// What the writers of one repartition in one process tell its partitions,
-/// together, once every writer ended the epoch.
+/// together, once every writer ended the epoch (and between barriers,
+/// [`within`](Self::within)).
 ///
 /// The writers speak for the source partitions the process reads: behind a
 /// shuffle every writer forwards records of every one of them, so one
@@ -193,10 +195,10 @@ impl WriterInput {
 pub struct WritersProgress {
     upstream: u32,
     partitions: BTreeSet<u32>,
-    /// Per writer: the epoch it ended last (`None` once its input ended)
-    /// and its input then; `None` until it ended one.
-    writers: Vec<Option<(Option<Epoch>, WriterInput)>>,
-    /// Every writer ended the epochs up to this one (`Epoch::MAX`: their input).
+    /// Per writer: what it told last.
+    writers: Vec<Writer>,
+    /// Every writer ended the epochs up to this one ([`INPUT_ENDED`]: their
+    /// input).
     told_through: Option<Epoch>,
     progress: WriterProgress,
     /// How far the records of each source partition went (their own
@@ -208,6 +210,22 @@ pub struct WritersProgress {
     /// told of.
     changes: BTreeMap<Epoch, PartitionsChange>,
 }
+
+/// What one writer told [`WritersProgress`] last.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Writer {
+    /// The epoch it ended last: `None` in the run's first epoch,
+    /// [`INPUT_ENDED`] once its input ended.
+    ended: Option<Epoch>,
+    /// Its input then, or since ([`WritersProgress::within`]).
+    input: WriterInput,
+    /// Whether it told its input since it ended that epoch: it met the
+    /// barrier's handover, if any, and handed over what it wrote before.
+    within: bool,
+}
+
+/// What a writer whose input ended ended last: no barrier comes after it.
+const INPUT_ENDED: Epoch = Epoch::MAX;
 
 /// What a handover changed of the source partitions a process's writers
 /// speak for ([`WritersProgress::hand_over`]).
@@ -225,7 +243,7 @@ impl WritersProgress {
         Self {
             upstream,
             partitions: BTreeSet::new(),
-            writers: vec![None; writers],
+            writers: vec![Writer::default(); writers],
             told_through: None,
             progress: WriterProgress::default(),
             passed: BTreeMap::new(),
@@ -314,30 +332,107 @@ impl WritersProgress {
     /// assert_eq!(word.passed, [(1, 990)], "only what went further");
     /// ```
     pub fn reached(&mut self, writer: usize, epoch: Epoch, input: WriterInput) -> WritersWord {
-        self.writers[writer] = Some((Some(epoch), input));
+        self.writers[writer] = Writer {
+            ended: Some(epoch),
+            input,
+            within: false,
+        };
         self.tell()
     }
 
     /// Writer `writer`'s input ended, as `input`, after it staged its last
     /// records: what to tell, if it was the last writer to get there.
     pub fn ended(&mut self, writer: usize, input: WriterInput) -> WritersWord {
-        self.writers[writer] = Some((None, input));
+        self.writers[writer] = Writer {
+            ended: Some(INPUT_ENDED),
+            input,
+            within: true,
+        };
         self.tell()
+    }
+
+    /// Writer `writer`'s input is `input` between two barriers, after it
+    /// handed everything it wrote so far to its transaction: the progress
+    /// to tell now, if the writers' least watermark moved (or they went
+    /// idle, or active again) and every writer told its input since the
+    /// last barrier's word. A reader then moves its event time on within
+    /// the epoch, as one process does: windows close and timers fire behind
+    /// a repartition without waiting for the barrier.
+    ///
+    /// Sound for the reason the barrier's word is: every writer's records
+    /// written before it told its input are ahead of the word, and those
+    /// written after are at or after that input's watermark. Nothing is told
+    /// while a barrier is under way (some writer ended an epoch that was not
+    /// told of yet): its word comes soon. How far each source partition went
+    /// ([`passed`](Self::passed)) waits for the barrier.
+    ///
+    /// ```
+    /// use rtflow_runtime::cluster::{WriterInput, WritersProgress};
+    /// let at = |watermark| {
+    ///     let mut input = WriterInput::default();
+    ///     input.watermark(watermark);
+    ///     input
+    /// };
+    /// let mut writers = WritersProgress::new(2, 4);
+    /// writers.join(&[0, 1]);
+    /// writers.reached(0, 7, at(10));
+    /// writers.reached(1, 7, at(20));
+    /// assert!(writers.within(0, at(50)).is_empty(), "writer 1 has not told since epoch 7");
+    /// let told = writers.within(1, at(40));
+    /// assert_eq!((told[0].partitions.as_slice(), told[0].watermark), (&[0, 1][..], Some(40)));
+    /// assert_eq!(writers.within(1, at(60))[0].watermark, Some(50), "writer 0 holds the least");
+    /// assert!(writers.within(1, at(65)).is_empty(), "the least did not move");
+    /// writers.reached(0, 8, at(80));
+    /// assert!(writers.within(1, at(90)).is_empty(), "epoch 8's barrier is under way");
+    /// ```
+    pub fn within(&mut self, writer: usize, input: WriterInput) -> Vec<UpstreamProgress> {
+        let through = self.told_through;
+        let told = &mut self.writers[writer];
+        if told.ended != through {
+            return Vec::new();
+        }
+        (told.input, told.within) = (input, true);
+        let every_one = (self.writers.iter())
+            .all(|w| w.ended == Some(INPUT_ENDED) || (w.ended == through && w.within));
+        if !every_one {
+            return Vec::new();
+        }
+        if let Some(through) = through {
+            // Every writer met the barrier of `through` and its handover:
+            // its records come from the partitions after it.
+            self.apply_changes_before(through + 1);
+        }
+        self.progress()
     }
 
     fn tell(&mut self) -> WritersWord {
         let mut through = Epoch::MAX;
         for writer in &self.writers {
-            match writer {
+            match writer.ended {
                 None => return WritersWord::default(),
-                Some((Some(epoch), _)) => through = through.min(*epoch),
-                Some((None, _)) => {}
+                Some(epoch) => through = through.min(epoch),
             }
         }
         if self.told_through.is_some_and(|told| told >= through) {
             return WritersWord::default();
         }
         self.told_through = Some(through);
+        self.apply_changes_before(through);
+        let passed: Vec<(u32, EventTime)> = self
+            .passed
+            .iter()
+            .filter(|(partition, watermark)| self.passed_told.get(partition) < Some(watermark))
+            .map(|(partition, watermark)| (*partition, *watermark))
+            .collect();
+        self.passed_told.extend(passed.iter().copied());
+        WritersWord {
+            passed,
+            progress: self.progress(),
+        }
+    }
+
+    /// Takes in the handovers at the barriers of epochs before `through`.
+    fn apply_changes_before(&mut self, through: Epoch) {
         while let Some(entry) = self.changes.first_entry() {
             if *entry.key() >= through {
                 break;
@@ -353,14 +448,11 @@ impl WritersProgress {
                 self.progress = WriterProgress::default();
             }
         }
-        let passed: Vec<(u32, EventTime)> = self
-            .passed
-            .iter()
-            .filter(|(partition, watermark)| self.passed_told.get(partition) < Some(watermark))
-            .map(|(partition, watermark)| (*partition, *watermark))
-            .collect();
-        self.passed_told.extend(passed.iter().copied());
-        let inputs: Vec<WriterInput> = self.writers.iter().flatten().map(|(_, i)| *i).collect();
+    }
+
+    /// The progress to tell from the writers' inputs, if it changed.
+    fn progress(&mut self) -> Vec<UpstreamProgress> {
+        let inputs: Vec<WriterInput> = self.writers.iter().map(|w| w.input).collect();
         let active: Vec<&WriterInput> = inputs.iter().filter(|i| !i.idle).collect();
         if active.is_empty() {
             if let Some(least) = inputs.iter().filter_map(|i| i.watermark).min() {
@@ -373,14 +465,10 @@ impl WritersProgress {
             self.progress.watermark(least);
         }
         if self.partitions.is_empty() {
-            return WritersWord {
-                passed,
-                progress: Vec::new(),
-            };
+            return Vec::new();
         }
         let partitions: Vec<u32> = self.partitions.iter().copied().collect();
-        let progress = self
-            .progress
+        self.progress
             .to_tell()
             .into_iter()
             .map(|watermark| UpstreamProgress {
@@ -388,8 +476,7 @@ impl WritersProgress {
                 partitions: partitions.clone(),
                 watermark,
             })
-            .collect();
-        WritersWord { passed, progress }
+            .collect()
     }
 }
 
@@ -552,13 +639,43 @@ impl UpstreamWatermarks {
     /// Takes in what a writer told. A watermark never goes back: a writer
     /// restarted from an older checkpoint repeats older watermarks.
     pub fn update(&mut self, progress: &UpstreamProgress) {
+        self.take(progress, true);
+    }
+
+    /// Takes in what a writer told between two barriers
+    /// ([`WritersProgress::within`]), as [`update`](Self::update) does, but
+    /// as no word toward the staleness of other source partitions, which
+    /// counts barriers: a process whose writers tell often would make the
+    /// others' partitions look as if their writers fell behind.
+    ///
+    /// ```
+    /// use rtflow_runtime::cluster::{UpstreamProgress, UpstreamWatermarks};
+    /// let mut partition = UpstreamWatermarks::default();
+    /// let told = |partitions: Vec<u32>, watermark| UpstreamProgress { upstream: 2, partitions, watermark: Some(watermark) };
+    /// partition.update(&told(vec![0], 100));
+    /// partition.update(&told(vec![1], 200));
+    /// for watermark in 300..310 {
+    ///     partition.update_within(&told(vec![1], watermark));
+    /// }
+    /// assert_eq!(partition.least_lately_heard(), Some(100), "0 still speaks");
+    /// assert_eq!(partition.watermark(), Some(100));
+    /// ```
+    pub fn update_within(&mut self, progress: &UpstreamProgress) {
+        self.take(progress, false);
+    }
+
+    fn take(&mut self, progress: &UpstreamProgress, at_barrier: bool) {
         self.upstream = self.upstream.max(progress.upstream);
         self.updates += 1;
         for partition in &progress.partitions {
             let told = self.told.entry(*partition).or_default();
-            told.rotate_right(1);
+            if at_barrier {
+                told.rotate_right(1);
+            }
             told[0] = self.updates;
-            self.stale_before = self.stale_before.max(told[STALE_AFTER - 1]);
+            if at_barrier {
+                self.stale_before = self.stale_before.max(told[STALE_AFTER - 1]);
+            }
             match progress.watermark {
                 Some(watermark) => {
                     self.idle.remove(partition);
@@ -1069,6 +1186,99 @@ mod tests {
             [Some(20)]
         );
         assert!(writers.ended(1, input(Some(30), false)).is_empty());
+    }
+
+    #[test]
+    fn between_barriers_writers_tell_what_moved_and_the_barrier_only_what_moved_since() {
+        let mut writers = WritersProgress::new(2, 2);
+        writers.join(&[0, 1]);
+        assert!(
+            writers.within(0, input(Some(5), false)).is_empty(),
+            "nothing before the first barrier's word"
+        );
+        writers.reached(0, 1, input(Some(10), false));
+        writers.reached(1, 1, input(Some(10), false));
+        assert!(writers.within(0, input(Some(10), false)).is_empty());
+        assert!(
+            writers.within(1, input(Some(10), false)).is_empty(),
+            "the least did not move"
+        );
+        assert_eq!(watermarks(&writers.within(0, input(Some(30), true))), []);
+        assert_eq!(
+            watermarks(&writers.within(1, input(Some(20), true))),
+            [Some(20), None],
+            "all idle: the least watermark, then idleness"
+        );
+        writers.reached(0, 2, input(Some(20), true));
+        let word = writers.reached(1, 2, input(Some(20), true));
+        assert!(word.is_empty(), "told already between the barriers");
+        assert_eq!(
+            watermarks(&writers.within(0, input(Some(40), false))),
+            [],
+            "writer 1 has not told since the barrier"
+        );
+        assert_eq!(
+            watermarks(&writers.within(1, input(None, true))),
+            [Some(40)],
+            "active again"
+        );
+    }
+
+    #[test]
+    fn in_the_runs_first_epoch_writers_tell_between_barriers_too() {
+        let mut writers = WritersProgress::new(2, 2);
+        writers.join(&[0, 1]);
+        assert!(writers.within(0, input(Some(5), false)).is_empty());
+        assert_eq!(
+            watermarks(&writers.within(1, input(Some(8), false))),
+            [Some(5)]
+        );
+        writers.reached(0, 1, input(Some(9), false));
+        assert!(
+            writers.within(1, input(Some(9), false)).is_empty(),
+            "the first barrier is under way"
+        );
+        assert_eq!(
+            watermarks(&writers.reached(1, 1, input(Some(9), false)).progress),
+            [Some(9)]
+        );
+    }
+
+    #[test]
+    fn between_barriers_writers_speak_for_the_partitions_after_the_handover() {
+        let mut writers = WritersProgress::new(2, 4);
+        writers.join(&[0, 1]);
+        writers.reached(0, 1, input(Some(10), false));
+        writers.hand_over(1, &[1], &[2], false);
+        writers.reached(1, 1, input(Some(10), false));
+        writers.hand_over(1, &[], &[3], false);
+        writers.within(0, input(Some(50), false));
+        let told = writers.within(1, input(Some(60), false));
+        assert_eq!(told[0].partitions, [0, 2, 3], "1 went, 2 and 3 came");
+        assert_eq!(told[0].watermark, Some(50));
+        writers.reached(0, 2, input(Some(50), false));
+        let word = writers.reached(1, 2, input(Some(70), false));
+        assert!(word.progress.is_empty(), "the handover was taken in once");
+    }
+
+    #[test]
+    fn a_handover_that_starts_over_tells_nothing_between_barriers_until_every_writer_has_a_watermark(
+    ) {
+        let mut writers = WritersProgress::new(2, 2);
+        writers.join(&[0]);
+        writers.reached(0, 1, input(Some(90), false));
+        writers.reached(1, 1, input(Some(90), false));
+        writers.hand_over(1, &[], &[1], true);
+        writers.within(0, input(Some(20), false));
+        assert!(
+            writers.within(1, input(None, false)).is_empty(),
+            "writer 1 has no watermark since it started over"
+        );
+        assert_eq!(
+            watermarks(&writers.within(1, input(Some(30), false))),
+            [Some(20)],
+            "told again from the writers' inputs after the adoption"
+        );
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //!
 //! [`ExchangeSink`] writes each record to the partition of its key group, and
 //! at each barrier tells every partition the watermark of the source
-//! partitions behind it. Records travel in frames: a Kafka message holds the
+//! partitions behind it; a repartition read before it commits is also told
+//! between barriers, as the watermark moves. Records travel in frames: a Kafka message holds the
 //! records a writer has for one partition, up to [`FRAME_RECORDS`], so that
 //! librdkafka and the broker handle a message per frame, not per record.
 //! [`ExchangeSource`] reads the partitions the group assigned to the process
@@ -73,6 +74,8 @@ enum Wire {
     /// How far the records of source partitions went, each one's own
     /// watermark ([`UpstreamWatermarks::passed`]), told before the progress.
     Passed(Vec<(u32, EventTime)>),
+    /// Progress told between two barriers ([`WritersProgress::within`]).
+    Within(UpstreamProgress),
 }
 
 fn encode(wire: &Wire) -> Vec<u8> {
@@ -85,6 +88,11 @@ fn encode(wire: &Wire) -> Vec<u8> {
 const FRAME_RECORDS: usize = 256;
 /// A frame that reached this size goes out whatever its records.
 const FRAME_BYTES: usize = 64 * 1024;
+
+/// How often at most a writer tells its input's watermark between barriers
+/// ([`WritersProgress::within`]), as Flink's `pipeline.auto-watermark-interval`
+/// paces watermarks: each word is a message to every partition.
+const WITHIN_EVERY: Duration = Duration::from_millis(50);
 
 /// The records a writer has for one partition: their encodings one after
 /// the other, a message's value. A message of one record, as writers before
@@ -215,6 +223,11 @@ impl Sink<Exchanged> for ExchangeSink {
             read_uncommitted: tier == Tier::Sourced,
             barrier: false,
             input: WriterInput::default(),
+            within: Within {
+                spoke: false,
+                at: Instant::now(),
+                input: WriterInput::default(),
+            },
             told: self.told.clone(),
             reaching: ctx.source_partitions.clone(),
             passed: match ctx.watermark_delay {
@@ -247,6 +260,7 @@ struct ExchangeWriter {
     /// not end the input.
     barrier: bool,
     input: WriterInput,
+    within: Within,
     told: Arc<Mutex<Option<Told>>>,
     /// The source partitions whose records reach the writer.
     reaching: Vec<u32>,
@@ -255,6 +269,37 @@ struct ExchangeWriter {
     /// `with_watermark` is on every way here, whose delay is the next field.
     passed: Vec<EventTime>,
     delay: EventTime,
+}
+
+/// What a writer told of its input between barriers.
+struct Within {
+    /// Whether it told since the last barrier.
+    spoke: bool,
+    at: Instant,
+    input: WriterInput,
+}
+
+impl Within {
+    /// Whether to tell `input` now: once after each barrier, so that the
+    /// writers' word can form, then as it moves, at most every
+    /// [`WITHIN_EVERY`].
+    fn due(&self, input: WriterInput) -> bool {
+        !self.spoke || (input != self.input && self.at.elapsed() >= WITHIN_EVERY)
+    }
+}
+
+/// Stages `word` for every one of `partitions` partitions.
+fn tell_every_partition(staging: &mut Staging, partitions: u32, word: &Wire) {
+    let value = encode(word);
+    for partition in 0..partitions {
+        staging.push(KafkaMessage {
+            topic: None,
+            partition: Some(partition as i32),
+            key: None,
+            value: Some(value.clone().into()),
+            headers: Vec::new(),
+        });
+    }
 }
 
 impl ExchangeWriter {
@@ -290,18 +335,33 @@ impl ExchangeWriter {
             .into_iter()
             .chain(word.progress.into_iter().map(Wire::Progress));
         for word in words {
-            let value = encode(&word);
-            for partition in 0..self.partitions {
-                told.staging.push(KafkaMessage {
-                    topic: None,
-                    partition: Some(partition as i32),
-                    key: None,
-                    value: Some(value.clone().into()),
-                    headers: Vec::new(),
-                });
-            }
+            tell_every_partition(&mut told.staging, self.partitions, &word);
         }
         told.staging.end_epoch(epoch);
+    }
+
+    /// Tells every partition what the writers of this process tell together
+    /// between barriers, if this writer's turn to speak came
+    /// ([`Within::due`]): after the records it handed over.
+    fn report_within(&mut self) {
+        if !self.within.due(self.input) {
+            return;
+        }
+        self.within = Within {
+            spoke: true,
+            at: Instant::now(),
+            input: self.input,
+        };
+        let mut told = lock(&self.told);
+        let told = told.as_mut().expect("made with the first writer");
+        let progress = told.progress.within(self.subtask, self.input);
+        if progress.is_empty() {
+            return;
+        }
+        for progress in progress {
+            tell_every_partition(&mut told.staging, self.partitions, &Wire::Within(progress));
+        }
+        told.staging.hand_over();
     }
 }
 
@@ -334,6 +394,7 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
         if self.read_uncommitted {
             self.flush();
             self.staging.hand_over();
+            self.report_within();
         }
         Ok(())
     }
@@ -349,12 +410,13 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
     }
 
     fn on_barrier(&mut self, epoch: Epoch) -> Result<()> {
-        // A watermark told once per epoch, after its records, loses nothing:
-        // readers pass it on after them. Records read before they commit
-        // wait for it in windows and timers, up to a batch duration.
+        // The word after the epoch's records says how far each source
+        // partition went, which a later run of it needs; the watermark has
+        // mostly been told between the barriers already.
         self.flush();
         self.staging.end_epoch(epoch);
         self.report(epoch, false);
+        self.within.spoke = false;
         self.epoch = epoch + 1;
         self.barrier = true;
         Ok(())
@@ -969,6 +1031,10 @@ fn pass(
                 partition.watermarks.passed(&passed);
                 told = true;
             }
+            Wire::Within(progress) => {
+                partition.watermarks.update_within(&progress);
+                told = true;
+            }
         }
     }
     Ok(told)
@@ -1033,6 +1099,38 @@ mod tests {
         assert_eq!(encode(&now), old);
         let decoded: Vec<Wire> = decode_frame(&old).map(Result::unwrap).collect();
         assert_eq!(decoded, [now]);
+    }
+
+    #[test]
+    fn a_writer_tells_once_after_each_barrier_then_what_moved_at_its_pace() {
+        let at = |watermark| {
+            let mut input = WriterInput::default();
+            input.watermark(watermark);
+            input
+        };
+        let mut within = Within {
+            spoke: false,
+            at: Instant::now(),
+            input: at(10),
+        };
+        assert!(within.due(at(10)), "not told since the barrier");
+        within.spoke = true;
+        assert!(!within.due(at(10)), "nothing moved");
+        assert!(!within.due(at(20)), "told less than WITHIN_EVERY ago");
+        within.at -= WITHIN_EVERY;
+        assert!(within.due(at(20)));
+        assert!(!within.due(at(10)), "nothing moved since");
+    }
+
+    #[test]
+    fn a_word_told_between_barriers_decodes_as_itself() {
+        let word = Wire::Within(UpstreamProgress {
+            upstream: 6,
+            partitions: vec![0, 2],
+            watermark: Some(-3),
+        });
+        let wires: Vec<Wire> = decode_frame(&encode(&word)).map(Result::unwrap).collect();
+        assert_eq!(wires, [word]);
     }
 
     #[test]
