@@ -1162,6 +1162,40 @@ impl Cluster {
         }
     }
 
+    /// Waits until the at-least-once output (`counts`) holds every one of
+    /// `expected`, `what` they are, and checks that it does while the
+    /// input's committed offsets still sum to `committed`: they were written
+    /// before their epoch committed.
+    fn check_written_before_commit(
+        &self,
+        what: &str,
+        expected: &BTreeMap<String, usize>,
+        committed: i64,
+    ) {
+        self.await_counts_at_least_once(expected, Duration::from_secs(60));
+        let written = tally(&self.read(&self.counts, usize::MAX, Duration::from_secs(2)));
+        let missing: Vec<_> = (expected.keys())
+            .filter(|line| !written.contains_key(*line))
+            .take(10)
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "{}",
+            summed_up(
+                &format!(
+                    "{what} not written before their epoch committed: {missing:?} ({} written)",
+                    written.len()
+                ),
+                &self.logs()
+            )
+        );
+        assert_eq!(
+            self.committed_input(),
+            committed,
+            "no epoch committed meanwhile"
+        );
+    }
+
     /// The offsets of the input the query's processes committed, summed
     /// over its partitions.
     fn committed_input(&self) -> i64 {
@@ -1348,22 +1382,7 @@ fn a_clustered_at_least_once_sink_writes_a_record_before_its_epoch_commits() {
         .into_iter()
         .filter(|(count, _)| !count.starts_with("flush"))
         .collect();
-    cluster.await_counts_at_least_once(&before_flush, Duration::from_secs(60));
-    let written = tally(&cluster.read(&cluster.counts, usize::MAX, Duration::from_secs(2)));
-    let missing: Vec<_> = (before_flush.keys())
-        .filter(|count| !written.contains_key(*count))
-        .take(10)
-        .collect();
-    assert!(
-        missing.is_empty(),
-        "counts not written before their epoch committed: {missing:?}\n{}",
-        cluster.logs()
-    );
-    assert_eq!(
-        cluster.committed_input(),
-        committed,
-        "no epoch committed meanwhile"
-    );
+    cluster.check_written_before_commit("counts", &before_flush, committed);
     produce(&bootstrap, &cluster.input, flush_records());
     let (expected, _) = reference(total);
     cluster.await_counts_at_least_once(&expected, Duration::from_secs(60));
@@ -1394,28 +1413,7 @@ fn timers_behind_a_repartition_fire_between_barriers() {
     let expected: BTreeMap<String, usize> = (0..=passed)
         .map(|i| (format!("{}@{}", record(i).1, i as i64 * STEP_MS), 1))
         .collect();
-    cluster.await_counts_at_least_once(&expected, Duration::from_secs(60));
-    let fired = tally(&cluster.read(&cluster.counts, usize::MAX, Duration::from_secs(2)));
-    let missing: Vec<_> = (expected.keys())
-        .filter(|timer| !fired.contains_key(*timer))
-        .take(10)
-        .collect();
-    assert!(
-        missing.is_empty(),
-        "{}",
-        summed_up(
-            &format!(
-                "timers that did not fire before their epoch committed: {missing:?} ({} fired)",
-                fired.len()
-            ),
-            &cluster.logs()
-        )
-    );
-    assert_eq!(
-        cluster.committed_input(),
-        committed,
-        "no epoch committed meanwhile"
-    );
+    cluster.check_written_before_commit("fired timers", &expected, committed);
     cluster.stop_all();
 }
 
