@@ -1373,8 +1373,9 @@ fn a_clustered_at_least_once_sink_writes_a_record_before_its_epoch_commits() {
     let total = 2_000;
     cluster.start(&["p0", "p1"], 0..total / 2, Duration::from_secs(90));
     // The start-up rebalances committed at their handovers; nothing commits
-    // again for five minutes.
+    // again until the next multiple of five minutes.
     std::thread::sleep(Duration::from_secs(2));
+    clear_of_the_next_tick(Duration::from_secs(300), Duration::from_secs(60));
     let committed = cluster.committed_input();
     produce(&bootstrap, &cluster.input, (total / 2..total).map(record));
     let (all, _) = reference_of((0..total).map(|i| (record(i).1, i as i64 * STEP_MS)));
@@ -1402,8 +1403,9 @@ fn timers_behind_a_repartition_fire_between_barriers() {
     }
     cluster.wait_for_shares(Duration::from_secs(90));
     // The start-up rebalances committed at their handovers; nothing commits
-    // again for five minutes.
+    // again until the next multiple of five minutes.
     std::thread::sleep(Duration::from_secs(2));
+    clear_of_the_next_tick(Duration::from_secs(300), Duration::from_secs(60));
     let committed = cluster.committed_input();
     let total = 600;
     produce(&bootstrap, &cluster.input, (0..total).map(record));
@@ -2550,6 +2552,20 @@ fn three_processes_on_a_replicated_kafka_count_each_record_once_through_a_broker
 /// lines still says what failed.
 fn summed_up(summary: &str, logs: &str) -> String {
     format!("{summary}\n{logs}\n=== {summary}")
+}
+
+/// Sleeps past the next tick of `batch` (clustered epochs end on its
+/// multiples since the Unix epoch) if it comes within `within`: a check that
+/// no epoch commits meanwhile then has that long.
+fn clear_of_the_next_tick(batch: Duration, within: Duration) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    let batch_ms = batch.as_millis();
+    let to_tick = Duration::from_millis((batch_ms - now.as_millis() % batch_ms) as u64);
+    if to_tick < within {
+        std::thread::sleep(to_tick + Duration::from_secs(2));
+    }
 }
 
 /// `output` holds every record of `expected` exactly once, and nothing else.

@@ -253,6 +253,7 @@ fn source_loop<T: Data>(
         // reader's offsets are exactly where the epoch ends.
         for epoch in env.barriers.iter().flat_map(|b| b.try_iter()) {
             let offsets = reader.offsets();
+            reader.on_barrier(epoch);
             // Before the barrier is acknowledged: a reader that cannot take
             // the handover fails the epoch, which then never commits.
             if let Some(reading) = &mut reading {

@@ -200,6 +200,11 @@ pub trait SourceReader<T>: Send {
     /// [`SourceContext::start_offsets`] on recovery.
     fn offsets(&self) -> Offsets;
 
+    /// The reader's source passed the barrier that ends epoch `epoch`,
+    /// right after its [`offsets`](Self::offsets) were taken: what it
+    /// reads from now on belongs to the next epoch.
+    fn on_barrier(&mut self, _epoch: Epoch) {}
+
     /// The process's partitions changed inside a run at the barrier just
     /// emitted ([`Handover`](crate::cluster::Handover)). A reader that
     /// cannot follow fails the run, which then restarts over the process's

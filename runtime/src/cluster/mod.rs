@@ -431,6 +431,12 @@ impl WritersProgress {
         }
     }
 
+    /// The latest epoch every writer ended, told of (or about to be, by the
+    /// writer whose report made it so).
+    pub fn told_through(&self) -> Option<Epoch> {
+        self.told_through
+    }
+
     /// Takes in the handovers at the barriers of epochs before `through`.
     fn apply_changes_before(&mut self, through: Epoch) {
         while let Some(entry) = self.changes.first_entry() {

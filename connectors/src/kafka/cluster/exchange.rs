@@ -21,14 +21,19 @@
 //! transaction among it, is passed over rather than read and rolled back on
 //! once more. A repartition of records that crossed one before is read
 //! `read_committed`, when its writers' epoch commits.
+//!
+//! At each batch tick a process's writers mark every partition after the
+//! epoch's records ([`Wire::Ticked`]); a reader that has not passed that
+//! tick holds the partition back from the mark on ([`Partition::held`]), so
+//! that its epoch takes no record of their next one.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
-use rdkafka::message::BorrowedMessage;
+use rdkafka::message::OwnedMessage;
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use rtflow_runtime::cluster::{
     late_across, CommitOrder, EventTimeAcross, Exchanged, UpstreamProgress, UpstreamWatermarks,
@@ -76,6 +81,42 @@ enum Wire {
     Passed(Vec<(u32, EventTime)>),
     /// Progress told between two barriers ([`WritersProgress::within`]).
     Within(UpstreamProgress),
+    /// The writers of one process passed the barrier of the batch tick at
+    /// this wall-clock millisecond, after every record of the epoch it
+    /// ended: what they write next belongs to the epoch after it. A reader
+    /// that has not passed that tick holds the partition back until it
+    /// does ([`Partition::held`]).
+    Ticked(i64),
+}
+
+/// The longest a reader holds a partition back for a batch tick it has not
+/// passed: a tick its coordinator skipped (a checkpoint still in flight)
+/// would otherwise hold it a batch duration, and at-least-once output with
+/// it. Let go sooner, the records fall in the reader's current epoch, as
+/// without holding.
+const HOLD_AT_MOST: Duration = Duration::from_millis(100);
+
+/// A partition held back for a batch tick ([`Partition::held`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Held {
+    tick: i64,
+    since: Instant,
+}
+
+/// The batch tick at or before `now` (since the Unix epoch), in
+/// milliseconds: where an epoch that ends now ends, for epochs that end on
+/// multiples of `batch`. Barriers of handovers and stops, between ticks,
+/// name the tick before them, which holds nothing back.
+fn tick_at(now: Duration, batch: Duration) -> i64 {
+    let batch = batch.as_millis().max(1);
+    (now.as_millis() / batch * batch) as i64
+}
+
+fn tick_now(batch: Duration) -> i64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    tick_at(now, batch)
 }
 
 fn encode(wire: &Wire) -> Vec<u8> {
@@ -220,6 +261,7 @@ impl Sink<Exchanged> for ExchangeSink {
             key_groups: self.settings.key_groups,
             subtask: ctx.subtask,
             epoch: ctx.first_epoch,
+            batch: self.settings.batch_duration,
             read_uncommitted: tier == Tier::Sourced,
             barrier: false,
             input: WriterInput::default(),
@@ -253,6 +295,8 @@ struct ExchangeWriter {
     subtask: usize,
     /// The epoch the writer's records belong to now.
     epoch: Epoch,
+    /// The query's batch duration: epochs end on its multiples.
+    batch: Duration,
     /// Whether the repartition is read before it commits: each frame goes
     /// out once the writer's input pauses.
     read_uncommitted: bool,
@@ -325,16 +369,22 @@ impl ExchangeWriter {
                     .passed(partition as u32, largest.saturating_sub(self.delay));
             }
         }
+        let told_through = told.progress.told_through();
         let word = if ended {
             told.progress.ended(self.subtask, self.input)
         } else {
             told.progress.reached(self.subtask, epoch, self.input)
         };
+        // The last writer to end the epoch marks where the next one's
+        // records begin, for readers late for the tick.
+        let ticked =
+            (!ended && self.read_uncommitted && told.progress.told_through() != told_through)
+                .then(|| Wire::Ticked(tick_now(self.batch)));
         let words = (!word.passed.is_empty())
             .then_some(Wire::Passed(word.passed))
             .into_iter()
             .chain(word.progress.into_iter().map(Wire::Progress));
-        for word in words {
+        for word in words.chain(ticked) {
             tell_every_partition(&mut told.staging, self.partitions, &word);
         }
         told.staging.end_epoch(epoch);
@@ -550,6 +600,8 @@ impl Source<Exchanged> for ExchangeSource {
             emitted: None,
             restored: true,
             idle: false,
+            batch: self.settings.batch_duration,
+            tick: tick_now(self.settings.batch_duration),
         };
         let partitions = (ctx.partitions.iter())
             .map(|number| {
@@ -578,6 +630,15 @@ struct Partition {
     read: i64,
     /// Aborted messages to pass over.
     skip: Option<Skip>,
+    /// The batch tick the partition waits for: a process's writers passed
+    /// it ([`Wire::Ticked`]) and the reader has not, so what follows may be
+    /// their next epoch's. Read now, it would belong to this epoch of the
+    /// reader, whose commit would then wait for theirs, a batch later.
+    /// Flink's aligned barriers hold an input channel back the same way.
+    held: Option<Held>,
+    /// What was read of the partition while held, to pass on in order once
+    /// the reader passed the tick.
+    pending: VecDeque<OwnedMessage>,
 }
 
 impl Partition {
@@ -614,7 +675,14 @@ impl Partition {
             from: position,
             read: 0,
             skip,
+            held: None,
+            pending: VecDeque::new(),
         }
+    }
+
+    /// Whether a message of the partition read now waits behind others.
+    fn holds(&self) -> bool {
+        self.held.is_some() || !self.pending.is_empty()
     }
 }
 
@@ -651,6 +719,10 @@ struct ExchangeReader {
     /// Whether the reader declared its lane idle: only one with no partition
     /// does.
     idle: bool,
+    /// The query's batch duration, and the batch tick the reader passed
+    /// last (its start's, before any).
+    batch: Duration,
+    tick: i64,
 }
 
 impl ExchangeReader {
@@ -793,6 +865,11 @@ impl ExchangeReader {
 }
 
 impl SourceReader<Exchanged> for ExchangeReader {
+    fn on_barrier(&mut self, _epoch: Epoch) {
+        self.tick = self.tick.max(tick_now(self.batch));
+        release(&mut self.partitions, self.tick, Instant::now());
+    }
+
     fn offsets(&self) -> Offsets {
         let mut offsets = Offsets::new();
         for partition in &self.partitions {
@@ -880,6 +957,11 @@ impl SourceReader<Exchanged> for ExchangeReader {
         if std::mem::take(&mut self.restored) {
             self.tell(out);
         }
+        release(&mut self.partitions, self.tick, Instant::now());
+        if pass_pending(&mut self.partitions, &self.source, out, self.tick)? {
+            self.tell(out);
+            return Ok(SourceStatus::Active);
+        }
         let mut waited = max_wait.is_zero();
         while out.remaining() > 0 {
             if let Some(catching_up) = &self.catching_up {
@@ -900,7 +982,11 @@ impl SourceReader<Exchanged> for ExchangeReader {
                 None if waited => break,
                 None => std::thread::park_timeout(max_wait),
                 Some(Ok(message)) => {
-                    if pass(&mut self.partitions, &self.source, &message, out)? {
+                    let held = (self.partitions.iter_mut())
+                        .find(|p| p.partition == message.partition() && p.holds());
+                    if let Some(partition) = held {
+                        partition.pending.push_back(message.detach());
+                    } else if pass(&mut self.partitions, &self.source, &message, out, self.tick)? {
                         // The poll ends here: what it tells travels after its
                         // records, and must precede the records of the epochs
                         // after it, as in one process.
@@ -917,6 +1003,42 @@ impl SourceReader<Exchanged> for ExchangeReader {
         }
         Ok(SourceStatus::Active)
     }
+}
+
+/// Lets go of the partitions held for a batch tick at or before `tick`, the
+/// reader's, now that it passed it, and of those held [`HOLD_AT_MOST`]
+/// before `now`.
+fn release(partitions: &mut [Partition], tick: i64, now: Instant) {
+    for partition in partitions {
+        if partition
+            .held
+            .is_some_and(|held| held.tick <= tick || now >= held.since + HOLD_AT_MOST)
+        {
+            partition.held = None;
+        }
+    }
+}
+
+/// Passes on what `partitions` no longer held read meanwhile, in order,
+/// until one is held again or `out` is full; whether it told of event time
+/// (the poll then ends, as for a message read now).
+fn pass_pending(
+    partitions: &mut [Partition],
+    source: &str,
+    out: &mut SourceOutput<Exchanged>,
+    tick: i64,
+) -> Result<bool> {
+    for index in 0..partitions.len() {
+        while out.remaining() > 0 && partitions[index].held.is_none() {
+            let Some(message) = partitions[index].pending.pop_front() else {
+                break;
+            };
+            if pass(partitions, source, &message, out, tick)? {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
 }
 
 /// What the catch-up reader read next.
@@ -941,8 +1063,10 @@ impl CatchUp {
             Some(Ok(message)) => {
                 let partition = message.partition();
                 match self.until.get(&partition) {
+                    // Below the last stable offset of its take-on: an
+                    // epoch that committed already, nothing to hold back.
                     Some(until) if message.offset() < *until => Ok(Step::Passed {
-                        told: pass(partitions, source, &message, out)?,
+                        told: pass(partitions, source, &message, out, i64::MAX)?,
                     }),
                     _ => Ok(Step::Reached(partition)),
                 }
@@ -966,12 +1090,14 @@ fn catch_up_not_ended(source: &str, error: KafkaError) -> RtflowError {
 }
 
 /// Passes `message`, a frame of one of `partitions`, on whole; whether it
-/// told of event time.
+/// told of event time. A word that its writers passed a batch tick after
+/// `tick`, the reader's, holds the partition back.
 fn pass(
     partitions: &mut [Partition],
     source: &str,
-    message: &BorrowedMessage<'_>,
+    message: &impl Message,
     out: &mut SourceOutput<Exchanged>,
+    tick: i64,
 ) -> Result<bool> {
     let Some(index) = partitions
         .iter()
@@ -1034,6 +1160,14 @@ fn pass(
             Wire::Within(progress) => {
                 partition.watermarks.update_within(&progress);
                 told = true;
+            }
+            Wire::Ticked(ticked) => {
+                if ticked > tick {
+                    partition.held = Some(Held {
+                        tick: ticked,
+                        since: Instant::now(),
+                    });
+                }
             }
         }
     }
@@ -1120,6 +1254,89 @@ mod tests {
         within.at -= WITHIN_EVERY;
         assert!(within.due(at(20)));
         assert!(!within.due(at(10)), "nothing moved since");
+    }
+
+    /// Message `offset` of partition 0 of `t`, holding `wires`.
+    fn message(offset: i64, wires: &[Wire]) -> OwnedMessage {
+        let mut frame = Vec::new();
+        for wire in wires {
+            frame.extend(encode(wire));
+        }
+        OwnedMessage::new(
+            Some(frame),
+            None,
+            "t".to_owned(),
+            rdkafka::Timestamp::NotAvailable,
+            0,
+            offset,
+            None,
+        )
+    }
+
+    #[test]
+    fn the_batch_tick_is_the_multiple_of_the_batch_at_or_before_now() {
+        let second = Duration::from_secs(1);
+        assert_eq!(tick_at(Duration::from_millis(12_345), second), 12_000);
+        assert_eq!(tick_at(Duration::from_millis(12_000), second), 12_000);
+        assert_eq!(tick_at(Duration::from_millis(99), Duration::ZERO), 99);
+    }
+
+    #[test]
+    fn a_partition_whose_writers_passed_a_later_tick_is_held_until_the_reader_passes_it() {
+        let mut partitions = [Partition::resumed("t", 0, &Offsets::new(), None)];
+        let mut out = SourceOutput::new(10);
+        let ticked = message(0, &[Wire::Ticked(2_000)]);
+        assert!(!pass(&mut partitions, "s", &ticked, &mut out, 2_000).unwrap());
+        assert_eq!(partitions[0].held, None, "the reader passed that tick");
+        let ticked = message(1, &[Wire::Ticked(3_000)]);
+        pass(&mut partitions, "s", &ticked, &mut out, 2_000).unwrap();
+        let since = partitions[0].held.expect("held").since;
+        assert_eq!(partitions[0].held.map(|held| held.tick), Some(3_000));
+        assert!(partitions[0].holds());
+        let next = [
+            message(2, &[record(1), record(2)]),
+            message(3, &[record(3)]),
+        ];
+        partitions[0].pending.extend(next);
+        assert!(!pass_pending(&mut partitions, "s", &mut out, 2_000).unwrap());
+        assert_eq!(out.remaining(), 10, "nothing passes while held");
+        assert_eq!(partitions[0].position, 2, "nor is read past the word");
+        release(&mut partitions, 2_999, since);
+        assert!(partitions[0].held.is_some(), "not there yet");
+        release(&mut partitions, 3_000, since);
+        assert!(!pass_pending(&mut partitions, "s", &mut out, 3_000).unwrap());
+        assert_eq!(out.remaining(), 7, "the held records pass in order");
+        assert_eq!(partitions[0].position, 4);
+        assert!(!partitions[0].holds());
+    }
+
+    #[test]
+    fn held_messages_pass_only_up_to_the_next_later_tick() {
+        let mut partitions = [Partition::resumed("t", 0, &Offsets::new(), None)];
+        let mut out = SourceOutput::new(10);
+        partitions[0].pending.extend([
+            message(5, &[record(1)]),
+            message(6, &[Wire::Ticked(4_000)]),
+            message(7, &[record(2)]),
+        ]);
+        pass_pending(&mut partitions, "s", &mut out, 3_000).unwrap();
+        assert_eq!(out.remaining(), 9);
+        let held = partitions[0].held.expect("held again");
+        assert_eq!(held.tick, 4_000);
+        assert_eq!(
+            partitions[0].pending.len(),
+            1,
+            "the record after the word waits"
+        );
+        release(&mut partitions, 3_000, held.since + HOLD_AT_MOST / 2);
+        assert!(partitions[0].held.is_some());
+        release(&mut partitions, 3_000, held.since + HOLD_AT_MOST);
+        assert!(
+            partitions[0].held.is_none(),
+            "a tick the reader's coordinator skips holds nothing for long"
+        );
+        pass_pending(&mut partitions, "s", &mut out, 3_000).unwrap();
+        assert_eq!(out.remaining(), 8);
     }
 
     #[test]
