@@ -2375,6 +2375,9 @@ fn kafka_sh_succeeds(bootstrap: &str, args: &[&str]) -> bool {
         .args(args)
         .env("RTFLOW_KAFKA_NODES", "3")
         .env("RTFLOW_KAFKA_PORT", port)
+        // A broker restarted beside the query's processes and the other
+        // tests took over 60 s to answer on a loaded CI machine.
+        .env("RTFLOW_KAFKA_START_TIMEOUT", "180")
         .stdout(Stdio::null())
         .status()
         .expect("scripts/kafka.sh runs")
