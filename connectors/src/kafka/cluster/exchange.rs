@@ -4,9 +4,10 @@
 //! [`ExchangeSink`] writes each record to the partition of its key group, and
 //! at each barrier tells every partition the watermark of the source
 //! partitions behind it; a repartition read before it commits is also told
-//! between barriers, as the watermark moves. Records travel in frames: a Kafka message holds the
-//! records a writer has for one partition, up to [`FRAME_RECORDS`], so that
-//! librdkafka and the broker handle a message per frame, not per record.
+//! between barriers, as the watermark moves. Records travel in frames: a
+//! Kafka message holds the records a writer has for one partition, up to
+//! [`FRAME_RECORDS`], so that librdkafka and the broker handle a message per
+//! frame, not per record.
 //! [`ExchangeSource`] reads the partitions the group assigned to the process
 //! and passes on the least watermark over all source partitions
 //! ([`UpstreamWatermarks`]).

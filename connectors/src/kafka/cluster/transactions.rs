@@ -15,11 +15,10 @@
 //! has one transaction at a time, so the first tier's epochs alternate
 //! between two ([`Lanes`]): the next epoch's batches wait only until every
 //! record of the last one is on the brokers and its offsets are accepted,
-//! not for its commit. Every
-//! batch is kept until its epoch commits, so that a transaction the brokers
-//! refused can be made again. Batches of small records are large: handed
-//! over every 256 records, a million waiting records went through 12%
-//! slower (docs/performance.md).
+//! not for its commit. Every batch is kept until its epoch commits, so that
+//! a transaction the brokers refused can be made again. Batches of small
+//! records are large: handed over every 256 records, a million waiting
+//! records went through 12% slower (docs/performance.md).
 //!
 //! A process has two transactions per epoch ([`Tiers`]): one for what it
 //! read from the source topics (their offsets, and what it wrote of those
@@ -103,9 +102,8 @@ impl Tiers {
     /// incarnation left open is aborted.
     pub(crate) fn open(settings: &ClusterSettings) -> Result<Self> {
         let lanes = |tier: Tier| -> Result<Lanes> {
-            let count = tier.lanes();
-            (0..count)
-                .map(|lane| Transactions::open(settings, tier, lane, count).map(Arc::new))
+            (0..tier.lanes())
+                .map(|lane| Transactions::open(settings, tier, lane).map(Arc::new))
                 .collect::<Result<_>>()
                 .map(Lanes)
         };
@@ -215,8 +213,13 @@ pub(crate) struct Lanes(Vec<Arc<Transactions>>);
 
 impl Lanes {
     fn of(&self, epoch: Epoch) -> &Arc<Transactions> {
-        &self.0[(epoch % self.0.len() as u64) as usize]
+        &self.0[lane_of(epoch, self.0.len())]
     }
+}
+
+/// The lane of `epoch` among `lanes`.
+fn lane_of(epoch: Epoch, lanes: usize) -> usize {
+    (epoch % lanes as u64) as usize
 }
 
 /// Records a writer staged for an epoch's transaction, and the topic of those
@@ -539,12 +542,7 @@ impl Transactions {
     /// The producer of the process's transactional id, initialised (an
     /// earlier incarnation's open transaction is aborted, and it can no
     /// longer commit), and its feeder.
-    pub(crate) fn open(
-        settings: &ClusterSettings,
-        tier: Tier,
-        lane: usize,
-        lanes: usize,
-    ) -> Result<Self> {
+    pub(crate) fn open(settings: &ClusterSettings, tier: Tier, lane: usize) -> Result<Self> {
         let name = format!(
             "kafka cluster {} ({tier:?} {lane})",
             settings.bootstrap_servers
@@ -561,7 +559,7 @@ impl Transactions {
         let producer = initialised(&config, settings.operation_timeout, &name)?;
         let inner = Arc::new(Inner {
             producer: Mutex::new(Arc::new(producer)),
-            feed: Mutex::new(Feed::new(lane, lanes)),
+            feed: Mutex::new(Feed::new(lane, tier.lanes())),
             changed: Condvar::new(),
             groups: Mutex::default(),
             config,
@@ -1004,7 +1002,7 @@ impl Staging {
             messages: std::mem::take(&mut self.buffer),
         };
         self.bytes = 0;
-        let (transactions, run) = &self.lanes[(epoch % self.lanes.len() as u64) as usize];
+        let (transactions, run) = &self.lanes[lane_of(epoch, self.lanes.len())];
         let (inner, run) = (&transactions.inner, *run);
         let mut feed = lock(&inner.feed);
         if feed.produce_now(run, epoch) {
