@@ -366,6 +366,10 @@ impl WritersProgress {
     /// told of yet): its word comes soon. How far each source partition went
     /// ([`passed`](Self::passed)) waits for the barrier.
     ///
+    /// `None` if the writer ended an epoch the others have not: its input is
+    /// not taken, and it must tell it again once the barrier's word is out
+    /// (its input may not move again, and every writer's is needed).
+    ///
     /// ```
     /// use rtflow_runtime::cluster::{WriterInput, WritersProgress};
     /// let at = |watermark| {
@@ -377,32 +381,33 @@ impl WritersProgress {
     /// writers.join(&[0, 1]);
     /// writers.reached(0, 7, at(10));
     /// writers.reached(1, 7, at(20));
-    /// assert!(writers.within(0, at(50)).is_empty(), "writer 1 has not told since epoch 7");
-    /// let told = writers.within(1, at(40));
+    /// assert_eq!(writers.within(0, at(50)), Some(vec![]), "writer 1 has not told since epoch 7");
+    /// let told = writers.within(1, at(40)).unwrap();
     /// assert_eq!((told[0].partitions.as_slice(), told[0].watermark), (&[0, 1][..], Some(40)));
-    /// assert_eq!(writers.within(1, at(60))[0].watermark, Some(50), "writer 0 holds the least");
-    /// assert!(writers.within(1, at(65)).is_empty(), "the least did not move");
+    /// assert_eq!(writers.within(1, at(60)).unwrap()[0].watermark, Some(50), "writer 0 holds the least");
+    /// assert_eq!(writers.within(1, at(65)), Some(vec![]), "the least did not move");
     /// writers.reached(0, 8, at(80));
-    /// assert!(writers.within(1, at(90)).is_empty(), "epoch 8's barrier is under way");
+    /// assert_eq!(writers.within(0, at(90)), None, "epoch 8's barrier is under way: tell again");
+    /// assert_eq!(writers.within(1, at(90)), Some(vec![]));
     /// ```
-    pub fn within(&mut self, writer: usize, input: WriterInput) -> Vec<UpstreamProgress> {
+    pub fn within(&mut self, writer: usize, input: WriterInput) -> Option<Vec<UpstreamProgress>> {
         let through = self.told_through;
         let told = &mut self.writers[writer];
         if told.ended != through {
-            return Vec::new();
+            return None;
         }
         (told.input, told.within) = (input, true);
         let every_one = (self.writers.iter())
             .all(|w| w.ended == Some(INPUT_ENDED) || (w.ended == through && w.within));
         if !every_one {
-            return Vec::new();
+            return Some(Vec::new());
         }
         if let Some(through) = through {
             // Every writer met the barrier of `through` and its handover:
             // its records come from the partitions after it.
             self.apply_changes_before(through + 1);
         }
-        self.progress()
+        Some(self.progress())
     }
 
     fn tell(&mut self) -> WritersWord {
@@ -1199,19 +1204,28 @@ mod tests {
         let mut writers = WritersProgress::new(2, 2);
         writers.join(&[0, 1]);
         assert!(
-            writers.within(0, input(Some(5), false)).is_empty(),
-            "nothing before the first barrier's word"
+            writers.within(0, input(Some(5), false)).unwrap().is_empty(),
+            "writer 1 has not told yet"
         );
         writers.reached(0, 1, input(Some(10), false));
         writers.reached(1, 1, input(Some(10), false));
-        assert!(writers.within(0, input(Some(10), false)).is_empty());
+        assert!(writers
+            .within(0, input(Some(10), false))
+            .unwrap()
+            .is_empty());
         assert!(
-            writers.within(1, input(Some(10), false)).is_empty(),
+            writers
+                .within(1, input(Some(10), false))
+                .unwrap()
+                .is_empty(),
             "the least did not move"
         );
-        assert_eq!(watermarks(&writers.within(0, input(Some(30), true))), []);
         assert_eq!(
-            watermarks(&writers.within(1, input(Some(20), true))),
+            watermarks(&writers.within(0, input(Some(30), true)).unwrap()),
+            []
+        );
+        assert_eq!(
+            watermarks(&writers.within(1, input(Some(20), true)).unwrap()),
             [Some(20), None],
             "all idle: the least watermark, then idleness"
         );
@@ -1219,12 +1233,12 @@ mod tests {
         let word = writers.reached(1, 2, input(Some(20), true));
         assert!(word.is_empty(), "told already between the barriers");
         assert_eq!(
-            watermarks(&writers.within(0, input(Some(40), false))),
+            watermarks(&writers.within(0, input(Some(40), false)).unwrap()),
             [],
             "writer 1 has not told since the barrier"
         );
         assert_eq!(
-            watermarks(&writers.within(1, input(None, true))),
+            watermarks(&writers.within(1, input(None, true)).unwrap()),
             [Some(40)],
             "active again"
         );
@@ -1234,19 +1248,38 @@ mod tests {
     fn in_the_runs_first_epoch_writers_tell_between_barriers_too() {
         let mut writers = WritersProgress::new(2, 2);
         writers.join(&[0, 1]);
-        assert!(writers.within(0, input(Some(5), false)).is_empty());
+        assert!(writers.within(0, input(Some(5), false)).unwrap().is_empty());
         assert_eq!(
-            watermarks(&writers.within(1, input(Some(8), false))),
+            watermarks(&writers.within(1, input(Some(8), false)).unwrap()),
             [Some(5)]
         );
         writers.reached(0, 1, input(Some(9), false));
         assert!(
-            writers.within(1, input(Some(9), false)).is_empty(),
+            writers.within(1, input(Some(9), false)).unwrap().is_empty(),
             "the first barrier is under way"
         );
         assert_eq!(
             watermarks(&writers.reached(1, 1, input(Some(9), false)).progress),
             [Some(9)]
+        );
+    }
+
+    /// A writer that told its input while its barrier was under way tells
+    /// it again after the barrier's word, even if it did not move: the word
+    /// between barriers needs every writer's, and one whose input stays put
+    /// would hold its process's watermarks back until the next barrier.
+    #[test]
+    fn a_writers_input_told_while_its_barrier_is_under_way_is_not_taken() {
+        let mut writers = WritersProgress::new(2, 2);
+        writers.join(&[0, 1]);
+        writers.reached(0, 1, input(Some(10), false));
+        assert_eq!(writers.within(0, input(Some(15), false)), None);
+        writers.reached(1, 1, input(Some(10), false));
+        assert_eq!(writers.within(1, input(Some(20), false)), Some(vec![]));
+        assert_eq!(
+            watermarks(&writers.within(0, input(Some(15), false)).unwrap()),
+            [Some(15)],
+            "told again, the same input"
         );
     }
 
@@ -1258,8 +1291,8 @@ mod tests {
         writers.hand_over(1, &[1], &[2], false);
         writers.reached(1, 1, input(Some(10), false));
         writers.hand_over(1, &[], &[3], false);
-        writers.within(0, input(Some(50), false));
-        let told = writers.within(1, input(Some(60), false));
+        writers.within(0, input(Some(50), false)).unwrap();
+        let told = writers.within(1, input(Some(60), false)).unwrap();
         assert_eq!(told[0].partitions, [0, 2, 3], "1 went, 2 and 3 came");
         assert_eq!(told[0].watermark, Some(50));
         writers.reached(0, 2, input(Some(50), false));
@@ -1275,13 +1308,13 @@ mod tests {
         writers.reached(0, 1, input(Some(90), false));
         writers.reached(1, 1, input(Some(90), false));
         writers.hand_over(1, &[], &[1], true);
-        writers.within(0, input(Some(20), false));
+        writers.within(0, input(Some(20), false)).unwrap();
         assert!(
-            writers.within(1, input(None, false)).is_empty(),
+            writers.within(1, input(None, false)).unwrap().is_empty(),
             "writer 1 has no watermark since it started over"
         );
         assert_eq!(
-            watermarks(&writers.within(1, input(Some(30), false))),
+            watermarks(&writers.within(1, input(Some(30), false)).unwrap()),
             [Some(20)],
             "told again from the writers' inputs after the adoption"
         );

@@ -398,14 +398,17 @@ impl ExchangeWriter {
         if !self.within.due(self.input) {
             return;
         }
+        let mut told = lock(&self.told);
+        let told = told.as_mut().expect("made with the first writer");
+        // Not taken while this writer's barrier is under way: still due.
+        let Some(progress) = told.progress.within(self.subtask, self.input) else {
+            return;
+        };
         self.within = Within {
             spoke: true,
             at: Instant::now(),
             input: self.input,
         };
-        let mut told = lock(&self.told);
-        let told = told.as_mut().expect("made with the first writer");
-        let progress = told.progress.within(self.subtask, self.input);
         if progress.is_empty() {
             return;
         }
