@@ -53,6 +53,8 @@ const CHILD_HOST: &str = "RTFLOW_CLUSTER_HOST";
 const CHILD_STOP_FAILPOINTS: &str = "RTFLOW_CLUSTER_STOP_FAILPOINTS";
 /// The children's batch duration in milliseconds, if not [`config`]'s.
 const CHILD_BATCH: &str = "RTFLOW_CLUSTER_BATCH_MS";
+/// The child's watermark interval in ms, if not the default.
+const CHILD_WATERMARK_INTERVAL: &str = "RTFLOW_CLUSTER_WATERMARK_INTERVAL_MS";
 
 const PARTITIONS: i32 = 6;
 const KEYS: usize = 10;
@@ -606,6 +608,12 @@ fn cluster_child() {
     {
         cluster = cluster.retry_timeout(Duration::from_millis(ms));
     }
+    if let Some(ms) = std::env::var(CHILD_WATERMARK_INTERVAL)
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+    {
+        cluster = cluster.watermark_interval(Duration::from_millis(ms));
+    }
     let mut config = config(&query);
     if let Ok(ms) = std::env::var(CHILD_BATCH) {
         config = config.trigger(Trigger::real_time(format!("{ms} milliseconds")));
@@ -713,6 +721,8 @@ struct Cluster {
     stop_failpoints: Option<String>,
     /// The children's batch duration, if not [`config`]'s.
     batch: Option<Duration>,
+    /// The children's watermark interval, if not the default.
+    watermark_interval: Option<Duration>,
 }
 
 impl Cluster {
@@ -740,6 +750,7 @@ impl Cluster {
             retry_timeout: None,
             stop_failpoints: None,
             batch: None,
+            watermark_interval: None,
         }
     }
 
@@ -832,6 +843,9 @@ impl Cluster {
         }
         if let Some(batch) = self.batch {
             child.env(CHILD_BATCH, batch.as_millis().to_string());
+        }
+        if let Some(interval) = self.watermark_interval {
+            child.env(CHILD_WATERMARK_INTERVAL, interval.as_millis().to_string());
         }
         let child = child
             .stdout(Stdio::null())
@@ -1416,6 +1430,36 @@ fn timers_behind_a_repartition_fire_between_barriers() {
         .map(|i| (format!("{}@{}", record(i).1, i as i64 * STEP_MS), 1))
         .collect();
     cluster.check_written_before_commit("fired timers", &expected, committed);
+    cluster.stop_all();
+}
+
+/// With a watermark interval of zero, event time crosses a repartition only
+/// at barriers: with a 5-minute batch, no timer fires behind it meanwhile.
+#[test]
+fn with_a_watermark_interval_of_zero_timers_behind_a_repartition_wait_for_the_barrier() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let mut cluster = Cluster::running(&bootstrap, "timers");
+    cluster.batch = Some(Duration::from_secs(300));
+    cluster.watermark_interval = Some(Duration::ZERO);
+    for instance in ["p0", "p1"] {
+        cluster.spawn(instance);
+    }
+    cluster.wait_for_shares(Duration::from_secs(90));
+    std::thread::sleep(Duration::from_secs(2));
+    clear_of_the_next_tick(Duration::from_secs(300), Duration::from_secs(30));
+    produce(&bootstrap, &cluster.input, (0..600).map(record));
+    // With the default interval every timer fires within a second or two
+    // (the test above).
+    std::thread::sleep(Duration::from_secs(10));
+    let fired = cluster.read(&cluster.counts, usize::MAX, Duration::from_secs(2));
+    assert!(
+        fired.is_empty(),
+        "{}",
+        summed_up(
+            &format!("{} timers fired between barriers", fired.len()),
+            &cluster.logs()
+        )
+    );
     cluster.stop_all();
 }
 

@@ -131,11 +131,6 @@ const FRAME_RECORDS: usize = 256;
 /// A frame that reached this size goes out whatever its records.
 const FRAME_BYTES: usize = 64 * 1024;
 
-/// How often at most a writer tells its input's watermark between barriers
-/// ([`WritersProgress::within`]), as Flink's `pipeline.auto-watermark-interval`
-/// paces watermarks: each word is a message to every partition.
-const WITHIN_EVERY: Duration = Duration::from_millis(50);
-
 /// The records a writer has for one partition: their encodings one after
 /// the other, a message's value. A message of one record, as writers before
 /// frames wrote, is a frame of one; a word of the writers' progress travels
@@ -266,11 +261,12 @@ impl Sink<Exchanged> for ExchangeSink {
             read_uncommitted: tier == Tier::Sourced,
             barrier: false,
             input: WriterInput::default(),
-            within: Within {
+            within: self.settings.watermark_interval.map(|every| Within {
+                every,
                 spoke: false,
                 at: Instant::now(),
                 input: WriterInput::default(),
-            },
+            }),
             told: self.told.clone(),
             reaching: ctx.source_partitions.clone(),
             passed: match ctx.watermark_delay {
@@ -305,7 +301,9 @@ struct ExchangeWriter {
     /// not end the input.
     barrier: bool,
     input: WriterInput,
-    within: Within,
+    /// What it told between barriers; `None` if it tells only at barriers
+    /// (`KafkaCluster::watermark_interval` zero).
+    within: Option<Within>,
     told: Arc<Mutex<Option<Told>>>,
     /// The source partitions whose records reach the writer.
     reaching: Vec<u32>,
@@ -316,8 +314,11 @@ struct ExchangeWriter {
     delay: EventTime,
 }
 
-/// What a writer told of its input between barriers.
+/// What a writer told of its input between barriers
+/// ([`WritersProgress::within`]).
 struct Within {
+    /// How often at most: each word is a message to every partition.
+    every: Duration,
     /// Whether it told since the last barrier.
     spoke: bool,
     at: Instant,
@@ -326,10 +327,13 @@ struct Within {
 
 impl Within {
     /// Whether to tell `input` now: once after each barrier, so that the
-    /// writers' word can form, then as it moves, at most every
-    /// [`WITHIN_EVERY`].
+    /// writers' word can form, then as it moves, at most every `every`.
     fn due(&self, input: WriterInput) -> bool {
-        !self.spoke || (input != self.input && self.at.elapsed() >= WITHIN_EVERY)
+        !self.spoke || (input != self.input && self.at.elapsed() >= self.every)
+    }
+
+    fn spoke(&mut self, input: WriterInput) {
+        (self.spoke, self.at, self.input) = (true, Instant::now(), input);
     }
 }
 
@@ -395,20 +399,16 @@ impl ExchangeWriter {
     /// between barriers, if this writer's turn to speak came
     /// ([`Within::due`]): after the records it handed over.
     fn report_within(&mut self) {
-        if !self.within.due(self.input) {
+        let Some(within) = self.within.as_mut().filter(|w| w.due(self.input)) else {
             return;
-        }
+        };
         let mut told = lock(&self.told);
         let told = told.as_mut().expect("made with the first writer");
         // Not taken while this writer's barrier is under way: still due.
         let Some(progress) = told.progress.within(self.subtask, self.input) else {
             return;
         };
-        self.within = Within {
-            spoke: true,
-            at: Instant::now(),
-            input: self.input,
-        };
+        within.spoke(self.input);
         if progress.is_empty() {
             return;
         }
@@ -470,7 +470,9 @@ impl SinkWriter<Exchanged> for ExchangeWriter {
         self.flush();
         self.staging.end_epoch(epoch);
         self.report(epoch, false);
-        self.within.spoke = false;
+        if let Some(within) = &mut self.within {
+            within.spoke = false;
+        }
         self.epoch = epoch + 1;
         self.barrier = true;
         Ok(())
@@ -1247,15 +1249,16 @@ mod tests {
             input
         };
         let mut within = Within {
+            every: Duration::from_millis(50),
             spoke: false,
             at: Instant::now(),
             input: at(10),
         };
         assert!(within.due(at(10)), "not told since the barrier");
-        within.spoke = true;
+        within.spoke(at(10));
         assert!(!within.due(at(10)), "nothing moved");
-        assert!(!within.due(at(20)), "told less than WITHIN_EVERY ago");
-        within.at -= WITHIN_EVERY;
+        assert!(!within.due(at(20)), "told less than 50 ms ago");
+        within.at -= within.every;
         assert!(within.due(at(20)));
         assert!(!within.due(at(10)), "nothing moved since");
     }

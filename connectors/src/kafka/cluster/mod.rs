@@ -148,6 +148,7 @@ pub struct KafkaCluster {
     standby_replicas: usize,
     static_membership: bool,
     rack: Option<String>,
+    watermark_interval: Duration,
     options: Options,
 }
 
@@ -164,6 +165,7 @@ impl KafkaCluster {
             standby_replicas: 0,
             static_membership: true,
             rack: None,
+            watermark_interval: Duration::from_millis(50),
             options: Options::default(),
         }
     }
@@ -323,6 +325,31 @@ impl KafkaCluster {
         self
     }
 
+    /// How often at most the writers of a repartition tell its readers how
+    /// far event time went between two barriers; 50 ms by default (as
+    /// Flink's `pipeline.auto-watermark-interval`, 200 ms there). Windows
+    /// and timers after a repartition fire within about this of the event
+    /// time passing them, whatever the batch duration. Each time, every
+    /// process tells every repartition partition: one small message each.
+    ///
+    /// Zero tells nothing between barriers: event time crosses a
+    /// repartition once per batch, at each barrier, as the records'
+    /// offsets commit.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use rtflow_connectors::kafka::KafkaCluster;
+    /// use rtflow_runtime::QueryConfig;
+    /// let query = KafkaCluster::new("127.0.0.1:9092")
+    ///     .watermark_interval(Duration::from_millis(200))
+    ///     .start(QueryConfig::new("clicks-per-user"), |flow| Ok(()))?;
+    /// # Ok::<(), rtflow_runtime::RtflowError>(())
+    /// ```
+    pub fn watermark_interval(mut self, interval: Duration) -> Self {
+        self.watermark_interval = interval;
+        self
+    }
+
     /// Sets a librdkafka setting for every client of the cluster:
     /// `.option("kafka.<key>", value)`.
     pub fn option(mut self, key: &str, value: impl ToString) -> Self {
@@ -376,6 +403,8 @@ impl KafkaCluster {
             key_groups: config.max_key_groups,
             session_timeout: self.session_timeout,
             batch_duration,
+            watermark_interval: (!self.watermark_interval.is_zero())
+                .then_some(self.watermark_interval),
             transaction_timeout: (batch_duration * 3).max(Duration::from_secs(10)),
             operation_timeout: Duration::from_secs(30),
             restore_timeout: self.restore_timeout,
@@ -412,6 +441,9 @@ pub(crate) struct ClusterSettings {
     pub(crate) session_timeout: Duration,
     /// The trigger's batch duration: how far apart each process commits.
     pub(crate) batch_duration: Duration,
+    /// How often at most writers tell event time between barriers; `None`:
+    /// only at barriers.
+    pub(crate) watermark_interval: Option<Duration>,
     pub(crate) transaction_timeout: Duration,
     pub(crate) operation_timeout: Duration,
     pub(crate) restore_timeout: Duration,
@@ -441,6 +473,7 @@ impl ClusterSettings {
             key_groups: 8,
             session_timeout: Duration::from_secs(6),
             batch_duration: Duration::from_secs(1),
+            watermark_interval: Some(Duration::from_millis(50)),
             transaction_timeout: Duration::from_secs(10),
             operation_timeout: Duration::from_secs(30),
             restore_timeout: Duration::from_secs(300),
