@@ -1053,6 +1053,12 @@ fn producer_config(settings: &ClusterSettings, transactional_id: &str) -> Client
             settings.transaction_timeout.as_millis().to_string(),
         )
         .set("linger.ms", "5")
+        // As the sink's producers: one request in flight batches what comes
+        // meanwhile. With librdkafka's 5, a cluster of one process at
+        // 10,000 records/s (at least once, batch 5 min) gave p50 24-37 ms
+        // against 19-27 with one, in four pairs run in turn; throughput the
+        // same (benches/cluster_throughput, 2026-12-07).
+        .set("max.in.flight.requests.per.connection", "1")
         // As the sink's producers: only failures need a report.
         .set("delivery.report.only.error", "true");
     config
