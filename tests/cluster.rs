@@ -1044,6 +1044,17 @@ impl Cluster {
         self.log(instance).contains("belong to one that aborted")
     }
 
+    /// How many times `instance` restarted a run that rolled back past
+    /// records of a transaction that aborted.
+    fn rollback_restarts(&self, instance: &str) -> u64 {
+        (self.log(instance).lines())
+            .filter(|line| {
+                line.contains("restarting from the last commit")
+                    && line.contains("belong to one that aborted")
+            })
+            .count() as u64
+    }
+
     /// How many of `instance`'s commits the `checkpoint-commit` failpoint
     /// refused.
     fn refusals(&self, instance: &str) -> usize {
@@ -1980,10 +1991,12 @@ fn leave_a_transaction_open(bootstrap: &str, topic: &str) -> BaseProducer {
 
 /// A process SIGKILLed and restarted under its name before its session
 /// times out rejoins the groups as the static member it was: it takes back
-/// the partitions it had, the others run on without a rebalance (not one
-/// run restarted), and every count comes out once. The session timeout is
-/// five minutes: a restart the groups took for a newcomer would wait that
-/// long for the dead incarnation to time out before it got any partition.
+/// the partitions it had, the others run on without a rebalance (their
+/// shares unchanged, and no run restarted but to roll back past what they
+/// read of the dead process's aborted transaction), and every count comes
+/// out once. The session timeout is five minutes: a restart the groups took
+/// for a newcomer would wait that long for the dead incarnation to time out
+/// before it got any partition.
 #[test]
 fn a_process_restarted_under_its_name_takes_its_partitions_back_without_a_rebalance() {
     let Some(bootstrap) = bootstrap() else { return };
@@ -1994,6 +2007,7 @@ fn a_process_restarted_under_its_name_takes_its_partitions_back_without_a_rebala
     let everyone = ["p0", "p1", "p2"];
     cluster.start(&everyone, 0..half, Duration::from_secs(90));
     let before = cluster.settled(&everyone, Duration::from_secs(3), Duration::from_secs(60));
+    let rollbacks_before = ["p0", "p2"].map(|instance| cluster.rollback_restarts(instance));
     cluster.kill("p1");
     produce(&bootstrap, &cluster.input, (half..total).map(record));
     cluster.spawn("p1");
@@ -2009,11 +2023,21 @@ fn a_process_restarted_under_its_name_takes_its_partitions_back_without_a_rebala
         "the output stalled after p1's restart:\n{}",
         cluster.logs()
     );
-    for instance in ["p0", "p2"] {
+    for (instance, rollbacks_before) in ["p0", "p2"].into_iter().zip(rollbacks_before) {
+        let (runs, share) = cluster.status(instance);
         assert_eq!(
-            cluster.status(instance),
-            before[instance],
-            "{instance} restarted its run or changed its share:\n{}",
+            share,
+            before[instance].1,
+            "{instance} changed its share:\n{}",
+            cluster.logs()
+        );
+        // The dead process's open transaction aborted: a reader of its
+        // repartition records (or of its mark of a batch tick) rolls back.
+        let rollbacks = cluster.rollback_restarts(instance) - rollbacks_before;
+        assert!(
+            runs <= before[instance].0 + rollbacks,
+            "{instance} restarted its run {} times, {rollbacks} of them to roll back:\n{}",
+            runs - before[instance].0,
             cluster.logs()
         );
     }
