@@ -50,7 +50,7 @@ use serde::{Deserialize, Serialize};
 
 use super::link::TopicPartition;
 use super::transactions::{Staging, Tier, Tiers};
-use super::upstream::{new_lineage, Skip, Upstream, READ_MARK};
+use super::upstream::{counted, new_lineage, Skip, Upstream, READ_MARK, UNCOUNTED};
 use super::{lock, ClusterSettings, WATERMARK_MARK};
 use crate::kafka::closing::ClosingConsumer;
 use crate::kafka::producer::KafkaMessage;
@@ -337,16 +337,21 @@ impl Within {
     }
 }
 
-/// Stages `word` for every one of `partitions` partitions.
+/// Stages `word` for every one of `partitions` partitions; a mark of a
+/// batch tick as a message that commits' checks do not count.
 fn tell_every_partition(staging: &mut Staging, partitions: u32, word: &Wire) {
     let value = encode(word);
+    let headers = match word {
+        Wire::Ticked(_) => vec![(UNCOUNTED.to_owned(), Vec::new().into())],
+        _ => Vec::new(),
+    };
     for partition in 0..partitions {
         staging.push(KafkaMessage {
             topic: None,
             partition: Some(partition as i32),
             key: None,
             value: Some(value.clone().into()),
-            headers: Vec::new(),
+            headers: headers.clone(),
         });
     }
 }
@@ -1122,7 +1127,9 @@ fn pass(
             return Ok(false);
         }
     }
-    partition.read += 1;
+    if counted(message) {
+        partition.read += 1;
+    }
     let mut told = false;
     // A frame passes on whole: the checkpoint's offset is the next frame's.
     for wire in decode_frame(message.payload().unwrap_or_default()) {
@@ -1182,6 +1189,8 @@ fn pass(
 
 #[cfg(test)]
 mod tests {
+    use rdkafka::message::{Header, OwnedHeaders};
+
     use super::*;
 
     fn record(i: usize) -> Wire {
@@ -1286,6 +1295,27 @@ mod tests {
         assert_eq!(tick_at(Duration::from_millis(12_345), second), 12_000);
         assert_eq!(tick_at(Duration::from_millis(12_000), second), 12_000);
         assert_eq!(tick_at(Duration::from_millis(99), Duration::ZERO), 99);
+    }
+
+    /// A mark of a batch tick carries the header that leaves it out of a
+    /// commit's check: what a reader read of it counts only its other
+    /// messages, as the check's `read_committed` count does.
+    #[test]
+    fn a_reader_counts_what_it_read_but_the_marks_of_batch_ticks() {
+        let mut partitions = [Partition::resumed("t", 0, &Offsets::new(), None)];
+        let mut out = SourceOutput::new(10);
+        let marked = OwnedHeaders::new().insert(Header {
+            key: UNCOUNTED,
+            value: Some(&[][..]),
+        });
+        let ticked = message(0, &[Wire::Ticked(2_000)]).replace_headers(Some(marked));
+        assert!(!counted(&ticked));
+        pass(&mut partitions, "s", &ticked, &mut out, 2_000).unwrap();
+        assert_eq!((partitions[0].read, partitions[0].position), (0, 1));
+        let records = message(1, &[record(1)]);
+        assert!(counted(&records));
+        pass(&mut partitions, "s", &records, &mut out, 2_000).unwrap();
+        assert_eq!((partitions[0].read, partitions[0].position), (1, 2));
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //! the keyed state they fed, commits only once every message they read has
 //! ended committed ([`Upstream::verify`]): it waits until each partition's last
 //! stable offset passes what was read, reads the same range `read_committed`,
-//! and compares counts. A shortfall fails the commit: the run rolls back to its
+//! and compares counts of the messages that count ([`counted`]: all but the
+//! marks of batch ticks). A shortfall fails the commit: the run rolls back to its
 //! last commit, as a restart does, and its readers skip the aborted messages
 //! the check found ([`Skip`]), as a `read_committed` reader would; below the
 //! last stable offset when they start ([`Upstream::stable_offsets`]) they
@@ -30,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
+use rdkafka::message::Headers;
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use rtflow_runtime::{Result, RtflowError};
@@ -41,6 +43,19 @@ use crate::kafka::closing::ClosingConsumer;
 /// Separates a partition's offset label from what its reader tells of its
 /// reads (`<label>#lineage`, `#from`, `#read`).
 pub(crate) const READ_MARK: char = '#';
+
+/// The header of a message that the check of a commit does not count: a
+/// writer's mark of a batch tick, which decides how long a reader holds a
+/// partition back and nothing else. Each barrier writes one to every
+/// partition, so an idle process's transaction holds messages too; a reader
+/// that read only such marks of one that aborted needs no rollback.
+pub(crate) const UNCOUNTED: &str = "rtflow-uncounted";
+
+/// Whether `message` counts toward what a reader read and what committed.
+pub(crate) fn counted(message: &impl Message) -> bool {
+    (message.headers())
+        .is_none_or(|headers| !(0..headers.count()).any(|i| headers.get(i).key == UNCOUNTED))
+}
 
 /// The longest pause between two looks at a partition's last stable offset.
 const STABLE_ASK_EVERY: Duration = Duration::from_millis(5);
@@ -402,10 +417,10 @@ impl Upstream {
                     if let (Some(count), Some(until)) =
                         (counts.get_mut(&partition), until.get(&partition))
                     {
-                        if message.offset() < *until {
-                            count.committed.insert(message.offset());
-                        } else {
+                        if message.offset() >= *until {
                             count.ended = true;
+                        } else if counted(&message) {
+                            count.committed.insert(message.offset());
                         }
                     }
                 }
