@@ -56,6 +56,10 @@ const CHILD_BATCH: &str = "RTFLOW_CLUSTER_BATCH_MS";
 /// The child's watermark interval in ms, if not the default.
 const CHILD_WATERMARK_INTERVAL: &str = "RTFLOW_CLUSTER_WATERMARK_INTERVAL_MS";
 
+/// What a process's log says when it rolls back past what it read of a
+/// transaction that aborted.
+const ROLLED_BACK: &str = "belong to one that aborted";
+
 const PARTITIONS: i32 = 6;
 const KEYS: usize = 10;
 /// Event time advances 10 ms per record.
@@ -1041,7 +1045,7 @@ impl Cluster {
     /// Whether `instance` rolled a run back past records of a transaction
     /// that aborted.
     fn rolled_back(&self, instance: &str) -> bool {
-        self.log(instance).contains("belong to one that aborted")
+        self.log(instance).contains(ROLLED_BACK)
     }
 
     /// How many times `instance` restarted a run that rolled back past
@@ -1049,8 +1053,7 @@ impl Cluster {
     fn rollback_restarts(&self, instance: &str) -> u64 {
         (self.log(instance).lines())
             .filter(|line| {
-                line.contains("restarting from the last commit")
-                    && line.contains("belong to one that aborted")
+                line.contains("restarting from the last commit") && line.contains(ROLLED_BACK)
             })
             .count() as u64
     }
@@ -2031,8 +2034,8 @@ fn a_process_restarted_under_its_name_takes_its_partitions_back_without_a_rebala
             "{instance} changed its share:\n{}",
             cluster.logs()
         );
-        // The dead process's open transaction aborted: a reader of its
-        // repartition records (or of its mark of a batch tick) rolls back.
+        // The dead process's open transaction aborted: a reader of what it
+        // wrote there (records, or a word of event time) rolls back.
         let rollbacks = cluster.rollback_restarts(instance) - rollbacks_before;
         assert!(
             runs <= before[instance].0 + rollbacks,

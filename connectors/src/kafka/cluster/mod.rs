@@ -108,6 +108,10 @@ fn coordinator_moving(error: &KafkaError) -> bool {
     )
 }
 
+/// How often at most the writers of a repartition tell event time between
+/// barriers, unless told otherwise ([`KafkaCluster::watermark_interval`]).
+const DEFAULT_WATERMARK_INTERVAL: Duration = Duration::from_millis(50);
+
 /// Runs a query in several processes that share it through a Kafka cluster.
 ///
 /// Any dataflow that runs in one process runs here, with `repartition_by`
@@ -165,7 +169,7 @@ impl KafkaCluster {
             standby_replicas: 0,
             static_membership: true,
             rack: None,
-            watermark_interval: Duration::from_millis(50),
+            watermark_interval: DEFAULT_WATERMARK_INTERVAL,
             options: Options::default(),
         }
     }
@@ -473,7 +477,7 @@ impl ClusterSettings {
             key_groups: 8,
             session_timeout: Duration::from_secs(6),
             batch_duration: Duration::from_secs(1),
-            watermark_interval: Some(Duration::from_millis(50)),
+            watermark_interval: Some(DEFAULT_WATERMARK_INTERVAL),
             transaction_timeout: Duration::from_secs(10),
             operation_timeout: Duration::from_secs(30),
             restore_timeout: Duration::from_secs(300),

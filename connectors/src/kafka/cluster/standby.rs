@@ -441,7 +441,7 @@ mod tests {
             key_groups: 2,
             session_timeout: Duration::from_secs(6),
             batch_duration: Duration::from_secs(1),
-            watermark_interval: Some(Duration::from_millis(50)),
+            watermark_interval: Some(super::super::DEFAULT_WATERMARK_INTERVAL),
             transaction_timeout: Duration::from_secs(10),
             operation_timeout: Duration::from_secs(30),
             restore_timeout: Duration::from_secs(300),

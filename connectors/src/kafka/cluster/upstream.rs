@@ -12,8 +12,8 @@
 //! ended committed ([`Upstream::verify`]): it waits until each partition's last
 //! stable offset passes what was read, reads the same range `read_committed`,
 //! and compares counts of the messages that count ([`counted`]: all but the
-//! marks of batch ticks). A shortfall fails the commit: the run rolls back to its
-//! last commit, as a restart does, and its readers skip the aborted messages
+//! marks of batch ticks). A shortfall fails the commit: the run rolls back to
+//! its last commit, as a restart does, and its readers skip the aborted messages
 //! the check found ([`Skip`]), as a `read_committed` reader would; below the
 //! last stable offset when they start ([`Upstream::stable_offsets`]) they
 //! read `read_committed` (`exchange`).
