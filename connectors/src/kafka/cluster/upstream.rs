@@ -33,7 +33,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::Headers;
 use rdkafka::types::RDKafkaErrorCode;
-use rdkafka::{Message, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use rtflow_runtime::{Result, RtflowError};
 
 use super::link::{EndsExpected, TopicPartition};
@@ -321,17 +321,24 @@ impl Upstream {
     /// likely reads again). A commit that comes before it is ready makes
     /// its own.
     fn prepare_next_counter(&self, checks: &[(TopicPartition, Check)]) {
-        let (settings, slot) = (self.settings.clone(), self.next_counter.clone());
+        // The thread keeps only what it needs: the settings would keep the
+        // process's changelog copies open past the query's end, and a query
+        // started again in the process could not open them.
+        let (config, timeout) = (
+            checker_config(&self.settings),
+            self.settings.operation_timeout,
+        );
+        let slot = self.next_counter.clone();
         let mut partitions = TopicPartitionList::new();
         for (partition, _) in checks {
             let _ = partitions.add_partition_offset(&partition.0, partition.1, Offset::End);
         }
         let prepare = move || {
-            let Ok(consumer) = checker(&settings) else {
+            let Ok(consumer) = checker_of(&config) else {
                 return;
             };
             // Any answer will do: asking connects.
-            let _ = consumer.offsets_for_times(partitions, settings.operation_timeout);
+            let _ = consumer.offsets_for_times(partitions, timeout);
             *lock(&slot) = Some(consumer);
         };
         let _ = std::thread::Builder::new()
@@ -443,13 +450,22 @@ impl Upstream {
 fn checker(
     settings: &ClusterSettings,
 ) -> std::result::Result<ClosingConsumer<EndsExpected>, String> {
-    let consumer: BaseConsumer<EndsExpected> = settings
-        .committed_reader(&settings.group())
+    checker_of(&checker_config(settings))
+}
+
+fn checker_config(settings: &ClusterSettings) -> ClientConfig {
+    let mut config = settings.committed_reader(&settings.group());
+    config
         .set("enable.partition.eof", "true")
         // A partition's end of file comes with a fetch that found nothing,
         // which the broker holds this long: the check, and so exactly-once
         // output, waits for it at every commit.
-        .set("fetch.wait.max.ms", "1")
+        .set("fetch.wait.max.ms", "1");
+    config
+}
+
+fn checker_of(config: &ClientConfig) -> std::result::Result<ClosingConsumer<EndsExpected>, String> {
+    let consumer: BaseConsumer<EndsExpected> = config
         .create_with_context(EndsExpected)
         .map_err(|e| format!("could not create a consumer: {e}"))?;
     Ok(ClosingConsumer::new(consumer))
