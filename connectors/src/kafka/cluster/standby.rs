@@ -434,21 +434,11 @@ mod tests {
         let settings = Arc::new(ClusterSettings {
             query: unique,
             bootstrap_servers: bootstrap.clone(),
-            instance: "a".into(),
-            static_member: false,
-            rack: None,
             repartition_partitions: 2,
             key_groups: 2,
-            session_timeout: Duration::from_secs(6),
-            batch_duration: Duration::from_secs(1),
-            watermark_interval: Some(super::super::DEFAULT_WATERMARK_INTERVAL),
-            transaction_timeout: Duration::from_secs(10),
-            operation_timeout: Duration::from_secs(30),
-            restore_timeout: Duration::from_secs(300),
-            retry_timeout: Duration::from_secs(300),
             standby_replicas: 1,
             copies: Some(LocalCopies::open(&dir).unwrap()),
-            options: Options::default(),
+            ..ClusterSettings::for_tests(Options::default())
         });
         let changelog = settings.changelog_topic();
         KafkaAdmin::new(&bootstrap)
